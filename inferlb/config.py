@@ -1,0 +1,434 @@
+"""The inferlb config file: one YAML document, validated with pydantic v2.
+
+Shape (see README "Config reference" and ``examples/local.yaml``)::
+
+    gateway:    {listen, admin, max_request_body_bytes, ...}   # the Envoy side
+    xds:        {listen, push_debounce_ms}                    # our xDS server
+    ext_proc:   {listen, message_timeout_ms, failure_mode_allow}
+    gpu_profiles: {H100: {relative_capacity: 3.4, ...}, ...}
+    models:     [{name, aliases, context_length, versions: [{name, traffic_percent}], cluster: {...}}]
+    endpoints:  [{address, model, version, gpu, region, zone, simulated}]
+    tenants:    [{name, api_keys, priority, requests_per_minute, tokens_per_minute}]
+
+Everything is frozen after validation; a new file gives a new :class:`Config`. Errors are raised as
+:class:`inferlb.errors.ConfigError`, each naming the dotted field path and the source file.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import re
+from collections.abc import Mapping
+from enum import StrEnum
+from pathlib import Path
+from typing import Annotated, Any, Literal, Self
+
+import yaml
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+
+from inferlb.errors import ConfigError
+
+#: Relative throughput of common data-centre GPUs for LLM serving, V100 = 1.0.
+#: A100 = 1.7 x V100 and H100 = 2.0 x A100 are the figures the project's brief takes from the field:
+#: NVIDIA's A100 whitepaper (2020) gives ~1.7x V100 on BERT-large inference at equal precision, and
+#: MLPerf Inference v3.0 (2023) Llama/GPT-J rows put H100 SXM at ~2x A100. L4 and A10G are ~0.7-0.8 x V100
+#: on 7-8B decode (memory-bandwidth bound: 300 and 600 GB/s vs V100's 900 GB/s).
+DEFAULT_GPU_CAPACITY: Mapping[str, float] = {
+    "V100": 1.0,
+    "A10G": 0.8,
+    "L4": 0.7,
+    "A100": 1.7,
+    "H100": 3.4,
+}
+
+_HOSTPORT = re.compile(r"^(?P<host>\[[0-9a-fA-F:]+\]|[A-Za-z0-9_.-]+):(?P<port>\d{1,5})$")
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid", str_strip_whitespace=True)
+
+
+class HostPort(_Frozen):
+    """A ``host:port`` socket address. IPv6 hosts are written in brackets (``[::1]:8000``)."""
+
+    host: str
+    port: Annotated[int, Field(ge=1, le=65535)]
+
+    @model_validator(mode="before")
+    @classmethod
+    def _parse(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            m = _HOSTPORT.match(value.strip())
+            if not m:
+                raise ValueError(f"expected 'host:port', got {value!r}")
+            return {"host": m["host"].strip("[]"), "port": int(m["port"])}
+        return value
+
+    def __str__(self) -> str:
+        return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
+
+    @property
+    def is_ip(self) -> bool:
+        """True when ``host`` is an IP literal (Envoy STATIC endpoints need one; names need STRICT_DNS)."""
+        try:
+            ipaddress.ip_address(self.host)
+        except ValueError:
+            return False
+        return True
+
+
+class Priority(StrEnum):
+    """Tenant priority. ``high`` rides Envoy's HIGH routing priority (its own circuit-breaker budget);
+    ``default`` and ``low`` ride DEFAULT, and ``low`` is shed first under saturation."""
+
+    HIGH = "high"
+    DEFAULT = "default"
+    LOW = "low"
+
+
+class GatewayConfig(_Frozen):
+    """The Envoy side: the listener clients call and the admin interface."""
+
+    listen: HostPort = HostPort(host="127.0.0.1", port=10000)
+    admin: HostPort = HostPort(host="127.0.0.1", port=9901)
+    #: Request bodies above this get 413 from Envoy's buffer limit, before ext_proc sees them (bytes).
+    max_request_body_bytes: Annotated[int, Field(ge=1024, le=64 * 1024 * 1024)] = 4 * 1024 * 1024
+    #: Envoy route timeout for one inference request (ms); 0 disables it (long generations).
+    request_timeout_ms: Annotated[int, Field(ge=0)] = 300_000
+    #: Retries Envoy makes on connect-failure/refused-stream/reset/503 to another host (previous_hosts).
+    num_retries: Annotated[int, Field(ge=0, le=10)] = 2
+    #: Envoy worker threads (``--concurrency``); 0 lets Envoy use one per core.
+    concurrency: Annotated[int, Field(ge=0, le=256)] = 2
+    #: Envoy node cluster name the xDS server groups snapshots by.
+    node_cluster: str = "inferlb-gateway"
+
+
+class XdsConfig(_Frozen):
+    """Our xDS control server."""
+
+    listen: HostPort = HostPort(host="127.0.0.1", port=18000)
+    #: Changes within this window are coalesced into one push (ms).
+    push_debounce_ms: Annotated[int, Field(ge=0, le=60_000)] = 100
+
+
+class ExtProcConfig(_Frozen):
+    """Our ext_proc service and how Envoy calls it."""
+
+    listen: HostPort = HostPort(host="127.0.0.1", port=18080)
+    #: Envoy ``message_timeout`` per ext_proc message (ms). Envoy's 200 ms default breaks big bodies.
+    message_timeout_ms: Annotated[int, Field(ge=10, le=60_000)] = 5_000
+    #: Envoy ``failure_mode_allow``: on an ext_proc failure, forward unprocessed (True) or answer 5xx (False).
+    failure_mode_allow: bool = False
+
+
+class GpuProfile(_Frozen):
+    """One GPU type. ``relative_capacity`` is its LLM serving throughput relative to a V100 (= 1.0);
+    the endpoint weight Envoy receives is proportional to it (see :func:`inferlb.fleet.capacity_weight`)."""
+
+    relative_capacity: Annotated[float, Field(gt=0, le=100)]
+    memory_gb: Annotated[float, Field(gt=0)] = 80.0
+
+
+class Simulation(_Frozen):
+    """Timing of the simulated GPU model servers (``gpusim``), for a GPU of relative capacity 1.0.
+
+    A GPU of capacity ``c`` prefills ``c * prefill_tokens_per_s`` and decodes ``c * decode_tokens_per_s``
+    per running sequence; at most ``max_batch`` sequences run at once, the rest queue (FIFO).
+    Defaults are of the order of a 7-8B model on a V100 in vLLM (prefill a few thousand tokens/s,
+    ~30 tokens/s per sequence decode).
+    """
+
+    prefill_tokens_per_s: Annotated[float, Field(gt=0)] = 4000.0
+    decode_tokens_per_s: Annotated[float, Field(gt=0)] = 30.0
+    max_batch: Annotated[int, Field(ge=1, le=4096)] = 16
+    #: Queue bound behind the batch; beyond it the simulated server answers 503 (as vLLM does when full).
+    max_queue: Annotated[int, Field(ge=0, le=100_000)] = 256
+    #: Completion length when the request sets no ``max_tokens`` (tokens).
+    default_max_tokens: Annotated[int, Field(ge=1)] = 128
+
+
+class OutlierDetection(_Frozen):
+    """Envoy ``outlier_detection`` for a model's clusters. Envoy defaults differ (gateway-failure and
+    failure-percentage enforcement default to 0%, i.e. off): every field is sent explicitly."""
+
+    consecutive_5xx: Annotated[int, Field(ge=1)] = 5
+    consecutive_gateway_failure: Annotated[int, Field(ge=1)] = 3
+    enforcing_consecutive_gateway_failure: Annotated[int, Field(ge=0, le=100)] = 100
+    interval_ms: Annotated[int, Field(ge=100)] = 5_000
+    base_ejection_time_ms: Annotated[int, Field(ge=100)] = 15_000
+    max_ejection_percent: Annotated[int, Field(ge=0, le=100)] = 50
+
+
+class CircuitBreaker(_Frozen):
+    """Envoy ``circuit_breakers.thresholds`` for one routing priority."""
+
+    max_connections: Annotated[int, Field(ge=1)] = 4096
+    max_pending_requests: Annotated[int, Field(ge=1)] = 1024
+    max_requests: Annotated[int, Field(ge=1)] = 4096
+    max_retries: Annotated[int, Field(ge=0)] = 16
+
+
+class ClusterPolicy(_Frozen):
+    """How Envoy balances and protects one model's clusters."""
+
+    lb_policy: Literal["least_request", "round_robin", "ring_hash", "maglev"] = "least_request"
+    #: Envoy ``least_request_lb_config.active_request_bias`` (1.0 = Envoy default).
+    active_request_bias: Annotated[float, Field(ge=0, le=10)] = 1.0
+    #: Envoy ``common_lb_config.healthy_panic_threshold`` (%). Envoy's default is 50.
+    healthy_panic_threshold: Annotated[float, Field(ge=0, le=100)] = 25.0
+    connect_timeout_ms: Annotated[int, Field(ge=1)] = 2_000
+    outlier_detection: OutlierDetection = OutlierDetection()
+    circuit_breaker_default: CircuitBreaker = CircuitBreaker()
+    circuit_breaker_high: CircuitBreaker = CircuitBreaker(
+        max_connections=8192, max_pending_requests=2048, max_requests=8192, max_retries=32
+    )
+
+
+class ModelVersion(_Frozen):
+    """One deployed version of a model and its share of the model's traffic (a canary is a small share)."""
+
+    name: Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")]
+    traffic_percent: Annotated[float, Field(ge=0, le=100)] = 100.0
+
+
+_MODEL_NAME = r"^[A-Za-z0-9][A-Za-z0-9_.:/@-]{0,127}$"
+
+
+class ModelConfig(_Frozen):
+    """A model the gateway serves, under its name and any aliases clients may use."""
+
+    name: Annotated[str, Field(pattern=_MODEL_NAME)]
+    aliases: tuple[Annotated[str, Field(pattern=_MODEL_NAME)], ...] = ()
+    #: Context window (tokens); prompt + requested output above it is refused.
+    context_length: Annotated[int, Field(ge=16)] = 32_768
+    versions: tuple[ModelVersion, ...] = (ModelVersion(name="v1"),)
+    cluster: ClusterPolicy = ClusterPolicy()
+
+    @model_validator(mode="after")
+    def _check_versions(self) -> Self:
+        if not self.versions:
+            raise ValueError("versions: a model needs at least one version")
+        names = [v.name for v in self.versions]
+        dup = sorted({n for n in names if names.count(n) > 1})
+        if dup:
+            raise ValueError(f"versions: duplicate version names {dup}")
+        total = sum(v.traffic_percent for v in self.versions)
+        if abs(total - 100.0) > 1e-6:
+            raise ValueError(f"versions: traffic_percent must add up to 100, got {total:g}")
+        return self
+
+    def cluster_name(self, version: str) -> str:
+        """The Envoy cluster name for one version of this model (unique, stable, DNS-safe)."""
+        return cluster_name(self.name, version)
+
+
+def cluster_name(model: str, version: str) -> str:
+    """Envoy cluster name ``model--version`` with characters Envoy stats dislike replaced by ``_``."""
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", f"{model}--{version}")
+
+
+class EndpointConfig(_Frozen):
+    """One model server (one GPU or one tensor-parallel group) serving one model version."""
+
+    address: HostPort
+    model: str
+    version: str | None = None
+    gpu: str
+    region: str = "local"
+    zone: str = "a"
+    #: True: ``inferlb up`` starts a simulated GPU server on this address.
+    simulated: bool = False
+    #: Optional name shown in status tables and response headers; defaults to ``address``.
+    name: str | None = None
+
+    @property
+    def display_name(self) -> str:
+        """The name used in tables and in the simulator's ``x-inferlb-endpoint`` response header."""
+        return self.name or str(self.address)
+
+
+class TenantConfig(_Frozen):
+    """A tenant: its API keys, priority and quotas. ``None`` means unlimited."""
+
+    name: Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")]
+    api_keys: tuple[Annotated[str, Field(min_length=8, max_length=256)], ...]
+    priority: Priority = Priority.DEFAULT
+    requests_per_minute: Annotated[int, Field(ge=1)] | None = None
+    #: Prompt + completion tokens per minute.
+    tokens_per_minute: Annotated[int, Field(ge=1)] | None = None
+
+    @field_validator("api_keys")
+    @classmethod
+    def _keys(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        if not v:
+            raise ValueError("a tenant needs at least one API key")
+        if any(any(c.isspace() for c in k) for k in v):
+            raise ValueError("API keys cannot contain white space")
+        return v
+
+
+class Config(_Frozen):
+    """The whole inferlb config. Build it with :func:`load_config` or :func:`parse_config`."""
+
+    gateway: GatewayConfig = GatewayConfig()
+    xds: XdsConfig = XdsConfig()
+    ext_proc: ExtProcConfig = ExtProcConfig()
+    simulation: Simulation = Simulation()
+    gpu_profiles: dict[str, GpuProfile] = Field(
+        default_factory=lambda: {k: GpuProfile(relative_capacity=v) for k, v in DEFAULT_GPU_CAPACITY.items()}
+    )
+    models: tuple[ModelConfig, ...]
+    endpoints: tuple[EndpointConfig, ...] = ()
+    tenants: tuple[TenantConfig, ...] = ()
+
+    @field_validator("gpu_profiles", mode="before")
+    @classmethod
+    def _merge_default_profiles(cls, v: Any) -> Any:
+        # A file that defines some profiles keeps the built-in ones for the others.
+        if isinstance(v, dict):
+            merged: dict[str, Any] = {k: {"relative_capacity": c} for k, c in DEFAULT_GPU_CAPACITY.items()}
+            merged.update(v)
+            return merged
+        return v
+
+    @model_validator(mode="after")
+    def _cross_check(self) -> Self:
+        problems: list[str] = []
+        seen: dict[str, str] = {}
+        for m in self.models:
+            for n in (m.name, *m.aliases):
+                if n in seen:
+                    problems.append(f"models: name or alias {n!r} is used by both {seen[n]!r} and {m.name!r}")
+                seen[n] = m.name
+        by_name = {m.name: m for m in self.models}
+        for i, e in enumerate(self.endpoints):
+            where = f"endpoints[{i}]"
+            model = by_name.get(e.model)
+            if model is None:
+                problems.append(f"{where}.model: unknown model {e.model!r} (known: {sorted(by_name)})")
+            elif e.version is not None and e.version not in {v.name for v in model.versions}:
+                problems.append(
+                    f"{where}.version: model {e.model!r} has no version {e.version!r} "
+                    f"(known: {[v.name for v in model.versions]})"
+                )
+            elif e.version is None and len(model.versions) > 1:
+                problems.append(f"{where}.version: model {e.model!r} has several versions; name one")
+            if e.gpu not in self.gpu_profiles:
+                problems.append(f"{where}.gpu: unknown GPU type {e.gpu!r} (known: {sorted(self.gpu_profiles)})")
+        keys: dict[str, str] = {}
+        names: set[str] = set()
+        for i, t in enumerate(self.tenants):
+            if t.name in names:
+                problems.append(f"tenants[{i}].name: duplicate tenant {t.name!r}")
+            names.add(t.name)
+            for k in t.api_keys:
+                if k in keys:
+                    problems.append(f"tenants[{i}].api_keys: a key is shared with tenant {keys[k]!r}")
+                keys[k] = t.name
+        # every socket inferlb binds or Envoy dials must be distinct
+        taken: dict[str, str] = {}
+        sockets = [
+            ("gateway.listen", self.gateway.listen),
+            ("gateway.admin", self.gateway.admin),
+            ("xds.listen", self.xds.listen),
+            ("ext_proc.listen", self.ext_proc.listen),
+            *((f"endpoints[{i}].address", e.address) for i, e in enumerate(self.endpoints)),
+        ]
+        for field, hp in sockets:
+            if str(hp) in taken:
+                problems.append(f"{field}: {hp} is already used by {taken[str(hp)]}")
+            else:
+                taken[str(hp)] = field
+        if problems:
+            raise ValueError("; ".join(problems))
+        return self
+
+    # -- lookups used by the services -------------------------------------------------------------
+    def model_by_name(self) -> dict[str, ModelConfig]:
+        """Every name and alias -> its model."""
+        out: dict[str, ModelConfig] = {}
+        for m in self.models:
+            for n in (m.name, *m.aliases):
+                out[n] = m
+        return out
+
+    def endpoint_version(self, e: EndpointConfig) -> str:
+        """The version an endpoint serves (its own, or its model's only version)."""
+        if e.version is not None:
+            return e.version
+        return next(m for m in self.models if m.name == e.model).versions[0].name
+
+
+_SUBFIELD = re.compile(r"^(?P<field>[a-z_][a-z0-9_]*(?:\[\d+\])?(?:\.[a-z_][a-z0-9_]*(?:\[\d+\])?)*): (?P<msg>.+)$", re.S)
+
+
+def _loc_to_field(loc: tuple[int | str, ...]) -> str:
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif part in ("function-after[_parse(), HostPort]",):
+            continue
+        else:
+            out += ("." if out else "") + str(part)
+    return out
+
+
+def parse_config(data: Any, source: str = "<string>") -> Config:
+    """Validate a parsed YAML/JSON document into a :class:`Config`.
+
+    Raises:
+        ConfigError: with one ``(field, message)`` per problem, fields as dotted paths.
+    """
+    if not isinstance(data, dict):
+        raise ConfigError(source, [("", f"expected a mapping at the top level, got {type(data).__name__}")])
+    try:
+        return Config.model_validate(data)
+    except ValidationError as exc:
+        problems: list[tuple[str, str]] = []
+        for err in exc.errors(include_url=False):
+            msg = str(err["msg"]).removeprefix("Value error, ")
+            field = _loc_to_field(tuple(err["loc"]))
+            # cross-field checks report "field: message; field: message" from the model validator
+            if not field and ": " in msg:
+                for piece in msg.split("; "):
+                    f, _, m = piece.partition(": ")
+                    problems.append((f, m))
+                continue
+            # a model validator may prefix its message with the sub-field at fault ("versions: ...")
+            sub = _SUBFIELD.match(msg)
+            if sub:
+                problems.append((f"{field}.{sub['field']}", sub["msg"]))
+            else:
+                problems.append((field, msg))
+        raise ConfigError(source, problems) from None
+
+
+def load_config(path: str | Path) -> Config:
+    """Read and validate a YAML config file.
+
+    Raises:
+        ConfigError: the file cannot be read, is not YAML, or fails validation (field named).
+    """
+    p = Path(path)
+    try:
+        text = p.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(str(p), [("", f"cannot read: {exc.strerror or exc}")]) from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError(str(p), [("", f"not valid YAML: {exc}")]) from None
+    return parse_config(data, str(p))
+
+
+def default_config_path() -> Path:
+    """The embedded default config (``examples/local.yaml``, packaged as ``inferlb/data/local.yaml``)."""
+    return Path(__file__).parent / "data" / "local.yaml"

@@ -150,8 +150,6 @@ class Simulation(_Frozen):
     max_batch: Annotated[int, Field(ge=1, le=4096)] = 16
     #: Queue bound behind the batch; beyond it the simulated server answers 503 (as vLLM does when full).
     max_queue: Annotated[int, Field(ge=0, le=100_000)] = 256
-    #: Completion length when the request sets no ``max_tokens`` (tokens).
-    default_max_tokens: Annotated[int, Field(ge=1)] = 128
 
 
 class OutlierDetection(_Frozen):
@@ -208,6 +206,9 @@ class ModelConfig(_Frozen):
     aliases: tuple[Annotated[str, Field(pattern=_MODEL_NAME)], ...] = ()
     #: Context window (tokens); prompt + requested output above it is refused.
     context_length: Annotated[int, Field(ge=16)] = 32_768
+    #: Completion tokens assumed when a request sets no ``max_tokens``/``max_completion_tokens``: what
+    #: quota admission reserves and what the simulated servers generate (tokens).
+    default_max_tokens: Annotated[int, Field(ge=1)] = 256
     versions: tuple[ModelVersion, ...] = (ModelVersion(name="v1"),)
     cluster: ClusterPolicy = ClusterPolicy()
 

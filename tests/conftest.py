@@ -1,0 +1,73 @@
+"""Shared test helpers: free loopback ports and small configs built on them.
+
+Every test server binds 127.0.0.1 only. ``make_config_doc`` returns a config document (a dict) shaped like
+the default local config but on free ports and with a fast simulated fleet, so end-to-end tests run in
+seconds; tests adjust the dict and write it with ``write_config``.
+"""
+
+from __future__ import annotations
+
+import copy
+import socket
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from inferlb.config import default_config_path
+
+LOOPBACK = "127.0.0.1"
+
+
+def free_ports(n: int) -> list[int]:
+    """``n`` distinct TCP ports that were free on 127.0.0.1 a moment ago (bound together, then closed)."""
+    socks = []
+    try:
+        for _ in range(n):
+            s = socket.socket()
+            s.bind((LOOPBACK, 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def make_config_doc(*, fast: bool = True) -> dict[str, Any]:
+    """The default local config as a dict, moved to free loopback ports.
+
+    With ``fast`` the simulated GPUs are ~100x quicker than the defaults (tests send thousands of
+    requests) while keeping the H100/A100/V100 capacity ratios.
+    """
+    doc: dict[str, Any] = copy.deepcopy(yaml.safe_load(default_config_path().read_text(encoding="utf-8")))
+    ports = free_ports(4 + len(doc["endpoints"]))
+    doc["gateway"]["listen"] = f"{LOOPBACK}:{ports[0]}"
+    doc["gateway"]["admin"] = f"{LOOPBACK}:{ports[1]}"
+    doc["xds"]["listen"] = f"{LOOPBACK}:{ports[2]}"
+    doc["ext_proc"]["listen"] = f"{LOOPBACK}:{ports[3]}"
+    for ep, port in zip(doc["endpoints"], ports[4:], strict=True):
+        ep["address"] = f"{LOOPBACK}:{port}"
+    if fast:
+        doc["simulation"].update(prefill_tokens_per_s=2_000_000, decode_tokens_per_s=5_000, max_batch=64,
+                                 max_queue=4096)
+    return doc
+
+
+def write_config(path: Path, doc: dict[str, Any]) -> Path:
+    """Write a config document as YAML and return the path."""
+    path.write_text(yaml.safe_dump(doc, sort_keys=False), encoding="utf-8")
+    return path
+
+
+@pytest.fixture
+def config_doc() -> dict[str, Any]:
+    """A fresh fast config document on free ports (see :func:`make_config_doc`)."""
+    return make_config_doc()
+
+
+@pytest.fixture
+def config_file(tmp_path: Path) -> Callable[[dict[str, Any]], Path]:
+    """Write a config document under ``tmp_path``; returns a writer."""
+    return lambda doc: write_config(tmp_path / "inferlb.yaml", doc)

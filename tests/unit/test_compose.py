@@ -1,0 +1,61 @@
+"""docker-compose.yml describes the same stack as `inferlb up`, and Debian's docker-compose accepts it."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from inferlb.config import default_config_path, load_config
+
+ROOT = Path(__file__).parents[2]
+
+
+def _norm(doc: dict[str, Any]) -> dict[str, Any]:
+    """A config dump with every socket address removed: what is left is fleet, models, tenants, policy."""
+    doc["gateway"].pop("listen")
+    doc["gateway"].pop("admin")
+    doc["xds"].pop("listen")
+    doc["ext_proc"].pop("listen")
+    for e in doc["endpoints"]:
+        e.pop("address")
+    return doc
+
+
+def test_compose_config_is_the_local_config_with_service_addresses() -> None:
+    local = load_config(default_config_path())
+    compose = load_config(ROOT / "examples" / "compose.yaml")
+    assert _norm(compose.model_dump()) == _norm(local.model_dump())
+    assert {e.address.host for e in compose.endpoints} == {"gpusim"}
+    assert [e.address.port for e in compose.endpoints] == [e.address.port for e in local.endpoints]
+
+
+def test_compose_services_are_the_stack_services() -> None:
+    doc = yaml.safe_load((ROOT / "docker-compose.yml").read_text(encoding="utf-8"))
+    services = doc["services"]
+    assert set(services) == {"gpusim", "xds-server", "ext-proc", "envoy"}
+    modules = {name: svc["command"][0] for name, svc in services.items() if name != "envoy"}
+    # the same modules inferlb.stack.Stack starts with `python -m`
+    assert modules == {"gpusim": "gpusim", "xds-server": "xds_server", "ext-proc": "ext_proc"}
+    compose = load_config(ROOT / "examples" / "compose.yaml")
+    assert services["xds-server"]["expose"] == [str(compose.xds.listen.port)]
+    assert services["ext-proc"]["expose"] == [str(compose.ext_proc.listen.port)]
+    assert sorted(services["gpusim"]["expose"]) == sorted(str(e.address.port) for e in compose.endpoints)
+    assert {compose.xds.listen.host, compose.ext_proc.listen.host} == {"xds-server", "ext-proc"}
+    assert services["envoy"]["image"].startswith("envoyproxy/envoy:v1.")
+    assert "./envoy/bootstrap-compose.yaml:/etc/envoy/bootstrap.yaml:ro" in services["envoy"]["volumes"]
+
+
+def test_docker_compose_config_accepts_the_file() -> None:
+    if shutil.which("docker-compose") is None:
+        if os.environ.get("CI"):
+            pytest.fail("CI must have Debian's docker-compose (.ci/run installs it)")
+        pytest.skip("Debian's docker-compose is not installed (.ci/run installs it)")
+    proc = subprocess.run(["docker-compose", "-f", str(ROOT / "docker-compose.yml"), "config", "--quiet"],
+                          capture_output=True, text=True, timeout=60, check=False, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr

@@ -1,0 +1,133 @@
+"""The config model: the default file validates, and every kind of mistake is refused with its field named."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from hypothesis import given
+from hypothesis import strategies as st
+
+from inferlb.config import (
+    Config,
+    ConfigError,
+    HostPort,
+    cluster_name,
+    default_config_path,
+    load_config,
+    parse_config,
+)
+from inferlb.fleet import capacity_weight
+
+
+def default_doc() -> dict[str, Any]:
+    return copy.deepcopy(yaml.safe_load(default_config_path().read_text(encoding="utf-8")))
+
+
+def fields_of(exc: ConfigError) -> list[str]:
+    return [f for f, _ in exc.problems]
+
+
+def test_default_config_is_the_demo_fleet() -> None:
+    cfg = load_config(default_config_path())
+    gpus = {e.gpu for e in cfg.endpoints}
+    assert len(cfg.endpoints) >= 6 and len(gpus) >= 3
+    assert len(cfg.models) == 2
+    canary = cfg.models[0]
+    assert [(v.name, v.traffic_percent) for v in canary.versions] == [("v1", 90), ("v2", 10)]
+    keys = {k: t for t in cfg.tenants for k in t.api_keys}
+    assert keys["sk-demo-a"].priority == "high"
+    assert keys["sk-demo-b"].priority == "low"
+    assert keys["sk-demo-c"].tokens_per_minute == 2000
+    assert str(cfg.gateway.listen) == "127.0.0.1:10000" and str(cfg.gateway.admin) == "127.0.0.1:9901"
+    assert all(e.simulated for e in cfg.endpoints)
+
+
+def test_examples_local_yaml_is_the_embedded_default() -> None:
+    example = Path(__file__).parents[2] / "examples" / "local.yaml"
+    assert example.read_bytes() == default_config_path().read_bytes()
+
+
+def test_gpu_capacity_ratios_follow_the_field() -> None:
+    cfg = load_config(default_config_path())
+    cap = {k: p.relative_capacity for k, p in cfg.gpu_profiles.items()}
+    assert cap["A100"] / cap["V100"] == pytest.approx(1.7)
+    assert cap["H100"] / cap["A100"] == pytest.approx(2.0)
+    weights = {e.gpu: capacity_weight(cfg, e) for e in cfg.endpoints}
+    assert weights == {"H100": 34, "A100": 17, "V100": 10}
+
+
+@pytest.mark.parametrize(
+    ("mutate", "field"),
+    [
+        (lambda d: d["models"][0]["versions"][0].update(traffic_percent=80), "models[0].versions"),
+        (lambda d: d["endpoints"][0].update(model="nope"), "endpoints[0].model"),
+        (lambda d: d["endpoints"][0].update(version="v9"), "endpoints[0].version"),
+        (lambda d: d["endpoints"][0].update(gpu="TPU"), "endpoints[0].gpu"),
+        (lambda d: d["endpoints"][1].update(address=d["endpoints"][0]["address"]), "endpoints[1].address"),
+        (lambda d: d["endpoints"][0].update(address="localhost"), "endpoints[0].address"),
+        (lambda d: d["endpoints"][0].update(address="127.0.0.1:70000"), "endpoints[0].address.port"),
+        (lambda d: d["tenants"][1].update(api_keys=["sk-demo-a"]), "tenants[1].api_keys"),
+        (lambda d: d["tenants"][0].update(api_keys=[]), "tenants[0].api_keys"),
+        (lambda d: d["tenants"][0].update(priority="urgent"), "tenants[0].priority"),
+        (lambda d: d["tenants"][0].update(tokens_per_minute=0), "tenants[0].tokens_per_minute"),
+        (lambda d: d["models"][1].update(aliases=["llama3"]), "models"),
+        (lambda d: d["gateway"].update(listen=d["xds"]["listen"]), "xds.listen"),
+        (lambda d: d["gpu_profiles"]["V100"].update(relative_capacity=0), "gpu_profiles.V100.relative_capacity"),
+        (lambda d: d.update(surprise=1), "surprise"),
+        (lambda d: d["ext_proc"].update(message_timeout_ms="soon"), "ext_proc.message_timeout_ms"),
+    ],
+)
+def test_mistakes_are_refused_with_the_field_named(mutate: Any, field: str) -> None:
+    doc = default_doc()
+    mutate(doc)
+    with pytest.raises(ConfigError) as info:
+        parse_config(doc, "x.yaml")
+    assert field in fields_of(info.value), info.value.problems
+    assert "x.yaml" in str(info.value)
+
+
+def test_unreadable_and_non_yaml_files_are_config_errors(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="cannot read"):
+        load_config(tmp_path / "missing.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("models: [\n", encoding="utf-8")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(bad)
+    bad.write_text("- a list\n", encoding="utf-8")
+    with pytest.raises(ConfigError, match="mapping"):
+        load_config(bad)
+
+
+def test_profiles_named_in_a_file_keep_the_builtin_ones() -> None:
+    cfg = parse_config({"models": [{"name": "m"}], "gpu_profiles": {"MI300X": {"relative_capacity": 3.0}}})
+    assert {"MI300X", "H100", "A100", "V100"} <= set(cfg.gpu_profiles)
+
+
+def test_single_version_endpoints_need_no_version() -> None:
+    cfg = parse_config({"models": [{"name": "m"}],
+                        "endpoints": [{"address": "127.0.0.1:9000", "model": "m", "gpu": "A100"}]})
+    assert cfg.endpoint_version(cfg.endpoints[0]) == "v1"
+
+
+def test_hostport_parses_ipv6_and_names() -> None:
+    assert str(HostPort.model_validate("[::1]:80")) == "[::1]:80"
+    hp = HostPort.model_validate("gpusim:8001")
+    assert (hp.host, hp.port, hp.is_ip) == ("gpusim", 8001, False)
+    assert HostPort.model_validate("127.0.0.1:1").is_ip
+
+
+@given(st.text(min_size=1, max_size=30), st.text(min_size=1, max_size=10))
+def test_cluster_names_are_envoy_safe(model: str, version: str) -> None:
+    name = cluster_name(model, version)
+    assert all(c.isalnum() and c.isascii() or c in "_.-" for c in name)
+
+
+def test_config_is_frozen() -> None:
+    cfg = load_config(default_config_path())
+    assert isinstance(cfg, Config)
+    with pytest.raises(Exception, match="frozen"):
+        cfg.gateway.num_retries = 5  # type: ignore[misc]

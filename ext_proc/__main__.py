@@ -1,0 +1,126 @@
+"""``python -m ext_proc --config PATH [--listen HOST:PORT] [--log-level info]``: serve Envoy's ext_proc.
+
+Serves on ``ext_proc.listen`` from the config (``--listen`` overrides it, e.g. one port per process),
+logs ``ext_proc ready on HOST:PORT`` once it accepts streams, polls the config file every
+``--poll-interval`` seconds (0.5) by content hash and applies a changed file; a bad file is logged with the
+field named and the last good config keeps serving. SIGINT/SIGTERM stop it cleanly (in-flight streams get a
+grace period). Exit status: 0 after a clean stop, 1 when the config or the listen socket is unusable at
+start-up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+from collections.abc import Sequence
+
+import grpc
+
+from ext_proc.reload import ConfigPoller
+from ext_proc.servicer import ExtProcState, add_to_server
+from inferlb.config import Config, HostPort
+from inferlb.errors import ConfigError
+
+log = logging.getLogger("ext_proc")
+
+#: Seconds in-flight streams get to finish on shutdown.
+SHUTDOWN_GRACE_S = 2.0
+
+
+def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m ext_proc", description="inferlb Envoy external processor")
+    p.add_argument("--config", required=True, help="inferlb YAML config file (watched for changes)")
+    p.add_argument("--listen", help="HOST:PORT to serve on instead of the config's ext_proc.listen")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--poll-interval", type=float, default=0.5, help="config poll period in seconds")
+    return p.parse_args(argv)
+
+
+def _log_config_error(err: ConfigError, what: str) -> None:
+    for field, msg in err.problems:
+        log.error("%s: %s: %s: %s", what, err.source, field or "<document>", msg)
+
+
+async def _watch_config(poller: ConfigPoller, state: ExtProcState, listen: str, interval_s: float) -> None:
+    while True:
+        await asyncio.sleep(interval_s)
+        try:
+            config = poller.poll()
+        except ConfigError as err:
+            _log_config_error(err, "config reload refused, still serving the last good config")
+            continue
+        if config is None:
+            continue
+        if str(config.ext_proc.listen) != listen:
+            log.warning(
+                "ext_proc.listen changed to %s; the new address needs a restart", config.ext_proc.listen
+            )
+        state.apply_config(config)
+        log.info(
+            "config reloaded from %s: %d models, %d tenants",
+            poller.path,
+            len(config.models),
+            len(config.tenants),
+        )
+
+
+async def serve(config: Config, poller: ConfigPoller, listen: HostPort, poll_interval_s: float) -> int:
+    """Run the server until SIGINT/SIGTERM; returns the exit status."""
+    state = ExtProcState(config)
+    server = grpc.aio.server()
+    add_to_server(server, state)
+    try:
+        port = server.add_insecure_port(str(listen))
+    except RuntimeError as exc:
+        log.error("cannot listen on %s: %s", listen, exc)
+        return 1
+    await server.start()
+    bound = HostPort(host=listen.host, port=port)
+    log.info("ext_proc ready on %s", bound)
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    watcher = asyncio.create_task(_watch_config(poller, state, str(listen), poll_interval_s))
+    try:
+        await stop.wait()
+        log.info("ext_proc stopping")
+    finally:
+        watcher.cancel()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
+        await server.stop(SHUTDOWN_GRACE_S)
+        # the watcher may be mid-poll; wait for its cancellation so nothing runs after we return
+        await asyncio.gather(watcher, return_exceptions=True)
+    log.info("ext_proc stopped")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``python -m ext_proc``."""
+    args = _parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    poller = ConfigPoller(args.config)
+    try:
+        digest, config = poller.read()
+        listen = HostPort.model_validate(args.listen) if args.listen else config.ext_proc.listen
+    except ConfigError as err:
+        _log_config_error(err, "cannot start")
+        return 1
+    except ValueError as exc:  # pydantic's ValidationError for a bad --listen
+        log.error("cannot start: --listen: %s", exc)
+        return 1
+    poller.digest = digest
+    return asyncio.run(serve(config, poller, listen, args.poll_interval))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

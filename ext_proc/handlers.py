@@ -1,0 +1,351 @@
+"""The ext_proc decisions per processing phase, as plain functions over plain values (no gRPC types).
+
+Envoy sends each HTTP request to ext_proc as request headers (SEND) and then the whole body (BUFFERED).
+
+- :func:`on_request_headers` removes every client-sent ``x-inferlb-*`` header, authenticates the API key
+  (401 before the body is read), answers ``GET /v1/models`` itself, lets POSTs to the inference paths go on
+  to the body phase and refuses anything else (400/404/405).
+- :func:`on_request_body` = :func:`prepare_body` (size check, parse, model resolution, prompt token
+  count: pure and thread-safe, so a big body can be prepared off the event loop) then :func:`admit`
+  (quota and version choice, which mutate the :class:`~inferlb.quota.QuotaBook` and so run on the loop).
+  It ends with the routing headers and ``clear_route_cache`` or with an immediate refusal.
+
+Refusals are :class:`ImmediateReply` values carrying the OpenAI JSON error body
+(:meth:`inferlb.errors.RequestError.to_openai_json`) and a ``details`` token naming the reason (Envoy's
+``%RESPONSE_CODE_DETAILS%``). The gRPC adapter is :mod:`ext_proc.servicer`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+from collections.abc import Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
+
+from inferlb import headers as h
+from inferlb.config import Config, ModelConfig, TenantConfig
+from inferlb.errors import RequestError
+from inferlb.openai_api import INFERENCE_PATHS, EndpointKind, InferenceRequest, parse_request
+from inferlb.quota import Admitted, QuotaBook
+from inferlb.routing import RoutingTable, model_not_found, priority_header_value
+from inferlb.tokens import TextTokenCounter, count_prompt_tokens, default_counter
+
+MODELS_PATH = "/v1/models"
+_JSON = (("content-type", "application/json"),)
+
+
+# -- decisions ------------------------------------------------------------------------------------
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ImmediateReply:
+    """Answer the client now; the request never reaches a backend.
+
+    Attributes:
+        status: HTTP status.
+        body: the response body (JSON).
+        headers: response headers (``content-type``, ``retry-after``...).
+        details: a whitespace-free reason token for Envoy's response code details.
+    """
+
+    status: int
+    body: bytes
+    headers: tuple[tuple[str, str], ...]
+    details: str
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PendingRequest:
+    """What the headers phase learned, carried to the body phase of the same stream."""
+
+    tenant: TenantConfig
+    kind: EndpointKind
+    path: str
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class BodyExpected:
+    """Headers accepted: continue with ``remove_headers`` applied and process the body next."""
+
+    pending: PendingRequest
+    remove_headers: tuple[str, ...]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PreparedRequest:
+    """A parsed, counted request for a known model, ready for quota admission."""
+
+    pending: PendingRequest
+    request: InferenceRequest
+    model: ModelConfig
+    prompt_tokens: int
+    #: prompt + the largest completion the request may produce (tokens): what admission reserves.
+    reserved_tokens: int
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ContinueRequest:
+    """Let the request go upstream with these header changes (and re-pick the route when asked).
+
+    Attributes:
+        set_headers: headers to set, overwriting any value.
+        remove_headers: header names to remove.
+        clear_route_cache: make Envoy pick the route again from the changed headers.
+        admitted: the quota reservation taken (tenant, tokens) to reconcile with the response's usage
+            (issue 4), or None.
+    """
+
+    set_headers: tuple[tuple[str, str], ...] = ()
+    remove_headers: tuple[str, ...] = ()
+    clear_route_cache: bool = False
+    admitted: Admitted | None = None
+
+
+# -- the per-config state -------------------------------------------------------------------------
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Gateway:
+    """Everything the handlers read, precomputed from one config (swap the whole value on reload).
+
+    Attributes:
+        config: the config it was built from.
+        routing: key/model/version lookups.
+        max_body_bytes: ``gateway.max_request_body_bytes`` (bytes).
+        models_list_body: the ``GET /v1/models`` JSON body.
+        model_bodies: model name or alias -> the ``GET /v1/models/{id}`` JSON body.
+        counter: the prompt token counter.
+    """
+
+    config: Config
+    routing: RoutingTable
+    max_body_bytes: int
+    models_list_body: bytes
+    model_bodies: Mapping[str, bytes]
+    counter: TextTokenCounter
+
+    @classmethod
+    def from_config(cls, config: Config, counter: TextTokenCounter | None = None) -> Gateway:
+        """Precompute the lookups and fixed response bodies of ``config``."""
+        objects = {m.name: _model_object(m.name) for m in config.models}
+        bodies: dict[str, bytes] = {}
+        for m in config.models:
+            body = json.dumps(objects[m.name]).encode()
+            for name in (m.name, *m.aliases):
+                bodies[name] = body
+        return cls(
+            config=config,
+            routing=RoutingTable(config),
+            max_body_bytes=config.gateway.max_request_body_bytes,
+            models_list_body=json.dumps({"object": "list", "data": list(objects.values())}).encode(),
+            model_bodies=MappingProxyType(bodies),
+            counter=counter or default_counter(),
+        )
+
+
+def _model_object(name: str) -> dict[str, object]:
+    # OpenAI's model object; "created" is not known for a self-hosted model, 0 keeps the type right
+    return {"id": name, "object": "model", "created": 0, "owned_by": "inferlb"}
+
+
+# -- helpers --------------------------------------------------------------------------------------
+def refusal(err: RequestError, details: str) -> ImmediateReply:
+    """An :class:`ImmediateReply` for ``err``: its status, OpenAI JSON body, and ``retry-after`` in whole
+    seconds (at least 1) when it carries a retry time."""
+    headers: tuple[tuple[str, str], ...] = _JSON
+    if err.retry_after_s is not None:
+        headers = (*_JSON, ("retry-after", str(max(1, math.ceil(err.retry_after_s)))))
+    return ImmediateReply(
+        status=err.status,
+        body=json.dumps(err.to_openai_json()).encode(),
+        headers=headers,
+        details=details,
+    )
+
+
+def _ok(body: bytes, details: str) -> ImmediateReply:
+    return ImmediateReply(status=200, body=body, headers=_JSON, details=details)
+
+
+# -- phases ---------------------------------------------------------------------------------------
+def on_request_headers(
+    gateway: Gateway, headers: Mapping[str, str], *, end_of_stream: bool
+) -> BodyExpected | ImmediateReply:
+    """Decide on a request from its headers.
+
+    Args:
+        gateway: the current precomputed config.
+        headers: request headers with lower-case names, pseudo-headers included (``:method``, ``:path``).
+        end_of_stream: True when the request has no body.
+
+    Returns:
+        :class:`BodyExpected` for a POST to an inference path with a body; otherwise an
+        :class:`ImmediateReply`: 200 model list/object, 400 missing body, 401 bad key, 404 unknown path or
+        model, 405 wrong method.
+    """
+    method = headers.get(":method", "")
+    path = headers.get(":path", "").partition("?")[0]
+    try:
+        tenant = gateway.routing.authenticate(headers.get("authorization"))
+    except RequestError as err:
+        return refusal(err, "inferlb_invalid_api_key")
+
+    kind = INFERENCE_PATHS.get(path)
+    if kind is not None:
+        if method != "POST":
+            return refusal(_method_not_allowed(method, path, "POST"), "inferlb_method_not_allowed")
+        if end_of_stream:
+            return refusal(
+                RequestError(
+                    400,
+                    "The request body is empty; expected a JSON object.",
+                    type="invalid_request_error",
+                ),
+                "inferlb_empty_body",
+            )
+        spoofed = tuple(sorted({k for k in headers if k.startswith(h.PREFIX)}))
+        pending = PendingRequest(tenant=tenant, kind=kind, path=path)
+        return BodyExpected(pending=pending, remove_headers=spoofed)
+
+    if path == MODELS_PATH or path.startswith(MODELS_PATH + "/"):
+        if method != "GET":
+            return refusal(_method_not_allowed(method, path, "GET"), "inferlb_method_not_allowed")
+        if path == MODELS_PATH:
+            return _ok(gateway.models_list_body, "inferlb_models_list")
+        model_id = path[len(MODELS_PATH) + 1 :]
+        body = gateway.model_bodies.get(model_id)
+        if body is None:
+            return refusal(model_not_found(model_id), "inferlb_model_not_found")
+        return _ok(body, "inferlb_model_object")
+
+    return refusal(
+        RequestError(
+            404,
+            f"Invalid URL ({method} {path})",
+            type="invalid_request_error",
+            code="unknown_url",
+        ),
+        "inferlb_unknown_path",
+    )
+
+
+def _method_not_allowed(method: str, path: str, allowed: str) -> RequestError:
+    return RequestError(
+        405,
+        f"Method {method} is not allowed on {path}; use {allowed}.",
+        type="invalid_request_error",
+        code="method_not_allowed",
+    )
+
+
+def prepare_body(
+    gateway: Gateway, pending: PendingRequest, body: bytes, *, end_of_stream: bool = True
+) -> PreparedRequest | ImmediateReply:
+    """Check size, parse, resolve the model and count prompt tokens (pure; safe in a worker thread).
+
+    Args:
+        body: the buffered request body.
+        end_of_stream: False when Envoy sent only part of the body (its buffer filled): refused as 413.
+
+    Returns:
+        :class:`PreparedRequest`, or an :class:`ImmediateReply`: 413 body too large, 400 malformed body or
+        prompt + requested output over the model's context length, 404 unknown model.
+    """
+    if len(body) > gateway.max_body_bytes or not end_of_stream:
+        return refusal(
+            RequestError(
+                413,
+                f"The request body is larger than the gateway accepts: {len(body)}"
+                f"{'' if end_of_stream else '+'} bytes, limit {gateway.max_body_bytes} bytes.",
+                type="invalid_request_error",
+                code="request_too_large",
+            ),
+            "inferlb_body_too_large",
+        )
+    try:
+        request = parse_request(pending.kind, body)
+    except RequestError as err:
+        return refusal(err, "inferlb_invalid_request")
+    try:
+        model = gateway.routing.resolve_model(request.model)
+    except RequestError as err:
+        return refusal(err, "inferlb_model_not_found")
+    prompt_tokens = count_prompt_tokens(request, gateway.counter)
+    output_cap = request.output_token_cap(model.default_max_tokens)
+    per_prompt_output = request.max_output_tokens or 0
+    if request.prompt_count == 1 and prompt_tokens + per_prompt_output > model.context_length:
+        return refusal(
+            RequestError(
+                400,
+                f"This model's maximum context length is {model.context_length} tokens. However, you "
+                f"requested {prompt_tokens + per_prompt_output} tokens ({prompt_tokens} in the prompt, "
+                f"{per_prompt_output} for the completion). Please reduce the prompt or the completion "
+                "length.",
+                type="invalid_request_error",
+                code="context_length_exceeded",
+                param="messages" if pending.kind is EndpointKind.CHAT_COMPLETIONS else None,
+            ),
+            "inferlb_context_length_exceeded",
+        )
+    return PreparedRequest(
+        pending=pending,
+        request=request,
+        model=model,
+        prompt_tokens=prompt_tokens,
+        reserved_tokens=prompt_tokens + output_cap,
+    )
+
+
+def admit(
+    gateway: Gateway, quotas: QuotaBook, prepared: PreparedRequest, *, now: float, rng: random.Random
+) -> ContinueRequest | ImmediateReply:
+    """Take the quota reservation and choose the version; answer with the routing headers.
+
+    Args:
+        now: monotonic seconds for the quota buckets.
+        rng: randomness for version choice when the request names no ``user``.
+
+    Returns:
+        :class:`ContinueRequest` setting ``x-inferlb-model``, ``-version``, ``-tenant``, ``-priority``,
+        ``-prompt-tokens`` with ``clear_route_cache``; or a 429 ``rate_limit_error``/``rate_limit_exceeded``
+        :class:`ImmediateReply` with ``retry-after`` (none when the request can never fit the quota).
+    """
+    tenant = prepared.pending.tenant
+    decision = quotas.try_admit(tenant.name, prepared.reserved_tokens, now)
+    if not isinstance(decision, Admitted):
+        err = RequestError(
+            429,
+            decision.message,
+            type="rate_limit_error",
+            code="rate_limit_exceeded",
+            retry_after_s=decision.retry_after_s,
+        )
+        reason = "request_too_large" if decision.never_fits else decision.limit.value
+        return refusal(err, f"inferlb_quota_{reason}")
+    version = gateway.routing.pick_version(prepared.model, prepared.request.user, rng)
+    return ContinueRequest(
+        set_headers=(
+            (h.MODEL, prepared.model.name),
+            (h.VERSION, version),
+            (h.TENANT, tenant.name),
+            (h.PRIORITY, priority_header_value(tenant.priority)),
+            (h.PROMPT_TOKENS, str(prepared.prompt_tokens)),
+        ),
+        clear_route_cache=True,
+        admitted=decision,
+    )
+
+
+def on_request_body(
+    gateway: Gateway,
+    quotas: QuotaBook,
+    pending: PendingRequest,
+    body: bytes,
+    *,
+    now: float,
+    rng: random.Random,
+    end_of_stream: bool = True,
+) -> ContinueRequest | ImmediateReply:
+    """:func:`prepare_body` then :func:`admit`, in one call."""
+    prepared = prepare_body(gateway, pending, body, end_of_stream=end_of_stream)
+    if isinstance(prepared, ImmediateReply):
+        return prepared
+    return admit(gateway, quotas, prepared, now=now, rng=rng)

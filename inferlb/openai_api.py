@@ -1,0 +1,423 @@
+"""Parse OpenAI-style inference request bodies into frozen values (pure: bytes in, dataclasses out).
+
+Covers the request shapes of OpenAI's API reference (https://platform.openai.com/docs/api-reference):
+
+- ``POST /v1/chat/completions``: ``messages`` whose ``content`` is a string, an array of content parts
+  (``text``, ``image_url``, ``input_audio``, ``file``, ``refusal``), or ``null`` on an assistant message that
+  carries ``tool_calls``/``function_call``; ``tools``/``functions`` definitions.
+- ``POST /v1/completions``: ``prompt`` as a string, a list of strings, a token array, or a list of token
+  arrays.
+- ``POST /v1/embeddings``: ``input`` as a string, a list of strings, a token array, or a list of token
+  arrays.
+
+Only what the gateway needs is kept: the model, the texts whose tokens are counted, the lengths of
+pre-tokenized prompts, the requested output cap, ``n``, ``stream`` and ``user``. Fields the gateway does not
+use are not validated (the model server does that). Every refusal raises
+:class:`inferlb.errors.RequestError` with status 400 and OpenAI's ``invalid_request_error`` type, naming the
+parameter at fault; no client input can make this module raise anything else.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Any, Final
+
+from inferlb.errors import RequestError
+
+#: OpenAI caps ``n`` at 128 (chat completions API reference); a larger ``n`` would only inflate the
+#: quota reservation, so it is refused here.
+MAX_N: Final = 128
+
+_INVALID: Final = "invalid_request_error"
+
+
+class EndpointKind(StrEnum):
+    """The OpenAI inference endpoint a request is for."""
+
+    CHAT_COMPLETIONS = "chat.completions"
+    COMPLETIONS = "completions"
+    EMBEDDINGS = "embeddings"
+
+    @property
+    def generates_tokens(self) -> bool:
+        """True when the endpoint produces completion tokens (embeddings do not)."""
+        return self is not EndpointKind.EMBEDDINGS
+
+
+#: Request path (without query string) -> endpoint kind.
+INFERENCE_PATHS: Final[Mapping[str, EndpointKind]] = {
+    "/v1/chat/completions": EndpointKind.CHAT_COMPLETIONS,
+    "/v1/completions": EndpointKind.COMPLETIONS,
+    "/v1/embeddings": EndpointKind.EMBEDDINGS,
+}
+
+
+class ImageDetail(StrEnum):
+    """``image_url.detail`` of a chat image part; ``auto`` when the client gave none."""
+
+    LOW = "low"
+    HIGH = "high"
+    AUTO = "auto"
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ChatMessage:
+    """One chat message reduced to what token counting needs.
+
+    Attributes:
+        role: ``system``, ``developer``, ``user``, ``assistant``, ``tool`` or ``function``.
+        name: the optional participant ``name`` (counted with the cookbook's per-name overhead).
+        texts: every text the message carries, in order: string content, text/refusal parts, tool call
+            function names and argument strings, ``tool_call_id``, and the JSON of unknown part types.
+        images: the ``detail`` of each image part, in order.
+    """
+
+    role: str
+    name: str | None = None
+    texts: tuple[str, ...] = ()
+    images: tuple[ImageDetail, ...] = ()
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class InferenceRequest:
+    """A parsed OpenAI inference request.
+
+    Attributes:
+        kind: which endpoint.
+        model: the ``model`` field as sent (name or alias; resolution is :mod:`inferlb.routing`'s job).
+        messages: chat messages (chat completions only; empty otherwise).
+        texts: prompts/inputs given as text (completions, embeddings), one per prompt.
+        token_array_lengths: lengths of prompts/inputs given as token arrays, one per prompt (tokens).
+        tools_json: compact JSON of the ``tools``/``functions`` definitions, or None.
+        max_output_tokens: ``max_completion_tokens`` if set, else ``max_tokens``, else None (tokens, per
+            choice). Always None for embeddings.
+        n: completions per prompt (``max(n, best_of)`` for legacy completions), >= 1.
+        prompt_count: number of prompts the endpoint generates for (a list of prompts in legacy
+            completions yields ``n`` choices per prompt), >= 1.
+        stream: the ``stream`` flag.
+        user: the ``user`` field (end-user id), used for sticky version choice.
+    """
+
+    kind: EndpointKind
+    model: str
+    messages: tuple[ChatMessage, ...] = ()
+    texts: tuple[str, ...] = ()
+    token_array_lengths: tuple[int, ...] = ()
+    tools_json: str | None = None
+    max_output_tokens: int | None = None
+    n: int = 1
+    prompt_count: int = 1
+    stream: bool = False
+    user: str | None = None
+
+    def output_token_cap(self, default_max_tokens: int) -> int:
+        """Most completion tokens this request may produce: cap x ``n`` x prompts (tokens).
+
+        Uses ``default_max_tokens`` (the model's config value) when the request set no cap; 0 for
+        embeddings. This is what quota admission reserves on top of the prompt.
+        """
+        if not self.kind.generates_tokens:
+            return 0
+        cap = self.max_output_tokens if self.max_output_tokens is not None else default_max_tokens
+        return cap * self.n * self.prompt_count
+
+
+def _bad(message: str, param: str | None, code: str | None = None) -> RequestError:
+    return RequestError(400, message, type=_INVALID, param=param, code=code)
+
+
+def _type_name(value: object) -> str:
+    return "null" if value is None else {
+        dict: "object", list: "array", str: "string", bool: "boolean", int: "integer", float: "number"
+    }.get(type(value), type(value).__name__)
+
+
+def _is_int(value: object) -> bool:
+    # bool is a subclass of int in Python; JSON true is not an integer
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_token_array(value: object) -> bool:
+    return isinstance(value, list) and bool(value) and all(_is_int(t) and t >= 0 for t in value)
+
+
+def parse_json_body(body: bytes) -> dict[str, Any]:
+    """Decode a request body that must be a JSON object.
+
+    Raises:
+        RequestError: 400 ``invalid_request_error`` when the body is empty, not UTF-8 JSON, nested too
+            deeply for the parser, or not an object.
+    """
+    if not body.strip():
+        raise _bad("The request body is empty; expected a JSON object.", None)
+    try:
+        data = json.loads(body)
+    except RecursionError:
+        raise _bad("The request body is nested too deeply to parse.", None) from None
+    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError, int digit limit
+        raise _bad(f"We could not parse the JSON body of your request: {exc}", None) from None
+    if not isinstance(data, dict):
+        raise _bad(f"The request body must be a JSON object, got {_type_name(data)}.", None)
+    return data
+
+
+def parse_request(kind: EndpointKind, body: bytes) -> InferenceRequest:
+    """Parse and check the body of one inference request.
+
+    Args:
+        kind: the endpoint, from the request path (see :data:`INFERENCE_PATHS`).
+        body: the raw HTTP body.
+
+    Raises:
+        RequestError: 400 ``invalid_request_error`` naming ``param`` (``model``, ``messages[2].content``,
+            ``max_tokens``...) for malformed JSON, a missing or empty model, or a field of the wrong type.
+    """
+    data = parse_json_body(body)
+    model = data.get("model")
+    if model is None or model == "":
+        raise _bad("you must provide a model parameter", "model")
+    if not isinstance(model, str):
+        raise _bad(f"'model' must be a string, got {_type_name(model)}.", "model")
+
+    stream = _optional_bool(data, "stream")
+    user = _optional_str(data, "user")
+    n = _optional_int(data, "n", minimum=1, maximum=MAX_N)
+    n = 1 if n is None else n
+
+    if kind is EndpointKind.CHAT_COMPLETIONS:
+        messages = _parse_messages(data.get("messages"))
+        max_out = _optional_int(data, "max_completion_tokens", minimum=0)
+        if max_out is None:
+            max_out = _optional_int(data, "max_tokens", minimum=0)
+        return InferenceRequest(
+            kind=kind,
+            model=model,
+            messages=messages,
+            tools_json=_tools_json(data),
+            max_output_tokens=max_out,
+            n=n,
+            stream=stream,
+            user=user,
+        )
+
+    field = "prompt" if kind is EndpointKind.COMPLETIONS else "input"
+    texts, arrays = _parse_prompts(data, field)
+    if kind is EndpointKind.COMPLETIONS:
+        best_of = _optional_int(data, "best_of", minimum=1, maximum=MAX_N)
+        if best_of is not None:
+            n = max(n, best_of)
+        return InferenceRequest(
+            kind=kind,
+            model=model,
+            texts=texts,
+            token_array_lengths=arrays,
+            max_output_tokens=_optional_int(data, "max_tokens", minimum=0),
+            n=n,
+            prompt_count=max(1, len(texts) + len(arrays)),
+            stream=stream,
+            user=user,
+        )
+    return InferenceRequest(
+        kind=kind,
+        model=model,
+        texts=texts,
+        token_array_lengths=arrays,
+        prompt_count=max(1, len(texts) + len(arrays)),
+        user=user,
+    )
+
+
+def _optional_bool(data: Mapping[str, Any], key: str) -> bool:
+    value = data.get(key)
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise _bad(f"'{key}' must be a boolean, got {_type_name(value)}.", key)
+    return value
+
+
+def _optional_str(data: Mapping[str, Any], key: str) -> str | None:
+    value = data.get(key)
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        raise _bad(f"'{key}' must be a string, got {_type_name(value)}.", key)
+    return value
+
+
+def _optional_int(
+    data: Mapping[str, Any], key: str, *, minimum: int, maximum: int | None = None
+) -> int | None:
+    value = data.get(key)
+    if value is None:
+        return None
+    # JSON has one number type: 16.0 is accepted as 16, as OpenAI does
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if not _is_int(value):
+        raise _bad(f"'{key}' must be an integer, got {_type_name(value)}.", key)
+    if value < minimum or (maximum is not None and value > maximum):
+        bound = f">= {minimum}" if maximum is None else f"between {minimum} and {maximum}"
+        raise _bad(f"'{key}' must be {bound}, got {value}.", key, "invalid_value")
+    return int(value)
+
+
+def _parse_prompts(data: Mapping[str, Any], field: str) -> tuple[tuple[str, ...], tuple[int, ...]]:
+    value = data.get(field)
+    if value is None:
+        raise _bad(f"you must provide the '{field}' parameter", field)
+    if isinstance(value, str):
+        return (value,), ()
+    if isinstance(value, list):
+        if not value:
+            raise _bad(f"'{field}' must not be an empty array.", field)
+        if all(_is_int(t) for t in value):
+            if not _is_token_array(value):
+                raise _bad(f"'{field}' token ids must be non-negative integers.", field)
+            return (), (len(value),)
+        texts: list[str] = []
+        arrays: list[int] = []
+        for i, item in enumerate(value):
+            if isinstance(item, str):
+                texts.append(item)
+            elif _is_token_array(item):
+                arrays.append(len(item))
+            else:
+                raise _bad(
+                    f"'{field}[{i}]' must be a string or an array of token ids, got {_type_name(item)}.",
+                    f"{field}[{i}]",
+                )
+        return tuple(texts), tuple(arrays)
+    raise _bad(
+        f"'{field}' must be a string, an array of strings, or token arrays, got {_type_name(value)}.", field
+    )
+
+
+def _parse_messages(value: object) -> tuple[ChatMessage, ...]:
+    if value is None:
+        raise _bad("you must provide the 'messages' parameter", "messages")
+    if not isinstance(value, list):
+        raise _bad(f"'messages' must be an array, got {_type_name(value)}.", "messages")
+    if not value:
+        raise _bad("'messages' must contain at least one message.", "messages", "empty_array")
+    return tuple(_parse_message(i, m) for i, m in enumerate(value))
+
+
+def _parse_message(i: int, msg: object) -> ChatMessage:
+    where = f"messages[{i}]"
+    if not isinstance(msg, dict):
+        raise _bad(f"'{where}' must be an object, got {_type_name(msg)}.", where)
+    role = msg.get("role")
+    if not isinstance(role, str) or not role:
+        raise _bad(f"'{where}.role' must be a non-empty string, got {_type_name(role)}.", f"{where}.role")
+    name = msg.get("name")
+    if name is not None and not isinstance(name, str):
+        raise _bad(f"'{where}.name' must be a string, got {_type_name(name)}.", f"{where}.name")
+
+    texts: list[str] = []
+    images: list[ImageDetail] = []
+    content = msg.get("content")
+    if isinstance(content, str):
+        texts.append(content)
+    elif isinstance(content, list):
+        for j, part in enumerate(content):
+            _parse_part(f"{where}.content[{j}]", part, texts, images)
+    elif content is None:
+        if role != "assistant":
+            raise _bad(
+                f"'{where}.content' is required for a {role!r} message (null is allowed only for an "
+                "assistant message with tool_calls).",
+                f"{where}.content",
+            )
+    else:
+        raise _bad(
+            f"'{where}.content' must be a string or an array of content parts, got {_type_name(content)}.",
+            f"{where}.content",
+        )
+
+    tool_calls = msg.get("tool_calls")
+    if tool_calls is not None:
+        if not isinstance(tool_calls, list):
+            raise _bad(f"'{where}.tool_calls' must be an array.", f"{where}.tool_calls")
+        for j, call in enumerate(tool_calls):
+            fn = call.get("function") if isinstance(call, dict) else None
+            if not isinstance(fn, dict):
+                raise _bad(
+                    f"'{where}.tool_calls[{j}].function' must be an object.", f"{where}.tool_calls[{j}]"
+                )
+            _function_texts(f"{where}.tool_calls[{j}].function", fn, texts)
+    function_call = msg.get("function_call")
+    if function_call is not None:
+        if not isinstance(function_call, dict):
+            raise _bad(f"'{where}.function_call' must be an object.", f"{where}.function_call")
+        _function_texts(f"{where}.function_call", function_call, texts)
+    tool_call_id = msg.get("tool_call_id")
+    if tool_call_id is not None:
+        if not isinstance(tool_call_id, str):
+            raise _bad(f"'{where}.tool_call_id' must be a string.", f"{where}.tool_call_id")
+        texts.append(tool_call_id)
+    return ChatMessage(role=role, name=name, texts=tuple(texts), images=tuple(images))
+
+
+def _function_texts(where: str, fn: Mapping[str, Any], texts: list[str]) -> None:
+    for key in ("name", "arguments"):
+        value = fn.get(key)
+        if value is None:
+            continue
+        if not isinstance(value, str):
+            raise _bad(f"'{where}.{key}' must be a string, got {_type_name(value)}.", f"{where}.{key}")
+        texts.append(value)
+
+
+def _parse_part(where: str, part: object, texts: list[str], images: list[ImageDetail]) -> None:
+    if isinstance(part, str):
+        # some clients send bare strings inside content arrays; count them as text
+        texts.append(part)
+        return
+    if not isinstance(part, dict):
+        raise _bad(f"'{where}' must be a content part object, got {_type_name(part)}.", where)
+    kind = part.get("type")
+    if kind in ("text", "refusal"):
+        value = part.get(kind)
+        if not isinstance(value, str):
+            raise _bad(f"'{where}.{kind}' must be a string, got {_type_name(value)}.", f"{where}.{kind}")
+        texts.append(value)
+    elif kind == "image_url":
+        image = part.get("image_url")
+        url = image.get("url") if isinstance(image, dict) else image
+        if not isinstance(url, str):
+            raise _bad(f"'{where}.image_url.url' must be a string.", f"{where}.image_url")
+        detail = image.get("detail") if isinstance(image, dict) else None
+        try:
+            images.append(ImageDetail(detail) if detail is not None else ImageDetail.AUTO)
+        except ValueError:
+            raise _bad(
+                f"'{where}.image_url.detail' must be one of 'low', 'high', 'auto', got {detail!r}.",
+                f"{where}.image_url.detail",
+                "invalid_value",
+            ) from None
+    elif isinstance(kind, str) and kind:
+        # input_audio, file and future part types: counted by the size of their JSON, a documented
+        # over-estimate (issue 4 makes this a configured per-type estimate)
+        texts.append(json.dumps(part, separators=(",", ":"), ensure_ascii=False))
+    else:
+        raise _bad(f"'{where}.type' must be a non-empty string, got {_type_name(kind)}.", f"{where}.type")
+
+
+def _tools_json(data: Mapping[str, Any]) -> str | None:
+    defs: list[Any] = []
+    for key in ("tools", "functions"):
+        value = data.get(key)
+        if value is None:
+            continue
+        if not isinstance(value, list):
+            raise _bad(f"'{key}' must be an array, got {_type_name(value)}.", key)
+        defs.extend(value)
+    if not defs:
+        return None
+    # OpenAI renders definitions into the prompt in an internal format; their compact JSON is a
+    # documented stand-in of similar size
+    return json.dumps(defs, separators=(",", ":"), ensure_ascii=False)

@@ -1,0 +1,70 @@
+"""``python -m xds_server --config PATH [--log-level info]``: serve ADS for one inferlb config file.
+
+Exits 1 when the config is invalid or the listen address cannot be bound at start-up; at run time a bad
+config change is logged and the last good snapshot keeps serving. SIGINT/SIGTERM stop it cleanly.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+from pathlib import Path
+
+from inferlb.config import default_config_path
+from inferlb.errors import InferlbError
+from xds_server.server import DEFAULT_GRACE_S, XdsServer
+
+log = logging.getLogger("xds_server")
+
+
+def _parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m xds_server", description="inferlb xDS (ADS) control server")
+    p.add_argument(
+        "--config", type=Path, default=default_config_path(), help="inferlb YAML config (default: embedded)"
+    )
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    return p.parse_args(argv)
+
+
+async def _serve(config_path: Path) -> int:
+    server = XdsServer(config_path)
+    try:
+        await server.start()
+    except (InferlbError, RuntimeError) as exc:
+        log.error("xds_server cannot start: %s", exc)
+        await server.stop(0)
+        return 1
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await stop.wait()
+        log.info("xds_server stopping")
+        await server.stop(DEFAULT_GRACE_S)
+    finally:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
+    log.info("xds_server stopped")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the server until SIGINT/SIGTERM; returns the process exit code."""
+    args = _parse_args(argv)
+    logging.basicConfig(
+        level=getattr(logging, args.log_level.upper()),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    # grpc and asyncio are chatty at DEBUG; our own loggers carry the protocol detail
+    for noisy in ("grpc", "asyncio"):
+        logging.getLogger(noisy).setLevel(max(logging.INFO, logging.getLogger().level))
+    return asyncio.run(_serve(args.config))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,269 @@
+"""Immutable versioned snapshots of xDS resources and the cache that publishes them.
+
+Modelled on go-control-plane's ``pkg/cache/v3`` (``snapshot.go``: ``Snapshot`` + ``Consistent()``;
+``simple.go``: ``SetSnapshot`` answering the waiting watches), with the pitfalls of shared/DESIGN.md in mind:
+
+- each resource is serialized once per snapshot (into a packed ``Any``) and shared by every stream;
+- versions are ``<instance-id>-<n>``: the instance id is fresh per cache (per process start), so a version
+  string never repeats across restarts, and Envoy never mistakes new resources for ones it already has;
+- a type's version changes only when that type's resources changed (byte-wise), so a push resends only
+  the types that changed;
+- a snapshot is checked for consistency before it is published (every EDS cluster has its assignment,
+  the listener's route configuration exists, no endpoint weight below 1); a refused snapshot leaves the
+  current one serving.
+
+This module does no network I/O and imports no gRPC: streams (:mod:`xds_server.ads`) read from it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import secrets
+import time
+from collections.abc import Callable, Collection, Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Final
+
+from envoy.config.cluster.v3 import cluster_pb2
+from envoy.config.endpoint.v3 import endpoint_pb2
+from envoy.config.listener.v3 import listener_pb2
+from envoy.extensions.filters.network.http_connection_manager.v3 import http_connection_manager_pb2
+from google.protobuf import any_pb2
+from google.protobuf.message import Message
+
+from inferlb.errors import InferlbError
+from xds_server.resources import (
+    CLUSTER_TYPE,
+    ENDPOINT_TYPE,
+    LISTENER_TYPE,
+    PUSH_ORDER,
+    ROUTE_TYPE,
+    XdsResources,
+)
+
+#: The node group every node falls back to when no snapshot was set for its own node cluster.
+DEFAULT_GROUP: Final = "*"
+
+_HCM_TYPE = (
+    "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager"
+)
+
+
+class SnapshotInconsistentError(InferlbError):
+    """A snapshot was refused before publishing.
+
+    Attributes:
+        problems: one human-readable line per inconsistency (resource type and name included).
+    """
+
+    def __init__(self, problems: list[str]) -> None:
+        self.problems = problems
+        super().__init__("inconsistent xDS snapshot: " + "; ".join(problems))
+
+
+def new_instance_id() -> str:
+    """A short id unique per call (per process start when called once at start-up): seconds since the
+    epoch in hex plus 24 random bits, so two servers started in the same second still differ."""
+    return f"{int(time.time()):x}{secrets.token_hex(3)}"
+
+
+@dataclass(frozen=True, kw_only=True)
+class SnapshotResource:
+    """One resource of a snapshot, serialized once.
+
+    Attributes:
+        name: the xDS resource name.
+        message: the proto (never mutate it: it is shared by every stream).
+        packed: ``message`` packed into an ``Any`` (deterministic serialization), ready for a
+            ``DiscoveryResponse``.
+        digest: sha256 hex of the serialized bytes: a per-resource version (for Delta xDS).
+    """
+
+    name: str
+    message: Message
+    packed: any_pb2.Any
+    digest: str
+
+
+def _serialize(name: str, msg: Message) -> SnapshotResource:
+    body = msg.SerializeToString(deterministic=True)
+    packed = any_pb2.Any(type_url=f"type.googleapis.com/{msg.DESCRIPTOR.full_name}", value=body)
+    return SnapshotResource(name=name, message=msg, packed=packed, digest=hashlib.sha256(body).hexdigest())
+
+
+@dataclass(frozen=True, kw_only=True)
+class Snapshot:
+    """An immutable set of resources per type URL, with one version string per type.
+
+    Build it with :meth:`from_resources`; the cache assigns versions with :meth:`SnapshotCache.set_resources`.
+
+    Attributes:
+        versions: ``{type_url: version}`` for every type in :data:`xds_server.resources.PUSH_ORDER`.
+        resources: ``{type_url: {name: SnapshotResource}}`` (read-only mappings).
+    """
+
+    versions: Mapping[str, str]
+    resources: Mapping[str, Mapping[str, SnapshotResource]]
+
+    @classmethod
+    def from_resources(cls, resources: XdsResources, versions: Mapping[str, str]) -> Snapshot:
+        """Serialize every resource once and freeze the result.
+
+        Raises:
+            KeyError: ``versions`` lacks a type present in ``resources``.
+        """
+        by_type = {
+            t: MappingProxyType(
+                {n: _serialize(n, m) for n, m in sorted(resources.by_type.get(t, {}).items())}
+            )
+            for t in PUSH_ORDER
+        }
+        return cls(
+            versions=MappingProxyType({t: versions[t] for t in PUSH_ORDER}),
+            resources=MappingProxyType(by_type),
+        )
+
+    def version(self, type_url: str) -> str:
+        """The version of one type (``KeyError`` for a type this server does not serve)."""
+        return self.versions[type_url]
+
+    def select(self, type_url: str, names: Collection[str] = ()) -> list[SnapshotResource]:
+        """The resources of one type, all of them when ``names`` is empty (a wildcard subscription), else
+        those named that exist, in name order."""
+        table = self.resources.get(type_url, {})
+        if not names:
+            return list(table.values())
+        return [table[n] for n in sorted(set(names)) if n in table]
+
+    def digests(self, type_url: str) -> dict[str, str]:
+        """``{name: digest}`` of one type: equal dicts mean byte-identical resources."""
+        return {n: r.digest for n, r in self.resources.get(type_url, {}).items()}
+
+    def check_consistent(self) -> None:
+        """Refuse a snapshot Envoy would choke on (go-control-plane ``Consistent()``, extended).
+
+        Checks: every EDS cluster has a ClusterLoadAssignment under its service name; every route
+        configuration a listener's HTTP connection manager names over RDS exists; every endpoint weight
+        (and locality weight, when set) is at least 1 (Envoy NACKs 0).
+
+        Raises:
+            SnapshotInconsistentError: listing every problem found.
+        """
+        problems: list[str] = []
+        assignments = self.resources[ENDPOINT_TYPE]
+        for r in self.resources[CLUSTER_TYPE].values():
+            c = r.message
+            assert isinstance(c, cluster_pb2.Cluster)
+            if c.type == cluster_pb2.Cluster.EDS:
+                service = c.eds_cluster_config.service_name or c.name
+                if service not in assignments:
+                    problems.append(f"cluster {c.name!r}: no ClusterLoadAssignment {service!r}")
+        routes = self.resources[ROUTE_TYPE]
+        for r in self.resources[LISTENER_TYPE].values():
+            listener = r.message
+            assert isinstance(listener, listener_pb2.Listener)
+            for chain in listener.filter_chains:
+                for f in chain.filters:
+                    if f.typed_config.type_url != _HCM_TYPE:
+                        continue
+                    hcm = http_connection_manager_pb2.HttpConnectionManager()
+                    f.typed_config.Unpack(hcm)
+                    if hcm.HasField("rds") and hcm.rds.route_config_name not in routes:
+                        problems.append(
+                            f"listener {listener.name!r}: no RouteConfiguration {hcm.rds.route_config_name!r}"
+                        )
+        for r in assignments.values():
+            cla = r.message
+            assert isinstance(cla, endpoint_pb2.ClusterLoadAssignment)
+            for loc in cla.endpoints:
+                if loc.HasField("load_balancing_weight") and loc.load_balancing_weight.value < 1:
+                    problems.append(
+                        f"assignment {cla.cluster_name!r}: locality {loc.locality.zone!r} weight < 1"
+                    )
+                for lb in loc.lb_endpoints:
+                    if lb.HasField("load_balancing_weight") and lb.load_balancing_weight.value < 1:
+                        sa = lb.endpoint.address.socket_address
+                        problems.append(
+                            f"assignment {cla.cluster_name!r}: endpoint {sa.address}:{sa.port_value} weight "
+                            f"{lb.load_balancing_weight.value} < 1"
+                        )
+        if problems:
+            raise SnapshotInconsistentError(problems)
+
+
+#: A cache watcher: called as ``watcher(group, snapshot)`` right after a snapshot is published.
+SnapshotWatcher = Callable[[str, Snapshot], None]
+
+
+class SnapshotCache:
+    """The current snapshot per node group, and the watchers to tell when one changes.
+
+    Issue 2 runs one group (:data:`DEFAULT_GROUP`) for every node; a node whose cluster has a group of its
+    own gets that one (:meth:`snapshot_for`). Not thread-safe: call it from the event loop thread only.
+    Watchers run synchronously inside :meth:`set_resources` and must not block (streams enqueue a wake-up).
+
+    Args:
+        instance_id: version prefix; a fresh :func:`new_instance_id` by default.
+    """
+
+    def __init__(self, *, instance_id: str | None = None) -> None:
+        self.instance_id = instance_id or new_instance_id()
+        self._counter = itertools.count(1)
+        self._snapshots: dict[str, Snapshot] = {}
+        self._watchers: dict[int, SnapshotWatcher] = {}
+        self._watcher_ids = itertools.count()
+
+    def snapshot(self, group: str = DEFAULT_GROUP) -> Snapshot | None:
+        """The snapshot published for exactly this group, or None."""
+        return self._snapshots.get(group)
+
+    def snapshot_for(self, node_cluster: str) -> Snapshot | None:
+        """The snapshot a node of this Envoy node cluster gets: its own group's, else the default group's,
+        else None (nothing published yet)."""
+        return self._snapshots.get(node_cluster) or self._snapshots.get(DEFAULT_GROUP)
+
+    def set_resources(self, resources: XdsResources, *, group: str = DEFAULT_GROUP) -> Snapshot:
+        """Version, check and publish the resources of one group, then notify every watcher.
+
+        Each type keeps its previous version when its resources are byte-identical to the group's current
+        snapshot, and otherwise gets ``<instance_id>-<n>`` with ``n`` a counter shared by the cache's
+        publishes (so versions never repeat within a cache either).
+
+        Returns:
+            the published snapshot (the current one, unchanged, when nothing at all changed: no
+            watcher is then notified).
+
+        Raises:
+            SnapshotInconsistentError: the snapshot fails :meth:`Snapshot.check_consistent`; nothing is
+                published and the current snapshot keeps serving.
+        """
+        previous = self._snapshots.get(group)
+        draft = Snapshot.from_resources(resources, dict.fromkeys(PUSH_ORDER, ""))
+        changed = [t for t in PUSH_ORDER if previous is None or previous.digests(t) != draft.digests(t)]
+        draft.check_consistent()
+        if previous is not None and not changed:
+            return previous
+        fresh = f"{self.instance_id}-{next(self._counter)}"
+        versions = {t: fresh if previous is None or t in changed else previous.version(t) for t in PUSH_ORDER}
+        snapshot = Snapshot(versions=MappingProxyType(versions), resources=draft.resources)
+        self._snapshots[group] = snapshot
+        for watcher in list(self._watchers.values()):
+            watcher(group, snapshot)
+        return snapshot
+
+    def subscribe(self, watcher: SnapshotWatcher) -> Callable[[], None]:
+        """Register a watcher; returns the function that unregisters it (idempotent)."""
+        key = next(self._watcher_ids)
+        self._watchers[key] = watcher
+
+        def unsubscribe() -> None:
+            self._watchers.pop(key, None)
+
+        return unsubscribe
+
+    @property
+    def watcher_count(self) -> int:
+        """How many watchers are registered (one per open ADS stream)."""
+        return len(self._watchers)

@@ -1,0 +1,489 @@
+"""Pure functions turning an :class:`inferlb.config.Config` into Envoy v3 xDS resources (xds-protos).
+
+Nothing here does I/O: a config goes in, protos come out, so every resource can be checked in unit tests and
+the same config always yields byte-identical resources (the snapshot cache relies on that to keep a type's
+version when nothing in it changed).
+
+What is built (names are stable; the bootstrap and ``inferlb status`` rely on them):
+
+- Listener ``inferlb_gateway`` on ``gateway.listen``: HTTP connection manager whose early header mutation
+  strips client-sent ``x-inferlb-*`` routing headers, then the ext_proc filter (gRPC cluster
+  ``inferlb_ext_proc``), then the router. Routes come over ADS as RDS ``inferlb_routes``.
+- RouteConfiguration ``inferlb_routes``: per model version, a HIGH-priority route (``x-inferlb-priority:
+  high``) then a DEFAULT one, both matching ``x-inferlb-model`` + ``x-inferlb-version``; a final catch-all
+  answering 404 with an OpenAI-style JSON error.
+- One EDS Cluster per model version (:func:`inferlb.config.cluster_name`), plus the STATIC HTTP/2 cluster
+  ``inferlb_ext_proc``.
+- One ClusterLoadAssignment per model-version cluster (empty when the pool is empty: Envoy must get an
+  answer to finish warming), endpoints grouped by (region, zone), weights from
+  :func:`inferlb.fleet.capacity_weight`.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Final
+
+from envoy.config.cluster.v3 import circuit_breaker_pb2, cluster_pb2, outlier_detection_pb2
+from envoy.config.common.mutation_rules.v3 import mutation_rules_pb2
+from envoy.config.core.v3 import (
+    address_pb2,
+    base_pb2,
+    config_source_pb2,
+    extension_pb2,
+    grpc_service_pb2,
+    protocol_pb2,
+)
+from envoy.config.endpoint.v3 import endpoint_components_pb2, endpoint_pb2
+from envoy.config.listener.v3 import listener_components_pb2, listener_pb2
+from envoy.config.route.v3 import route_components_pb2, route_pb2
+from envoy.extensions.filters.http.ext_proc.v3 import ext_proc_pb2, processing_mode_pb2
+from envoy.extensions.filters.http.router.v3 import router_pb2
+from envoy.extensions.filters.network.http_connection_manager.v3 import http_connection_manager_pb2
+from envoy.extensions.http.early_header_mutation.header_mutation.v3 import (
+    header_mutation_pb2 as early_header_mutation_pb2,
+)
+from envoy.extensions.retry.host.previous_hosts.v3 import previous_hosts_pb2
+from envoy.extensions.upstreams.http.v3 import http_protocol_options_pb2
+from envoy.type.matcher.v3 import string_pb2
+from envoy.type.v3 import percent_pb2
+from google.protobuf import any_pb2, duration_pb2, struct_pb2, wrappers_pb2
+from google.protobuf.message import Message
+
+from inferlb import headers
+from inferlb.config import (
+    CircuitBreaker,
+    ClusterPolicy,
+    Config,
+    EndpointConfig,
+    HostPort,
+    ModelConfig,
+    cluster_name,
+)
+from inferlb.errors import ConfigError, RequestError
+from inferlb.fleet import capacity_weight
+
+# -- type URLs (envoy/api/v3; the ADS stream multiplexes on these) --------------------------------------
+LISTENER_TYPE: Final = "type.googleapis.com/envoy.config.listener.v3.Listener"
+ROUTE_TYPE: Final = "type.googleapis.com/envoy.config.route.v3.RouteConfiguration"
+CLUSTER_TYPE: Final = "type.googleapis.com/envoy.config.cluster.v3.Cluster"
+ENDPOINT_TYPE: Final = "type.googleapis.com/envoy.config.endpoint.v3.ClusterLoadAssignment"
+
+#: The order an ADS server must push types in so Envoy never routes to something it does not know yet
+#: ("make before break", envoy/api/xds_protocol: "eventual consistency considerations"): clusters, then
+#: their endpoints, then listeners, then the routes they reference.
+PUSH_ORDER: Final[tuple[str, ...]] = (CLUSTER_TYPE, ENDPOINT_TYPE, LISTENER_TYPE, ROUTE_TYPE)
+
+# -- resource names ------------------------------------------------------------------------------------
+LISTENER_NAME: Final = "inferlb_gateway"
+ROUTE_CONFIG_NAME: Final = "inferlb_routes"
+EXT_PROC_CLUSTER: Final = "inferlb_ext_proc"
+VIRTUAL_HOST_NAME: Final = "inferlb"
+NO_ROUTE_NAME: Final = "no_route"
+#: ``filter_metadata`` namespace on each LbEndpoint (``{"name", "gpu"}``), read back by status tools.
+METADATA_NAMESPACE: Final = "inferlb"
+
+#: The HCM early header mutation extension that strips client-sent routing headers.
+EARLY_HEADER_MUTATION: Final = "envoy.http.early_header_mutation.header_mutation"
+#: Client-sent headers the gateway strips before routing and before ext_proc runs (ext_proc strips them
+#: too): only ext_proc may set the headers routes match on, or a client could pick its cluster or priority.
+STRIPPED_REQUEST_HEADERS: Final[tuple[str, ...]] = (
+    headers.MODEL,
+    headers.VERSION,
+    headers.TENANT,
+    headers.PRIORITY,
+    headers.PROMPT_TOKENS,
+)
+#: Envoy's retry conditions for inference requests: only failures where the request provably did not reach
+#: a model server (or was reset), so a retry cannot double-generate. 5xx answers are not retried.
+RETRY_ON: Final = "connect-failure,refused-stream,reset"
+#: How often Envoy re-picks a host to avoid ones already tried (``host_selection_retry_max_attempts``).
+HOST_SELECTION_RETRY_MAX_ATTEMPTS: Final = 3
+#: The ext_proc cluster carries one HTTP/2 stream per client request: Envoy's default circuit breaker
+#: (1024 requests) would 503 the gateway before any model cluster is saturated, so lift it.
+EXT_PROC_MAX_REQUESTS: Final = 1_000_000
+EXT_PROC_CONNECT_TIMEOUT_MS: Final = 1_000
+
+_V3 = config_source_pb2.ApiVersion.V3
+
+
+@dataclass(frozen=True, kw_only=True)
+class XdsResources:
+    """Everything one config yields, by type URL then resource name.
+
+    Attributes:
+        by_type: ``{type_url: {name: proto}}`` for the four types in :data:`PUSH_ORDER` (each present,
+            possibly empty).
+    """
+
+    by_type: Mapping[str, Mapping[str, Message]]
+
+
+def _duration_ms(ms: int) -> duration_pb2.Duration:
+    d = duration_pb2.Duration()
+    d.FromMilliseconds(ms)
+    return d
+
+
+def _pack(msg: Message) -> any_pb2.Any:
+    a = any_pb2.Any()
+    a.Pack(msg)
+    return a
+
+
+def _socket_address(hp: HostPort) -> address_pb2.Address:
+    return address_pb2.Address(socket_address=address_pb2.SocketAddress(address=hp.host, port_value=hp.port))
+
+
+def _ads_source() -> config_source_pb2.ConfigSource:
+    return config_source_pb2.ConfigSource(
+        ads=config_source_pb2.AggregatedConfigSource(), resource_api_version=_V3
+    )
+
+
+def _http2_protocol_options() -> dict[str, any_pb2.Any]:
+    opts = http_protocol_options_pb2.HttpProtocolOptions(
+        explicit_http_config=http_protocol_options_pb2.HttpProtocolOptions.ExplicitHttpConfig(
+            http2_protocol_options=protocol_pb2.Http2ProtocolOptions()
+        )
+    )
+    return {"envoy.extensions.upstreams.http.v3.HttpProtocolOptions": _pack(opts)}
+
+
+# -- listener -------------------------------------------------------------------------------------------
+def build_listener(config: Config) -> listener_pb2.Listener:
+    """The gateway Listener ``inferlb_gateway`` (see the module docstring for its filter chain).
+
+    ``per_connection_buffer_limit_bytes`` = ``gateway.max_request_body_bytes``: ext_proc buffers the request
+    body (BUFFERED mode), and a body above the buffer limit makes Envoy answer 413 before ext_proc sees it.
+    """
+    gw = config.gateway
+    # Early header mutation runs before route selection and before any filter. The HTTP header_mutation
+    # *filter* does not do: it looks up its per-route config first, which caches a route chosen on the
+    # client's own x-inferlb-* headers, and with ext_proc failing open (no clear_route_cache) that cached
+    # route is used (measured on Envoy 1.40: a client's x-inferlb-model reached the model cluster).
+    strip = early_header_mutation_pb2.HeaderMutation(
+        mutations=[mutation_rules_pb2.HeaderMutation(remove=h) for h in STRIPPED_REQUEST_HEADERS]
+    )
+    ext_proc = ext_proc_pb2.ExternalProcessor(
+        grpc_service=grpc_service_pb2.GrpcService(
+            envoy_grpc=grpc_service_pb2.GrpcService.EnvoyGrpc(cluster_name=EXT_PROC_CLUSTER)
+        ),
+        processing_mode=processing_mode_pb2.ProcessingMode(
+            request_header_mode=processing_mode_pb2.ProcessingMode.SEND,
+            response_header_mode=processing_mode_pb2.ProcessingMode.SKIP,
+            request_body_mode=processing_mode_pb2.ProcessingMode.BUFFERED,
+            response_body_mode=processing_mode_pb2.ProcessingMode.NONE,
+            request_trailer_mode=processing_mode_pb2.ProcessingMode.SKIP,
+            response_trailer_mode=processing_mode_pb2.ProcessingMode.SKIP,
+        ),
+        # Envoy's 200 ms default breaks big bodies (shared/DESIGN.md); a hit answers 504 (or fails open).
+        message_timeout=_duration_ms(config.ext_proc.message_timeout_ms),
+        failure_mode_allow=config.ext_proc.failure_mode_allow,
+        allow_mode_override=False,
+    )
+    hcm = http_connection_manager_pb2.HttpConnectionManager(
+        stat_prefix=LISTENER_NAME,
+        codec_type=http_connection_manager_pb2.HttpConnectionManager.AUTO,
+        early_header_mutation_extensions=[
+            extension_pb2.TypedExtensionConfig(name=EARLY_HEADER_MUTATION, typed_config=_pack(strip))
+        ],
+        rds=http_connection_manager_pb2.Rds(config_source=_ads_source(), route_config_name=ROUTE_CONFIG_NAME),
+        http_filters=[
+            http_connection_manager_pb2.HttpFilter(
+                name="envoy.filters.http.ext_proc", typed_config=_pack(ext_proc)
+            ),
+            http_connection_manager_pb2.HttpFilter(
+                name="envoy.filters.http.router", typed_config=_pack(router_pb2.Router())
+            ),
+        ],
+    )
+    return listener_pb2.Listener(
+        name=LISTENER_NAME,
+        address=_socket_address(gw.listen),
+        per_connection_buffer_limit_bytes=wrappers_pb2.UInt32Value(value=gw.max_request_body_bytes),
+        filter_chains=[
+            listener_components_pb2.FilterChain(
+                filters=[
+                    listener_components_pb2.Filter(
+                        name="envoy.filters.network.http_connection_manager", typed_config=_pack(hcm)
+                    )
+                ]
+            )
+        ],
+    )
+
+
+# -- routes ---------------------------------------------------------------------------------------------
+def no_route_body() -> str:
+    """The JSON body of the catch-all 404: an OpenAI error with ``code`` ``"no_route"``."""
+    err = RequestError(
+        404,
+        "no model route matched this request: send an OpenAI-style request whose 'model' this gateway serves",
+        type="invalid_request_error",
+        code="no_route",
+    )
+    return json.dumps(err.to_openai_json(), separators=(",", ":"))
+
+
+def _exact(name: str, value: str) -> route_components_pb2.HeaderMatcher:
+    return route_components_pb2.HeaderMatcher(name=name, string_match=string_pb2.StringMatcher(exact=value))
+
+
+def _route_action(config: Config, cluster: str, *, high: bool) -> route_components_pb2.RouteAction:
+    gw = config.gateway
+    retry = route_components_pb2.RetryPolicy(
+        retry_on=RETRY_ON,
+        num_retries=wrappers_pb2.UInt32Value(value=gw.num_retries),
+        retry_host_predicate=[
+            route_components_pb2.RetryPolicy.RetryHostPredicate(
+                name="envoy.retry_host_predicates.previous_hosts",
+                typed_config=_pack(previous_hosts_pb2.PreviousHostsPredicate()),
+            )
+        ],
+        host_selection_retry_max_attempts=HOST_SELECTION_RETRY_MAX_ATTEMPTS,
+    )
+    return route_components_pb2.RouteAction(
+        cluster=cluster,
+        # HIGH has its own circuit-breaker thresholds on every cluster, so high-priority tenants keep a
+        # budget when DEFAULT traffic saturates the cluster.
+        priority=base_pb2.RoutingPriority.HIGH if high else base_pb2.RoutingPriority.DEFAULT,
+        timeout=_duration_ms(gw.request_timeout_ms),
+        retry_policy=retry,
+    )
+
+
+def build_route_configuration(config: Config) -> route_pb2.RouteConfiguration:
+    """RouteConfiguration ``inferlb_routes`` (one virtual host ``*``).
+
+    Routes are matched in order: per model version the HIGH variant (also requiring
+    ``x-inferlb-priority: high``) precedes the DEFAULT one, and the catch-all 404 comes last.
+    """
+    routes: list[route_components_pb2.Route] = []
+    for model in config.models:
+        for version in model.versions:
+            cluster = cluster_name(model.name, version.name)
+            base = [_exact(headers.MODEL, model.name), _exact(headers.VERSION, version.name)]
+            routes.append(
+                route_components_pb2.Route(
+                    name=f"{cluster}--high",
+                    match=route_components_pb2.RouteMatch(
+                        prefix="/", headers=[*base, _exact(headers.PRIORITY, "high")]
+                    ),
+                    route=_route_action(config, cluster, high=True),
+                )
+            )
+            routes.append(
+                route_components_pb2.Route(
+                    name=cluster,
+                    match=route_components_pb2.RouteMatch(prefix="/", headers=base),
+                    route=_route_action(config, cluster, high=False),
+                )
+            )
+    routes.append(
+        route_components_pb2.Route(
+            name=NO_ROUTE_NAME,
+            match=route_components_pb2.RouteMatch(prefix="/"),
+            direct_response=route_components_pb2.DirectResponseAction(
+                status=404, body=base_pb2.DataSource(inline_string=no_route_body())
+            ),
+            response_headers_to_add=[
+                base_pb2.HeaderValueOption(
+                    header=base_pb2.HeaderValue(key="content-type", value="application/json"),
+                    append_action=base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD,
+                )
+            ],
+        )
+    )
+    return route_pb2.RouteConfiguration(
+        name=ROUTE_CONFIG_NAME,
+        virtual_hosts=[
+            route_components_pb2.VirtualHost(name=VIRTUAL_HOST_NAME, domains=["*"], routes=routes)
+        ],
+    )
+
+
+# -- clusters -------------------------------------------------------------------------------------------
+_LB_POLICY: Final[Mapping[str, int]] = {
+    "least_request": cluster_pb2.Cluster.LEAST_REQUEST,
+    "round_robin": cluster_pb2.Cluster.ROUND_ROBIN,
+    "ring_hash": cluster_pb2.Cluster.RING_HASH,
+    "maglev": cluster_pb2.Cluster.MAGLEV,
+}
+
+
+def _thresholds(priority: int, cb: CircuitBreaker) -> circuit_breaker_pb2.CircuitBreakers.Thresholds:
+    return circuit_breaker_pb2.CircuitBreakers.Thresholds(
+        priority=priority,
+        max_connections=wrappers_pb2.UInt32Value(value=cb.max_connections),
+        max_pending_requests=wrappers_pb2.UInt32Value(value=cb.max_pending_requests),
+        max_requests=wrappers_pb2.UInt32Value(value=cb.max_requests),
+        max_retries=wrappers_pb2.UInt32Value(value=cb.max_retries),
+        # remaining_* gauges let `inferlb status` show how close a cluster is to tripping
+        track_remaining=True,
+    )
+
+
+def build_model_cluster(name: str, policy: ClusterPolicy) -> cluster_pb2.Cluster:
+    """One EDS Cluster for one model version, every resilience knob set explicitly from ``policy``.
+
+    Envoy's defaults differ from what inference needs (shared/DESIGN.md): gateway-failure enforcement
+    defaults to 0% and the panic threshold to 50%, so both are always sent.
+    """
+    od = policy.outlier_detection
+    cluster = cluster_pb2.Cluster(
+        name=name,
+        type=cluster_pb2.Cluster.EDS,
+        eds_cluster_config=cluster_pb2.Cluster.EdsClusterConfig(eds_config=_ads_source()),
+        connect_timeout=_duration_ms(policy.connect_timeout_ms),
+        lb_policy=_LB_POLICY[policy.lb_policy],
+        common_lb_config=cluster_pb2.Cluster.CommonLbConfig(
+            healthy_panic_threshold=percent_pb2.Percent(value=policy.healthy_panic_threshold)
+        ),
+        outlier_detection=outlier_detection_pb2.OutlierDetection(
+            consecutive_5xx=wrappers_pb2.UInt32Value(value=od.consecutive_5xx),
+            enforcing_consecutive_5xx=wrappers_pb2.UInt32Value(value=100),
+            consecutive_gateway_failure=wrappers_pb2.UInt32Value(value=od.consecutive_gateway_failure),
+            enforcing_consecutive_gateway_failure=wrappers_pb2.UInt32Value(
+                value=od.enforcing_consecutive_gateway_failure
+            ),
+            interval=_duration_ms(od.interval_ms),
+            base_ejection_time=_duration_ms(od.base_ejection_time_ms),
+            max_ejection_percent=wrappers_pb2.UInt32Value(value=od.max_ejection_percent),
+        ),
+        circuit_breakers=circuit_breaker_pb2.CircuitBreakers(
+            thresholds=[
+                _thresholds(base_pb2.RoutingPriority.DEFAULT, policy.circuit_breaker_default),
+                _thresholds(base_pb2.RoutingPriority.HIGH, policy.circuit_breaker_high),
+            ]
+        ),
+    )
+    if policy.lb_policy == "least_request":
+        cluster.least_request_lb_config.active_request_bias.CopyFrom(
+            base_pb2.RuntimeDouble(
+                default_value=policy.active_request_bias, runtime_key=f"inferlb.{name}.active_request_bias"
+            )
+        )
+    return cluster
+
+
+def build_ext_proc_cluster(config: Config) -> cluster_pb2.Cluster:
+    """The ``inferlb_ext_proc`` cluster: HTTP/2 (Envoy 1.40 500s every request over HTTP/1.1, see
+    shared/DESIGN.md), STATIC for an IP literal or LOGICAL_DNS for a host name."""
+    hp = config.ext_proc.listen
+    return cluster_pb2.Cluster(
+        name=EXT_PROC_CLUSTER,
+        type=cluster_pb2.Cluster.STATIC if hp.is_ip else cluster_pb2.Cluster.LOGICAL_DNS,
+        connect_timeout=_duration_ms(EXT_PROC_CONNECT_TIMEOUT_MS),
+        typed_extension_protocol_options=_http2_protocol_options(),
+        circuit_breakers=circuit_breaker_pb2.CircuitBreakers(
+            thresholds=[
+                circuit_breaker_pb2.CircuitBreakers.Thresholds(
+                    priority=p,
+                    max_connections=wrappers_pb2.UInt32Value(value=EXT_PROC_MAX_REQUESTS),
+                    max_pending_requests=wrappers_pb2.UInt32Value(value=EXT_PROC_MAX_REQUESTS),
+                    max_requests=wrappers_pb2.UInt32Value(value=EXT_PROC_MAX_REQUESTS),
+                )
+                for p in (base_pb2.RoutingPriority.DEFAULT, base_pb2.RoutingPriority.HIGH)
+            ]
+        ),
+        load_assignment=endpoint_pb2.ClusterLoadAssignment(
+            cluster_name=EXT_PROC_CLUSTER,
+            endpoints=[
+                endpoint_components_pb2.LocalityLbEndpoints(
+                    lb_endpoints=[
+                        endpoint_components_pb2.LbEndpoint(
+                            endpoint=endpoint_components_pb2.Endpoint(address=_socket_address(hp))
+                        )
+                    ]
+                )
+            ],
+        ),
+    )
+
+
+def build_clusters(config: Config) -> list[cluster_pb2.Cluster]:
+    """Every Cluster: one EDS cluster per model version (config order), then ``inferlb_ext_proc``."""
+    out = [build_model_cluster(m.cluster_name(v.name), m.cluster) for m in config.models for v in m.versions]
+    out.append(build_ext_proc_cluster(config))
+    return out
+
+
+# -- endpoints ------------------------------------------------------------------------------------------
+def _lb_endpoint(config: Config, e: EndpointConfig) -> endpoint_components_pb2.LbEndpoint:
+    meta = struct_pb2.Struct()
+    meta.update({"name": e.display_name, "gpu": e.gpu})
+    return endpoint_components_pb2.LbEndpoint(
+        endpoint=endpoint_components_pb2.Endpoint(
+            address=_socket_address(e.address), hostname=e.display_name
+        ),
+        load_balancing_weight=wrappers_pb2.UInt32Value(value=capacity_weight(config, e)),
+        metadata=base_pb2.Metadata(filter_metadata={METADATA_NAMESPACE: meta}),
+    )
+
+
+def build_load_assignment(
+    config: Config, model: ModelConfig, version: str
+) -> endpoint_pb2.ClusterLoadAssignment:
+    """The ClusterLoadAssignment of one model version: its endpoints grouped by (region, zone), localities
+    in sorted order, endpoints in config order. No endpoints -> an assignment with no localities (Envoy
+    needs that answer to finish warming the cluster, then answers 503 fast)."""
+    by_locality: dict[tuple[str, str], list[endpoint_components_pb2.LbEndpoint]] = {}
+    for e in config.endpoints:
+        if e.model == model.name and config.endpoint_version(e) == version:
+            by_locality.setdefault((e.region, e.zone), []).append(_lb_endpoint(config, e))
+    return endpoint_pb2.ClusterLoadAssignment(
+        cluster_name=cluster_name(model.name, version),
+        endpoints=[
+            endpoint_components_pb2.LocalityLbEndpoints(
+                locality=base_pb2.Locality(region=region, zone=zone), lb_endpoints=lbs
+            )
+            for (region, zone), lbs in sorted(by_locality.items())
+        ],
+    )
+
+
+def build_load_assignments(config: Config) -> list[endpoint_pb2.ClusterLoadAssignment]:
+    """One ClusterLoadAssignment per model-version cluster, config order, empty pools included."""
+    return [build_load_assignment(config, m, v.name) for m in config.models for v in m.versions]
+
+
+def check_endpoint_addresses(config: Config, source: str = "<config>") -> None:
+    """EDS endpoints are not resolved by Envoy: each must be an IP literal.
+
+    Raises:
+        ConfigError: naming ``endpoints[i].address`` for every host name found.
+    """
+    problems = [
+        (f"endpoints[{i}].address", f"EDS endpoints need an IP address, got host name {e.address.host!r}")
+        for i, e in enumerate(config.endpoints)
+        if not e.address.is_ip
+    ]
+    if problems:
+        raise ConfigError(source, problems)
+
+
+def build_resources(config: Config, source: str = "<config>") -> XdsResources:
+    """Every xDS resource of a config, by type URL then name.
+
+    Args:
+        config: a validated config.
+        source: where the config came from, for error messages.
+
+    Raises:
+        ConfigError: the config cannot be expressed in Envoy (an endpoint host name, see
+            :func:`check_endpoint_addresses`).
+    """
+    check_endpoint_addresses(config, source)
+    listener = build_listener(config)
+    routes = build_route_configuration(config)
+    return XdsResources(
+        by_type={
+            CLUSTER_TYPE: {c.name: c for c in build_clusters(config)},
+            ENDPOINT_TYPE: {a.cluster_name: a for a in build_load_assignments(config)},
+            LISTENER_TYPE: {listener.name: listener},
+            ROUTE_TYPE: {routes.name: routes},
+        }
+    )

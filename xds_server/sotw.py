@@ -1,0 +1,247 @@
+"""State-of-the-world (SotW) xDS protocol state of one ADS stream, with no I/O.
+
+The servicer (:mod:`xds_server.ads`) feeds it the stream's requests and the snapshots the cache publishes,
+and writes out the responses it returns; everything protocol-shaped is decided here, in plain methods a
+unit test can drive. The rules (envoy/api/xds_protocol, "ACK and NACK semantics", and the pitfalls in
+shared/DESIGN.md):
+
+- a request for a type not subscribed yet, or with an empty ``response_nonce``, is a new subscription: it is
+  answered at once with the current snapshot, even if its version did not change;
+- a request whose ``response_nonce`` is not the latest one sent for its type is stale and ignored;
+- a request carrying ``error_detail`` is a NACK of the version last sent: it is reported (node id, detail)
+  and NOT answered by resending that version (the go-control-plane#962 loop); the stream waits for the next
+  snapshot, and a later snapshot never resends a type whose version is the rejected one;
+- any other request with the latest nonce is an ACK; it is answered only when it changes the resource
+  names subscribed to (Envoy asks for new clusters' endpoints that way);
+- a new snapshot pushes every subscribed type whose version changed, in :data:`PUSH_ORDER` (clusters,
+  endpoints, listeners, routes: make before break); endpoints are resent whenever clusters were (a
+  changed cluster warms until it gets its assignment, envoy#31535), and routes whenever listeners were.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from envoy.config.core.v3 import base_pb2
+from envoy.service.discovery.v3 import discovery_pb2
+
+from xds_server.cache import Snapshot
+from xds_server.resources import CLUSTER_TYPE, ENDPOINT_TYPE, LISTENER_TYPE, PUSH_ORDER, ROUTE_TYPE
+
+#: Types whose SotW subscription names specific resources (the others are wildcard: all resources).
+NAMED_TYPES = frozenset({ENDPOINT_TYPE, ROUTE_TYPE})
+#: A type that must be resent after the key type was sent in the same push (warming, make-before-break).
+_RESEND_AFTER = {ENDPOINT_TYPE: CLUSTER_TYPE, ROUTE_TYPE: LISTENER_TYPE}
+
+
+# -- what happened on a stream (past-tense events, for logs and counters) --------------------------------
+@dataclass(frozen=True, kw_only=True)
+class SubscriptionOpened:
+    """A type was subscribed to (first request for it, or a request with an empty nonce)."""
+
+    type_url: str
+    resource_names: tuple[str, ...]
+
+
+@dataclass(frozen=True, kw_only=True)
+class ResponseSent:
+    """A DiscoveryResponse was produced for the stream."""
+
+    type_url: str
+    version: str
+    nonce: str
+    resource_count: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class AckReceived:
+    """The client accepted a version (its request carried the latest nonce and no error_detail)."""
+
+    type_url: str
+    version: str
+    nonce: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class NackReceived:
+    """The client rejected a version: ``rejected_version`` will not be resent on this stream.
+
+    ``kept_version`` is the version the client still runs (``version_info`` of the NACK)."""
+
+    type_url: str
+    rejected_version: str
+    kept_version: str
+    nonce: str
+    node_id: str
+    error_code: int
+    error_message: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class StaleNonceIgnored:
+    """A request answered a response that is no longer the latest for its type; ignored."""
+
+    type_url: str
+    nonce: str
+    latest_nonce: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class UnknownTypeIgnored:
+    """A request for a type this server does not serve; ignored."""
+
+    type_url: str
+
+
+StreamEvent = (
+    SubscriptionOpened | ResponseSent | AckReceived | NackReceived | StaleNonceIgnored | UnknownTypeIgnored
+)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Step:
+    """The outcome of one input: responses to write in order, and what happened."""
+
+    responses: tuple[discovery_pb2.DiscoveryResponse, ...] = ()
+    events: tuple[StreamEvent, ...] = ()
+
+
+@dataclass
+class TypeState:
+    """Per-type state of a stream (mutable, owned by one :class:`SotwStream`).
+
+    Attributes:
+        resource_names: names of the latest accepted request (empty = wildcard).
+        sent_names: the names the last response was filtered by.
+        sent_version / sent_nonce: of the last response (None before the first).
+        acked_version: the last version the client ACKed (None before the first ACK).
+        nacked_version: the last version the client rejected (never resent), or None.
+    """
+
+    resource_names: frozenset[str] = frozenset()
+    sent_names: frozenset[str] = frozenset()
+    sent_version: str | None = None
+    sent_nonce: str | None = None
+    acked_version: str | None = None
+    nacked_version: str | None = None
+
+
+@dataclass
+class SotwStream:
+    """The SotW protocol state of one ADS stream. Not thread-safe; one per stream.
+
+    Args:
+        control_plane_id: sent as ``control_plane.identifier`` in every response (the cache's instance id).
+    """
+
+    control_plane_id: str = ""
+    node: base_pb2.Node | None = None
+    types: dict[str, TypeState] = field(default_factory=dict)
+    _nonces: itertools.count[int] = field(default_factory=lambda: itertools.count(1))
+
+    @property
+    def node_id(self) -> str:
+        """The node id from the stream's first request ("" until known)."""
+        return self.node.id if self.node is not None else ""
+
+    @property
+    def node_cluster(self) -> str:
+        """The node cluster from the stream's first request ("" until known): picks the snapshot group."""
+        return self.node.cluster if self.node is not None else ""
+
+    def handle_request(self, request: discovery_pb2.DiscoveryRequest, snapshot: Snapshot | None) -> Step:
+        """Apply one DiscoveryRequest; ``snapshot`` is the current one for this node (None if none yet).
+
+        Returns:
+            the responses to send (zero or one) and the events (see the module docstring for the rules).
+        """
+        if self.node is None and request.HasField("node"):
+            self.node = request.node
+        t = request.type_url
+        if t not in PUSH_ORDER:
+            return Step(events=(UnknownTypeIgnored(type_url=t),))
+        names = frozenset(request.resource_names)
+        state = self.types.get(t)
+        if state is None or not request.response_nonce:
+            state = state or TypeState()
+            self.types[t] = state
+            state.resource_names = names
+            opened = SubscriptionOpened(type_url=t, resource_names=tuple(sorted(names)))
+            if snapshot is None:
+                return Step(events=(opened,))
+            return self._respond(t, state, snapshot, (opened,))
+        if request.response_nonce != state.sent_nonce:
+            return Step(
+                events=(
+                    StaleNonceIgnored(
+                        type_url=t, nonce=request.response_nonce, latest_nonce=state.sent_nonce or ""
+                    ),
+                )
+            )
+        state.resource_names = names
+        if request.HasField("error_detail"):
+            rejected = state.sent_version or ""
+            state.nacked_version = rejected
+            nack = NackReceived(
+                type_url=t,
+                rejected_version=rejected,
+                kept_version=request.version_info,
+                nonce=request.response_nonce,
+                node_id=self.node_id,
+                error_code=request.error_detail.code,
+                error_message=request.error_detail.message,
+            )
+            return Step(events=(nack,))
+        state.acked_version = request.version_info
+        ack = AckReceived(type_url=t, version=request.version_info, nonce=request.response_nonce)
+        if (
+            snapshot is not None
+            and t in NAMED_TYPES
+            and names != state.sent_names
+            and snapshot.version(t) != state.nacked_version
+        ):
+            return self._respond(t, state, snapshot, (ack,))
+        return Step(events=(ack,))
+
+    def handle_snapshot(self, snapshot: Snapshot) -> Step:
+        """Push a newly published snapshot: every subscribed type whose version changed (and is not the
+        one the client rejected), in :data:`PUSH_ORDER`, endpoints after any cluster push and routes after
+        any listener push."""
+        responses: list[discovery_pb2.DiscoveryResponse] = []
+        events: list[StreamEvent] = []
+        pushed: set[str] = set()
+        for t in PUSH_ORDER:
+            state = self.types.get(t)
+            if state is None:
+                continue
+            version = snapshot.version(t)
+            if version == state.nacked_version:
+                continue
+            due = (
+                state.sent_version is None or version != state.sent_version or _RESEND_AFTER.get(t) in pushed
+            )
+            if not due:
+                continue
+            step = self._respond(t, state, snapshot, ())
+            responses.extend(step.responses)
+            events.extend(step.events)
+            pushed.add(t)
+        return Step(responses=tuple(responses), events=tuple(events))
+
+    def _respond(self, t: str, state: TypeState, snapshot: Snapshot, events: Sequence[StreamEvent]) -> Step:
+        names = state.resource_names if t in NAMED_TYPES else frozenset()
+        selected = snapshot.select(t, names)
+        nonce = str(next(self._nonces))
+        version = snapshot.version(t)
+        response = discovery_pb2.DiscoveryResponse(
+            version_info=version,
+            type_url=t,
+            nonce=nonce,
+            resources=[r.packed for r in selected],
+            control_plane=base_pb2.ControlPlane(identifier=self.control_plane_id),
+        )
+        state.sent_version, state.sent_nonce, state.sent_names = version, nonce, names
+        sent = ResponseSent(type_url=t, version=version, nonce=nonce, resource_count=len(selected))
+        return Step(responses=(response,), events=(*events, sent))

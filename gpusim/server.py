@@ -1,0 +1,445 @@
+"""The simulated GPU model server: one aiohttp application per endpoint, OpenAI-compatible, timed by
+:mod:`gpusim.engine` in real time.
+
+Routes (what vLLM's OpenAI server answers, in its shapes):
+
+* ``POST /v1/chat/completions``, ``POST /v1/completions``: streamed (SSE) or not; exactly ``max_tokens``
+  (``max_completion_tokens``, else the model's ``default_max_tokens``) tokens per choice, ``n`` choices, as
+  vLLM with ``ignore_eos``. Time to first token = queueing + prefill; then one token per engine step.
+  Errors are OpenAI JSON: 400 malformed body, 404 unknown model (vLLM also answers 404), 503 with
+  ``retry-after`` when the queue is full.
+* ``GET /v1/models``, ``GET /health`` (``{"status": "ok"}``), ``GET /metrics`` (vLLM names, see
+  :mod:`gpusim.metrics`).
+
+Every response, errors included, carries ``x-inferlb-endpoint: <display name>`` and ``x-inferlb-gpu: <GPU
+type>``. A client that disconnects (the handler is cancelled: ``handler_cancellation=True``) frees its batch
+slots at the next step boundary.
+
+The engine runs on the event loop's monotonic clock (``loop.time()``): a single driver task per endpoint
+advances it at each step boundary and wakes the requests in flight.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Final
+
+from aiohttp import web
+
+from gpusim import openai_api
+from gpusim.engine import (
+    BatchEngine,
+    EngineEvent,
+    EngineStats,
+    FirstTokenEmitted,
+    Refused,
+    SequenceFinished,
+    SequenceScheduled,
+    TimingModel,
+)
+from gpusim.metrics import CONTENT_TYPE, EndpointMetrics
+from gpusim.tokens import count_tokens, warm_up
+from inferlb import headers
+from inferlb.config import Config, EndpointConfig, ModelConfig
+from inferlb.errors import RequestError
+
+log = logging.getLogger("gpusim")
+
+#: Response header naming the GPU type of the endpoint that served a request.
+GPU_HEADER: Final = "x-inferlb-gpu"
+#: Seconds aiohttp waits for handlers at shutdown (requests in flight are told to stop first).
+SHUTDOWN_TIMEOUT_S = 2.0
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+@dataclass(eq=False, kw_only=True)
+class _Flight:
+    """A request in the engine, seen from its HTTP handler. Times are engine (loop) seconds."""
+
+    request_id: str
+    arrived_at: float
+    progressed: asyncio.Event = field(default_factory=asyncio.Event)
+    scheduled_at: float | None = None
+    first_token_at: float | None = None
+    finished_at: float | None = None
+    tokens_per_choice: int = 0
+    stopped: bool = False
+
+
+class SimulatedEndpoint:
+    """One simulated GPU model server for one :class:`EndpointConfig`.
+
+    Args:
+        config: the whole config (the endpoint's model, GPU profile and ``simulation`` timing come from it).
+        endpoint: the endpoint to simulate; its ``address`` is where :meth:`start` listens by default.
+        timing: overrides the timing derived with :meth:`TimingModel.for_endpoint` (tests, benchmarks).
+
+    Raises:
+        ValueError: ``endpoint.model`` is not a model of ``config``.
+    """
+
+    def __init__(
+        self, *, config: Config, endpoint: EndpointConfig, timing: TimingModel | None = None
+    ) -> None:
+        model = next((m for m in config.models if m.name == endpoint.model), None)
+        if model is None:
+            raise ValueError(f"endpoint {endpoint.display_name}: unknown model {endpoint.model!r}")
+        self.endpoint = endpoint
+        self.model: ModelConfig = model
+        self.timing = timing or TimingModel.for_endpoint(config, endpoint)
+        self.engine = BatchEngine(model=self.timing)
+        self.metrics = EndpointMetrics(model_name=model.name, stats=self._stats_now)
+        self._served_names = (model.name, *model.aliases)
+        self._flights: dict[str, _Flight] = {}
+        self._wake: asyncio.Event | None = None
+        self._driver: asyncio.Task[None] | None = None
+        self._runner: web.AppRunner | None = None
+        self._client_max_size = max(config.gateway.max_request_body_bytes, 1024 * 1024)
+        self.app = self._build_app()
+
+    @property
+    def display_name(self) -> str:
+        """The name in the ``x-inferlb-endpoint`` header."""
+        return self.endpoint.display_name
+
+    # -- lifecycle ------------------------------------------------------------------------------------------
+
+    async def start(self, *, host: str | None = None, port: int | None = None) -> tuple[str, int]:
+        """Listen on ``host:port`` (default: the endpoint's address; port 0 picks a free one) and start the
+        engine driver. Returns the bound ``(host, port)``.
+
+        Raises:
+            OSError: the address cannot be bound.
+            RuntimeError: already started.
+        """
+        if self._runner is not None:
+            raise RuntimeError(f"endpoint {self.display_name} is already started")
+        warm_up()
+        self._wake = asyncio.Event()
+        self._driver = asyncio.create_task(self._drive(), name=f"gpusim-driver-{self.display_name}")
+        runner = web.AppRunner(
+            self.app, handler_cancellation=True, shutdown_timeout=SHUTDOWN_TIMEOUT_S, access_log=None
+        )
+        await runner.setup()
+        bind_host = host if host is not None else self.endpoint.address.host
+        bind_port = port if port is not None else self.endpoint.address.port
+        site = web.TCPSite(runner, bind_host, bind_port, reuse_address=True)
+        try:
+            await site.start()
+        except BaseException:
+            await runner.cleanup()
+            await self._stop_driver()
+            raise
+        self._runner = runner
+        bound = runner.addresses[0]
+        return str(bound[0]), int(bound[1])
+
+    async def stop(self) -> None:
+        """Stop listening, end the requests in flight (non-streamed ones get 503, streams are cut), stop the
+        driver. Safe to call twice."""
+        for flight in self._flights.values():
+            flight.stopped = True
+            flight.progressed.set()
+        if self._runner is not None:
+            runner, self._runner = self._runner, None
+            await runner.cleanup()
+        await self._stop_driver()
+
+    async def _stop_driver(self) -> None:
+        if self._driver is not None:
+            driver, self._driver = self._driver, None
+            driver.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await driver
+
+    def set_slowdown(self, factor: float) -> None:
+        """Make this GPU ``factor`` times slower from its next step on (1.0 = normal). For throttling
+        (issue 5).
+
+        Raises:
+            ValueError: ``factor`` not a finite number > 0.
+        """
+        self.engine.set_slowdown(self._now(), factor)
+        self._pump()
+
+    # -- the engine driver ----------------------------------------------------------------------------------
+
+    @staticmethod
+    def _now() -> float:
+        return asyncio.get_running_loop().time()
+
+    def _stats_now(self) -> EngineStats:
+        self._pump()
+        return self.engine.stats()
+
+    def _pump(self) -> None:
+        """Advance the engine to now and hand its events to the requests in flight."""
+        events = self.engine.advance(self._now())
+        self._dispatch(events)
+
+    def _dispatch(self, events: list[EngineEvent]) -> None:
+        for ev in events:
+            flight = self._flights.get(ev.request_id)
+            if flight is None:
+                continue
+            if isinstance(ev, SequenceScheduled):
+                flight.scheduled_at = ev.at
+            elif isinstance(ev, FirstTokenEmitted):
+                flight.first_token_at = ev.at
+            elif isinstance(ev, SequenceFinished):
+                flight.finished_at = ev.at
+                flight.tokens_per_choice = ev.completion_tokens
+        # Every running request may have a new token after a step: wake them all (a stream reads its count).
+        for flight in self._flights.values():
+            flight.progressed.set()
+
+    async def _drive(self) -> None:
+        """Advance the engine at each step boundary (token time) or when a request arrives or leaves."""
+        loop = asyncio.get_running_loop()
+        wake = self._wake
+        assert wake is not None
+        while True:
+            self._pump()
+            due = self.engine.next_step_end()
+            wake.clear()
+            if due is None:
+                await wake.wait()
+                continue
+            timer = loop.call_at(due, wake.set)
+            try:
+                await wake.wait()
+            finally:
+                timer.cancel()
+
+    def _kick(self) -> None:
+        self._pump()
+        if self._wake is not None:
+            self._wake.set()
+
+    # -- HTTP -----------------------------------------------------------------------------------------------
+
+    def _build_app(self) -> web.Application:
+        app = web.Application(middlewares=[self._errors_as_json], client_max_size=self._client_max_size)
+        app.router.add_post("/v1/chat/completions", self._chat)
+        app.router.add_post("/v1/completions", self._completions)
+        app.router.add_get("/v1/models", self._models)
+        app.router.add_get("/health", self._health)
+        app.router.add_get("/metrics", self._metrics)
+        app.on_response_prepare.append(self._stamp_headers)
+        return app
+
+    async def _stamp_headers(self, _request: web.Request, response: web.StreamResponse) -> None:
+        response.headers[headers.ENDPOINT] = self.display_name
+        response.headers[GPU_HEADER] = self.endpoint.gpu
+
+    @web.middleware
+    async def _errors_as_json(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        """aiohttp's own errors (unknown route 404, 405, 413) as OpenAI JSON errors."""
+        try:
+            return await handler(request)
+        except web.HTTPException as exc:
+            if exc.status < 400:
+                raise
+            err = RequestError(
+                exc.status,
+                exc.reason if exc.text is None else exc.text,
+                type="invalid_request_error" if exc.status < 500 else "server_error",
+            )
+            return _error_response(err, extra_headers=dict(exc.headers))
+
+    async def _health(self, _request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok"})
+
+    async def _models(self, _request: web.Request) -> web.Response:
+        created = int(time.time())
+        data = [
+            {
+                "id": name,
+                "object": "model",
+                "created": created,
+                "owned_by": "inferlb-gpusim",
+                "root": self.model.name,
+                "parent": None,
+                "max_model_len": self.model.context_length,
+            }
+            for name in self._served_names
+        ]
+        return web.json_response({"object": "list", "data": data})
+
+    async def _metrics(self, _request: web.Request) -> web.Response:
+        return web.Response(body=self.metrics.exposition(), headers={"Content-Type": CONTENT_TYPE})
+
+    async def _chat(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, "chat")
+
+    async def _completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, "completion")
+
+    def _admit(self, req: openai_api.GenerationRequest) -> tuple[int, int]:
+        """Check a parsed request against the endpoint; return ``(prompt_tokens, tokens_per_choice)``.
+
+        Raises:
+            RequestError: 404 for a model this endpoint does not serve, 400 for a context overflow or an
+                ``n`` wider than the batch.
+        """
+        if req.model not in self._served_names:
+            raise RequestError(
+                404,
+                f"The model `{req.model}` does not exist.",
+                type="invalid_request_error",
+                code="model_not_found",
+                param="model",
+            )
+        prompt_tokens = req.prompt_tokens(count_tokens)
+        tokens = req.max_tokens if req.max_tokens is not None else self.model.default_max_tokens
+        if prompt_tokens + tokens > self.model.context_length:
+            raise openai_api.bad_request(
+                f"This model's maximum context length is {self.model.context_length} tokens. However, you "
+                f"requested {prompt_tokens + tokens} tokens ({prompt_tokens} in the messages, "
+                f"{tokens} in the completion). Please reduce the length of the messages or completion.",
+                param="messages" if req.kind == "chat" else "prompt",
+                code="context_length_exceeded",
+            )
+        if req.n > self.timing.max_batch:
+            raise openai_api.bad_request(
+                f"'n' ({req.n}) exceeds this server's batch size ({self.timing.max_batch})", param="n"
+            )
+        return prompt_tokens, tokens
+
+    async def _generate(self, request: web.Request, kind: openai_api.Kind) -> web.StreamResponse:
+        self.metrics.request_received()
+        body = await request.read()
+        try:
+            req = openai_api.parse_generation_request(body, kind)
+            prompt_tokens, tokens = self._admit(req)
+        except RequestError as exc:
+            self.metrics.request_refused("model_not_found" if exc.status == 404 else "bad_request")
+            return _error_response(exc)
+        request_id = uuid.uuid4().hex
+        admission = self.engine.submit(
+            self._now(),
+            request_id=request_id,
+            prompt_tokens=prompt_tokens,
+            completion_tokens=tokens,
+            width=req.n,
+        )
+        if isinstance(admission, Refused):
+            self.metrics.request_refused("queue_full")
+            retry_after = max(1, math.ceil(admission.retry_after_s))
+            return _error_response(
+                RequestError(
+                    503,
+                    f"The server is overloaded: {self.timing.max_batch} running and {self.timing.max_queue} "
+                    "queued requests at most. Retry later.",
+                    type="server_error",
+                    code="overloaded",
+                    retry_after_s=retry_after,
+                )
+            )
+        flight = _Flight(request_id=request_id, arrived_at=self.engine.clock)
+        self._flights[request_id] = flight
+        self._kick()
+        log.debug("%s: request %s admitted (%d prompt, %d x %d tokens)", self.display_name, request_id,
+                  prompt_tokens, req.n, tokens)  # fmt: skip
+        try:
+            if req.stream:
+                return await self._respond_streamed(request, req, flight, prompt_tokens)
+            return await self._respond_whole(req, flight, prompt_tokens)
+        finally:
+            self._flights.pop(request_id, None)
+            if self.engine.holds(request_id):
+                # The client went away (handler cancelled, or a write failed) or the server is stopping.
+                self.engine.cancel(self._now(), request_id)
+                self.metrics.request_aborted()
+                self._kick()
+                log.debug("%s: request %s aborted", self.display_name, request_id)
+
+    def _record_finish(self, flight: _Flight) -> None:
+        assert flight.finished_at is not None
+        scheduled = flight.scheduled_at if flight.scheduled_at is not None else flight.arrived_at
+        first = flight.first_token_at if flight.first_token_at is not None else flight.finished_at
+        self.metrics.request_finished(
+            queue_s=scheduled - flight.arrived_at,
+            ttft_s=first - flight.arrived_at,
+            e2e_s=flight.finished_at - flight.arrived_at,
+        )
+
+    async def _respond_whole(
+        self, req: openai_api.GenerationRequest, flight: _Flight, prompt_tokens: int
+    ) -> web.StreamResponse:
+        while flight.finished_at is None:
+            if flight.stopped:
+                return _error_response(RequestError(503, "The server is shutting down.", type="server_error"))
+            await flight.progressed.wait()
+            flight.progressed.clear()
+        self._record_finish(flight)
+        body = openai_api.full_response(
+            req,
+            request_id=flight.request_id,
+            created=int(time.time()),
+            prompt_tokens=prompt_tokens,
+            tokens_per_choice=flight.tokens_per_choice,
+        )
+        return web.json_response(body)
+
+    async def _respond_streamed(
+        self, request: web.Request, req: openai_api.GenerationRequest, flight: _Flight, prompt_tokens: int
+    ) -> web.StreamResponse:
+        response = web.StreamResponse(
+            headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+        )
+        await response.prepare(request)
+        created = int(time.time())
+        sent = 0
+        while True:
+            await flight.progressed.wait()
+            flight.progressed.clear()
+            if flight.stopped:
+                return response
+            if flight.finished_at is not None:
+                emitted = flight.tokens_per_choice
+            elif self.engine.holds(flight.request_id):
+                emitted = self.engine.tokens_emitted(flight.request_id)
+            else:
+                emitted = sent
+            if emitted > sent:
+                chunks = openai_api.token_chunks(
+                    req, request_id=flight.request_id, created=created, start=sent, stop=emitted
+                )
+                await response.write(b"".join(openai_api.sse(c) for c in chunks))
+                sent = emitted
+            if flight.finished_at is not None:
+                break
+        self._record_finish(flight)
+        tail = [openai_api.sse(openai_api.final_chunk(req, request_id=flight.request_id, created=created))]
+        if req.include_usage:
+            usage = openai_api.usage_chunk(
+                req,
+                request_id=flight.request_id,
+                created=created,
+                prompt_tokens=prompt_tokens,
+                completion_tokens=flight.tokens_per_choice * req.n,
+            )
+            tail.append(openai_api.sse(usage))
+        tail.append(openai_api.SSE_DONE)
+        await response.write(b"".join(tail))
+        await response.write_eof()
+        return response
+
+
+def _error_response(err: RequestError, *, extra_headers: dict[str, str] | None = None) -> web.Response:
+    """An OpenAI JSON error response (with ``retry-after`` when the error carries one)."""
+    hdrs = {
+        k: v for k, v in (extra_headers or {}).items() if k.lower() not in ("content-type", "content-length")
+    }
+    if err.retry_after_s is not None:
+        hdrs["Retry-After"] = str(max(1, math.ceil(err.retry_after_s)))
+    return web.json_response(err.to_openai_json(), status=err.status, headers=hdrs)

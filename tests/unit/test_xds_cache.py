@@ -1,0 +1,143 @@
+"""xds_server.cache: snapshot versions, consistency check and watchers."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import yaml
+from envoy.config.cluster.v3 import cluster_pb2
+from envoy.config.endpoint.v3 import endpoint_pb2
+from google.protobuf.message import Message
+
+from inferlb.config import Config, default_config_path, parse_config
+from xds_server import resources as r
+from xds_server.cache import DEFAULT_GROUP, Snapshot, SnapshotCache, SnapshotInconsistentError
+
+
+def _doc() -> dict[str, Any]:
+    doc = yaml.safe_load(default_config_path().read_text(encoding="utf-8"))
+    assert isinstance(doc, dict)
+    return doc
+
+
+def _config(**gpu_capacity: float) -> Config:
+    doc = _doc()
+    for gpu, cap in gpu_capacity.items():
+        doc["gpu_profiles"][gpu]["relative_capacity"] = cap
+    return parse_config(doc)
+
+
+def _with(res: r.XdsResources, type_url: str, table: dict[str, Message]) -> r.XdsResources:
+    return r.XdsResources(by_type={**res.by_type, type_url: table})
+
+
+def test_versions_are_prefixed_by_a_per_cache_instance_id() -> None:
+    res = r.build_resources(_config())
+    a, b = SnapshotCache(), SnapshotCache()
+    sa, sb = a.set_resources(res), b.set_resources(res)
+    assert a.instance_id != b.instance_id
+    for t in r.PUSH_ORDER:
+        assert sa.version(t) == f"{a.instance_id}-1"
+        assert sb.version(t) == f"{b.instance_id}-1"
+        assert sa.version(t) != sb.version(t)
+
+
+def test_only_changed_types_get_a_new_version() -> None:
+    cache = SnapshotCache(instance_id="test")
+    first = cache.set_resources(r.build_resources(_config()))
+    second = cache.set_resources(r.build_resources(_config(V100=1.5)))
+    assert second.version(r.ENDPOINT_TYPE) == "test-2"
+    for t in (r.CLUSTER_TYPE, r.LISTENER_TYPE, r.ROUTE_TYPE):
+        assert second.version(t) == first.version(t) == "test-1"
+    doc = _doc()
+    doc["gateway"]["num_retries"] = 4
+    doc["gpu_profiles"]["V100"]["relative_capacity"] = 1.5  # endpoints as in `second`
+    third = cache.set_resources(r.build_resources(parse_config(doc)))
+    assert third.version(r.ROUTE_TYPE) == "test-3"
+    assert third.version(r.ENDPOINT_TYPE) == "test-2"
+    assert third.version(r.CLUSTER_TYPE) == "test-1"
+
+
+def test_republishing_identical_resources_changes_nothing_and_notifies_nobody() -> None:
+    cache = SnapshotCache()
+    seen: list[tuple[str, Snapshot]] = []
+    unsubscribe = cache.subscribe(lambda g, s: seen.append((g, s)))
+    first = cache.set_resources(r.build_resources(_config()))
+    again = cache.set_resources(r.build_resources(_config()))
+    assert again is first
+    assert seen == [(DEFAULT_GROUP, first)]
+    unsubscribe()
+    unsubscribe()  # idempotent
+    cache.set_resources(r.build_resources(_config(A100=2.0)))
+    assert len(seen) == 1
+    assert cache.watcher_count == 0
+
+
+def test_snapshot_for_falls_back_to_the_default_group() -> None:
+    cache = SnapshotCache()
+    assert cache.snapshot_for("inferlb-gateway") is None
+    default = cache.set_resources(r.build_resources(_config()))
+    assert cache.snapshot_for("inferlb-gateway") is default
+    own = cache.set_resources(r.build_resources(_config(H100=5.0)), group="canary-gateways")
+    assert cache.snapshot_for("canary-gateways") is own
+    assert cache.snapshot_for("inferlb-gateway") is default
+    assert own.version(r.ENDPOINT_TYPE) != default.version(r.ENDPOINT_TYPE)
+
+
+def test_missing_assignment_is_refused_and_the_last_snapshot_keeps_serving() -> None:
+    cache = SnapshotCache()
+    good = cache.set_resources(r.build_resources(_config()))
+    res = r.build_resources(_config(V100=2.0))
+    clas = dict(res.by_type[r.ENDPOINT_TYPE])
+    del clas["qwen2.5-7b-instruct--v1"]
+    with pytest.raises(SnapshotInconsistentError) as err:
+        cache.set_resources(_with(res, r.ENDPOINT_TYPE, clas))
+    assert err.value.problems == [
+        "cluster 'qwen2.5-7b-instruct--v1': no ClusterLoadAssignment 'qwen2.5-7b-instruct--v1'"
+    ]
+    assert cache.snapshot() is good
+
+
+def test_missing_route_configuration_is_refused() -> None:
+    res = r.build_resources(_config())
+    with pytest.raises(SnapshotInconsistentError) as err:
+        SnapshotCache().set_resources(_with(res, r.ROUTE_TYPE, {}))
+    assert err.value.problems == ["listener 'inferlb_gateway': no RouteConfiguration 'inferlb_routes'"]
+
+
+def test_zero_weight_is_refused() -> None:
+    res = r.build_resources(_config())
+    clas = dict(res.by_type[r.ENDPOINT_TYPE])
+    broken = endpoint_pb2.ClusterLoadAssignment()
+    broken.CopyFrom(clas["llama-3.1-8b-instruct--v2"])
+    broken.endpoints[0].lb_endpoints[0].load_balancing_weight.value = 0
+    clas["llama-3.1-8b-instruct--v2"] = broken
+    with pytest.raises(SnapshotInconsistentError) as err:
+        SnapshotCache().set_resources(_with(res, r.ENDPOINT_TYPE, clas))
+    assert len(err.value.problems) == 1
+    assert "weight 0 < 1" in err.value.problems[0]
+
+
+def test_eds_service_name_is_what_must_exist() -> None:
+    res = r.build_resources(_config())
+    clusters = dict(res.by_type[r.CLUSTER_TYPE])
+    renamed = cluster_pb2.Cluster()
+    renamed.CopyFrom(clusters["llama-3.1-8b-instruct--v1"])
+    renamed.eds_cluster_config.service_name = "elsewhere"
+    clusters["llama-3.1-8b-instruct--v1"] = renamed
+    with pytest.raises(SnapshotInconsistentError, match="no ClusterLoadAssignment 'elsewhere'"):
+        SnapshotCache().set_resources(_with(res, r.CLUSTER_TYPE, clusters))
+
+
+def test_resources_are_serialized_once_and_selected_by_name() -> None:
+    snap = SnapshotCache().set_resources(r.build_resources(_config()))
+    everything = snap.select(r.ENDPOINT_TYPE)
+    assert [x.name for x in everything] == sorted(x.name for x in everything)
+    [one] = snap.select(r.ENDPOINT_TYPE, ["qwen2.5-7b-instruct--v1", "no-such-cluster"])
+    assert one.packed is snap.resources[r.ENDPOINT_TYPE]["qwen2.5-7b-instruct--v1"].packed
+    assert one.packed.type_url == r.ENDPOINT_TYPE
+    decoded = endpoint_pb2.ClusterLoadAssignment()
+    assert one.packed.Unpack(decoded)
+    assert decoded == one.message
+    assert len(one.digest) == 64

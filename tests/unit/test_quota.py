@@ -65,7 +65,8 @@ def test_refusal_by_one_limit_takes_nothing_from_the_other() -> None:
     q = book(rpm=1, tpm=1000)
     assert isinstance(q.try_admit("t", 10, 0.0), Admitted)
     r = q.try_admit("t", 10, 0.0)
-    assert isinstance(r, Refused) and r.limit is Limit.REQUESTS_PER_MINUTE
+    assert isinstance(r, Refused)
+    assert r.limit is Limit.REQUESTS_PER_MINUTE
     assert q.available("t", 0.0) == (pytest.approx(0.0), pytest.approx(990.0))
 
 
@@ -82,8 +83,10 @@ def test_request_larger_than_the_quota_never_fits() -> None:
     q = book(tpm=2000)
     r = q.try_admit("t", 2001, 0.0)
     assert isinstance(r, Refused)
-    assert r.never_fits and r.retry_after_s is None
-    assert "never" in r.message and "2000" in r.message
+    assert r.never_fits
+    assert r.retry_after_s is None
+    assert "never" in r.message
+    assert "2000" in r.message
     # and it took nothing
     assert q.available("t", 0.0)[1] == 2000
 
@@ -96,7 +99,8 @@ def test_reconcile_credits_unused_and_debits_overrun() -> None:
     q.reconcile("t", reserved=100, used=900, now=0.0)  # 800 more than reserved
     assert q.available("t", 0.0)[1] == pytest.approx(-100.0)
     r = q.try_admit("t", 1, 0.0)
-    assert isinstance(r, Refused) and r.retry_after_s == pytest.approx(101 / (1000 / 60))
+    assert isinstance(r, Refused)
+    assert r.retry_after_s == pytest.approx(101 / (1000 / 60))
     # credit never exceeds capacity
     q.reconcile("t", reserved=10_000, used=0, now=0.0)
     assert q.available("t", 0.0)[1] == 1000
@@ -104,15 +108,21 @@ def test_reconcile_credits_unused_and_debits_overrun() -> None:
 
 def test_reload_keeps_unchanged_tenants_and_clips_changed_ones() -> None:
     q = QuotaBook(
-        {"a": TenantLimits(tokens_per_minute=1000), "b": TenantLimits(tokens_per_minute=1000),
-         "gone": TenantLimits(tokens_per_minute=5)},
+        {
+            "a": TenantLimits(tokens_per_minute=1000),
+            "b": TenantLimits(tokens_per_minute=1000),
+            "gone": TenantLimits(tokens_per_minute=5),
+        },
         0.0,
     )
     assert isinstance(q.try_admit("a", 900, 0.0), Admitted)
     assert isinstance(q.try_admit("b", 100, 0.0), Admitted)
     q.update_limits(
-        {"a": TenantLimits(tokens_per_minute=1000), "b": TenantLimits(tokens_per_minute=500),
-         "new": TenantLimits(tokens_per_minute=50)},
+        {
+            "a": TenantLimits(tokens_per_minute=1000),
+            "b": TenantLimits(tokens_per_minute=500),
+            "new": TenantLimits(tokens_per_minute=50),
+        },
         0.0,
     )
     assert q.available("a", 0.0)[1] == pytest.approx(100.0)  # unchanged: state kept, no free refill
@@ -205,4 +215,5 @@ def test_each_simulated_minute_admits_at_most_quota_plus_unspent(tpm: int, sizes
         assert got <= 2 * tpm
         # conservation: what is left is what was held plus refill minus what was admitted
         left = q.available("t", start + 60.0)[1]
-        assert left is not None and left <= held + tpm - got + 1e-6
+        assert left is not None
+        assert left <= held + tpm - got + 1e-6

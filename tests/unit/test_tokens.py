@@ -5,7 +5,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
-import tiktoken
+import tiktoken.load
+import tiktoken.registry
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -27,7 +28,9 @@ ENC = offline_encoding()
 
 def chat(messages: list[dict[str, Any]], **extra: Any) -> int:
     return count_prompt_tokens(
-        parse_request(EndpointKind.CHAT_COMPLETIONS, json.dumps({"model": "m", "messages": messages, **extra}).encode())
+        parse_request(
+            EndpointKind.CHAT_COMPLETIONS, json.dumps({"model": "m", "messages": messages, **extra}).encode()
+        )
     )
 
 
@@ -46,17 +49,32 @@ def cookbook(messages: list[dict[str, str]]) -> int:
 # The cookbook's own example conversation; its notebook prints 129 prompt tokens for gpt-3.5-turbo-0613 and
 # gpt-4 (cl100k_base), matching the API's usage.prompt_tokens.
 COOKBOOK_EXAMPLE = [
-    {"role": "system", "content": "You are a helpful, pattern-following assistant that translates corporate "
-     "jargon into plain English."},
+    {
+        "role": "system",
+        "content": "You are a helpful, pattern-following assistant that translates corporate "
+        "jargon into plain English.",
+    },
     {"role": "system", "name": "example_user", "content": "New synergies will help drive top-line growth."},
-    {"role": "system", "name": "example_assistant", "content": "Things working well together will increase "
-     "revenue."},
-    {"role": "system", "name": "example_user", "content": "Let's circle back when we have more bandwidth to touch "
-     "base on opportunities for increased leverage."},
-    {"role": "system", "name": "example_assistant", "content": "Let's talk later when we're less busy about how "
-     "to do better."},
-    {"role": "user", "content": "This late pivot means we don't have time to boil the ocean for the client "
-     "deliverable."},
+    {
+        "role": "system",
+        "name": "example_assistant",
+        "content": "Things working well together will increase revenue.",
+    },
+    {
+        "role": "system",
+        "name": "example_user",
+        "content": "Let's circle back when we have more bandwidth to touch "
+        "base on opportunities for increased leverage.",
+    },
+    {
+        "role": "system",
+        "name": "example_assistant",
+        "content": "Let's talk later when we're less busy about how to do better.",
+    },
+    {
+        "role": "user",
+        "content": "This late pivot means we don't have time to boil the ocean for the client deliverable.",
+    },
 ]
 
 
@@ -116,8 +134,17 @@ def test_content_parts_and_images() -> None:
 
 
 def test_tool_calls_and_tools_are_counted() -> None:
-    call = {"role": "assistant", "content": None, "tool_calls": [
-        {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city":"Paris"}'}}]}
+    call = {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [
+            {
+                "id": "c1",
+                "type": "function",
+                "function": {"name": "get_weather", "arguments": '{"city":"Paris"}'},
+            }
+        ],
+    }
     without = chat([{"role": "user", "content": "hi"}])
     with_call = chat([{"role": "user", "content": "hi"}, call])
     assert with_call == without + 3 + len(ENC.encode("assistant")) + len(ENC.encode("get_weather")) + len(
@@ -147,8 +174,6 @@ def test_text_prompts_count_with_the_encoding(prompts: list[str]) -> None:
 
 def test_counting_never_downloads(monkeypatch: Any) -> None:
     # tiktoken fetches remote encodings through tiktoken.load.read_file; the offline one must not need it
-    import tiktoken.load
-
     calls: list[str] = []
 
     def no_network(blobpath: str) -> bytes:
@@ -164,4 +189,5 @@ def test_counting_never_downloads(monkeypatch: Any) -> None:
     monkeypatch.setattr(tiktoken.registry, "ENCODINGS", {})
     enc = tiktoken.get_encoding(OFFLINE_ENCODING)
     assert enc.encode_ordinary("hello world") == [15339, 1917]
-    assert len(calls) == 1 and calls[0].endswith("cl100k_base.tiktoken")
+    assert len(calls) == 1
+    assert calls[0].endswith("cl100k_base.tiktoken")

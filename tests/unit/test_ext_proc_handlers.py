@@ -1,0 +1,301 @@
+"""ext_proc handlers: every refusal with its status, OpenAI JSON body and details; the success headers."""
+
+from __future__ import annotations
+
+import json
+import random
+from typing import Any
+
+import pytest
+
+from ext_proc import handlers
+from ext_proc.handlers import BodyExpected, ContinueRequest, Gateway, ImmediateReply, PendingRequest
+from inferlb import headers as h
+from inferlb.config import Config, parse_config
+from inferlb.errors import RequestError
+from inferlb.openai_api import EndpointKind
+from inferlb.quota import QuotaBook, limits_from_config
+from inferlb.tokens import count_prompt_tokens
+
+BODY_LIMIT = 4096
+
+
+def make_config() -> Config:
+    return parse_config(
+        {
+            "gateway": {"max_request_body_bytes": BODY_LIMIT},
+            "models": [
+                {
+                    "name": "llama",
+                    "aliases": ["llama3"],
+                    "context_length": 1000,
+                    "default_max_tokens": 100,
+                    "versions": [
+                        {"name": "v1", "traffic_percent": 90},
+                        {"name": "v2", "traffic_percent": 10},
+                    ],
+                },
+                {"name": "qwen", "default_max_tokens": 50},
+            ],
+            "tenants": [
+                {"name": "gold", "api_keys": ["sk-gold-0001"], "priority": "high"},
+                {
+                    "name": "small",
+                    "api_keys": ["sk-small-001"],
+                    "tokens_per_minute": 300,
+                    "requests_per_minute": 3,
+                },
+            ],
+        }
+    )
+
+
+@pytest.fixture
+def gateway() -> Gateway:
+    return Gateway.from_config(make_config())
+
+
+@pytest.fixture
+def quotas() -> QuotaBook:
+    return QuotaBook(limits_from_config(make_config()), 0.0)
+
+
+def req_headers(
+    path: str = "/v1/chat/completions", method: str = "POST", key: str | None = "sk-gold-0001", **extra: str
+) -> dict[str, str]:
+    out = {":method": method, ":path": path, ":authority": "gw", "content-type": "application/json", **extra}
+    if key is not None:
+        out["authorization"] = f"Bearer {key}"
+    return out
+
+
+def error_of(reply: object, status: int) -> dict[str, Any]:
+    assert isinstance(reply, ImmediateReply), reply
+    assert reply.status == status
+    assert ("content-type", "application/json") in reply.headers
+    assert reply.details
+    assert not any(c.isspace() for c in reply.details)
+    doc = json.loads(reply.body)
+    assert set(doc["error"]) == {"message", "type", "param", "code"}
+    return dict(doc["error"])
+
+
+def chat_body(model: str = "llama", **extra: Any) -> bytes:
+    return json.dumps(
+        {"model": model, "messages": [{"role": "user", "content": "hello there"}], **extra}
+    ).encode()
+
+
+def run_body(
+    gateway: Gateway,
+    quotas: QuotaBook,
+    body: bytes,
+    *,
+    key: str = "sk-gold-0001",
+    path: str = "/v1/chat/completions",
+    now: float = 0.0,
+    end_of_stream: bool = True,
+) -> object:
+    first = handlers.on_request_headers(gateway, req_headers(path, key=key), end_of_stream=False)
+    assert isinstance(first, BodyExpected)
+    return handlers.on_request_body(
+        gateway, quotas, first.pending, body, now=now, rng=random.Random(7), end_of_stream=end_of_stream
+    )
+
+
+# -- headers phase --------------------------------------------------------------------------------
+def test_headers_accept_inference_post_and_strip_spoofed_headers(gateway: Gateway) -> None:
+    out = handlers.on_request_headers(
+        gateway,
+        req_headers(**{"x-inferlb-tenant": "gold", "x-inferlb-model": "qwen", "x-other": "1"}),
+        end_of_stream=False,
+    )
+    assert isinstance(out, BodyExpected)
+    assert out.remove_headers == ("x-inferlb-model", "x-inferlb-tenant")
+    assert out.pending.tenant.name == "gold"
+    assert out.pending.kind is EndpointKind.CHAT_COMPLETIONS
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/embeddings", "/v1/chat/completions?x=1"])
+def test_headers_accept_every_inference_path(gateway: Gateway, path: str) -> None:
+    assert isinstance(
+        handlers.on_request_headers(gateway, req_headers(path), end_of_stream=False), BodyExpected
+    )
+
+
+@pytest.mark.parametrize("key", [None, "sk-wrong-0000"])
+def test_headers_401_before_the_body(gateway: Gateway, key: str | None) -> None:
+    err = error_of(handlers.on_request_headers(gateway, req_headers(key=key), end_of_stream=False), 401)
+    assert (err["type"], err["code"]) == ("authentication_error", "invalid_api_key")
+
+
+def test_headers_401_even_for_unknown_paths(gateway: Gateway) -> None:
+    error_of(handlers.on_request_headers(gateway, req_headers("/nope", key=None), end_of_stream=True), 401)
+
+
+def test_headers_400_inference_post_without_body(gateway: Gateway) -> None:
+    err = error_of(handlers.on_request_headers(gateway, req_headers(), end_of_stream=True), 400)
+    assert err["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize("path", ["/v1/chat", "/", "/v2/chat/completions", "/health"])
+def test_headers_404_unknown_path(gateway: Gateway, path: str) -> None:
+    err = error_of(handlers.on_request_headers(gateway, req_headers(path), end_of_stream=False), 404)
+    assert (err["type"], err["code"]) == ("invalid_request_error", "unknown_url")
+
+
+def test_headers_405_wrong_method(gateway: Gateway) -> None:
+    error_of(handlers.on_request_headers(gateway, req_headers(method="GET"), end_of_stream=True), 405)
+    error_of(
+        handlers.on_request_headers(gateway, req_headers("/v1/models", "POST"), end_of_stream=False), 405
+    )
+
+
+def test_models_list_answered_by_ext_proc(gateway: Gateway) -> None:
+    out = handlers.on_request_headers(gateway, req_headers("/v1/models", "GET"), end_of_stream=True)
+    assert isinstance(out, ImmediateReply)
+    assert out.status == 200
+    doc = json.loads(out.body)
+    assert doc["object"] == "list"
+    assert [m["id"] for m in doc["data"]] == ["llama", "qwen"]
+    assert all(m["object"] == "model" for m in doc["data"])
+
+
+def test_model_object_by_alias_and_unknown(gateway: Gateway) -> None:
+    out = handlers.on_request_headers(gateway, req_headers("/v1/models/llama3", "GET"), end_of_stream=True)
+    assert isinstance(out, ImmediateReply)
+    assert out.status == 200
+    assert json.loads(out.body)["id"] == "llama"
+    err = error_of(
+        handlers.on_request_headers(gateway, req_headers("/v1/models/x", "GET"), end_of_stream=True), 404
+    )
+    assert err["code"] == "model_not_found"
+
+
+# -- body phase -----------------------------------------------------------------------------------
+def test_body_success_sets_routing_headers(gateway: Gateway, quotas: QuotaBook) -> None:
+    out = run_body(gateway, quotas, chat_body("llama3", user="alice"))
+    assert isinstance(out, ContinueRequest)
+    assert out.clear_route_cache
+    got = dict(out.set_headers)
+    assert got[h.MODEL] == "llama"  # alias resolved to the canonical name
+    assert got[h.VERSION] in {"v1", "v2"}
+    assert got[h.TENANT] == "gold"
+    assert got[h.PRIORITY] == "high"
+    assert int(got[h.PROMPT_TOKENS]) == 3 + 3 + 1 + 2  # cookbook: priming + message + "user" + "hello there"
+    assert out.admitted is not None
+    assert out.admitted.tokens == int(got[h.PROMPT_TOKENS]) + 100
+
+
+def test_body_sticky_version_per_user(gateway: Gateway, quotas: QuotaBook) -> None:
+    versions = set()
+    for i in range(20):
+        out = run_body(gateway, quotas, chat_body(user="bob"), now=float(i))
+        assert isinstance(out, ContinueRequest)
+        versions.add(dict(out.set_headers)[h.VERSION])
+    assert len(versions) == 1
+
+
+@pytest.mark.parametrize("raw", [b"{not json", b"[]", b""])
+def test_body_400_malformed(gateway: Gateway, quotas: QuotaBook, raw: bytes) -> None:
+    err = error_of(run_body(gateway, quotas, raw), 400)
+    assert err["type"] == "invalid_request_error"
+
+
+def test_body_400_missing_model(gateway: Gateway, quotas: QuotaBook) -> None:
+    err = error_of(
+        run_body(gateway, quotas, json.dumps({"messages": [{"role": "user", "content": "x"}]}).encode()), 400
+    )
+    assert err["param"] == "model"
+
+
+def test_body_404_unknown_model(gateway: Gateway, quotas: QuotaBook) -> None:
+    err = error_of(run_body(gateway, quotas, chat_body("gpt-9")), 404)
+    assert (err["code"], err["param"]) == ("model_not_found", "model")
+
+
+def test_body_413_too_large(gateway: Gateway, quotas: QuotaBook) -> None:
+    big = chat_body(pad="x" * BODY_LIMIT)
+    out = run_body(gateway, quotas, big)
+    err = error_of(out, 413)
+    assert err["code"] == "request_too_large"
+    assert isinstance(out, ImmediateReply)
+    assert out.details == "inferlb_body_too_large"
+    # a partial body (Envoy's buffer filled before the end) is refused the same way
+    error_of(run_body(gateway, quotas, chat_body(), end_of_stream=False), 413)
+
+
+def test_body_400_context_length(gateway: Gateway, quotas: QuotaBook) -> None:
+    err = error_of(run_body(gateway, quotas, chat_body(max_tokens=995)), 400)
+    assert err["code"] == "context_length_exceeded"
+
+
+def test_body_429_with_retry_after(gateway: Gateway, quotas: QuotaBook) -> None:
+    # 300 tokens/min; each request reserves 9 prompt + 100 default output = 109 tokens
+    assert isinstance(run_body(gateway, quotas, chat_body(), key="sk-small-001"), ContinueRequest)
+    assert isinstance(run_body(gateway, quotas, chat_body(), key="sk-small-001"), ContinueRequest)
+    out = run_body(gateway, quotas, chat_body(), key="sk-small-001")
+    err = error_of(out, 429)
+    assert (err["type"], err["code"]) == ("rate_limit_error", "rate_limit_exceeded")
+    assert isinstance(out, ImmediateReply)
+    retry = dict(out.headers)["retry-after"]
+    # 82 tokens left, 109 needed, 5 tokens/s -> 5.4 s -> "6"
+    assert retry == "6"
+    assert out.details == "inferlb_quota_tokens_per_minute"
+    # after the advertised wait it is admitted
+    assert isinstance(run_body(gateway, quotas, chat_body(), key="sk-small-001", now=6.0), ContinueRequest)
+
+
+def test_body_429_retry_after_at_least_one_second(gateway: Gateway, quotas: QuotaBook) -> None:
+    small = json.dumps(
+        {"model": "llama", "messages": [{"role": "user", "content": "x"}], "max_tokens": 1}
+    ).encode()
+    for _ in range(3):
+        assert isinstance(run_body(gateway, quotas, small, key="sk-small-001"), ContinueRequest)
+    out = run_body(gateway, quotas, small, key="sk-small-001", now=19.9)  # 3 rpm: next request at t=20
+    assert isinstance(out, ImmediateReply)
+    assert out.status == 429
+    assert dict(out.headers)["retry-after"] == "1"
+    assert out.details == "inferlb_quota_requests_per_minute"
+
+
+def test_body_429_request_that_never_fits(gateway: Gateway, quotas: QuotaBook) -> None:
+    out = run_body(gateway, quotas, chat_body(max_tokens=400), key="sk-small-001")
+    err = error_of(out, 429)
+    assert "never" in err["message"]
+    assert isinstance(out, ImmediateReply)
+    assert "retry-after" not in dict(out.headers)
+
+
+def test_refusals_take_no_quota(gateway: Gateway, quotas: QuotaBook) -> None:
+    error_of(run_body(gateway, quotas, chat_body("gpt-9"), key="sk-small-001"), 404)
+    error_of(run_body(gateway, quotas, b"{", key="sk-small-001"), 400)
+    assert quotas.available("small", 0.0) == (3, 300)
+
+
+def test_completions_and_embeddings_reserve_what_they_can_produce(
+    gateway: Gateway, quotas: QuotaBook
+) -> None:
+    pending = PendingRequest(
+        tenant=gateway.routing.authenticate("Bearer sk-gold-0001"),
+        kind=EndpointKind.COMPLETIONS,
+        path="/v1/completions",
+    )
+    body = json.dumps({"model": "qwen", "prompt": [[1, 2, 3], [4, 5]], "max_tokens": 7, "n": 2}).encode()
+    prepared = handlers.prepare_body(gateway, pending, body)
+    assert isinstance(prepared, handlers.PreparedRequest)
+    assert prepared.prompt_tokens == 5
+    assert prepared.reserved_tokens == 5 + 7 * 2 * 2
+    emb = PendingRequest(tenant=pending.tenant, kind=EndpointKind.EMBEDDINGS, path="/v1/embeddings")
+    prepared = handlers.prepare_body(
+        gateway, emb, json.dumps({"model": "qwen", "input": "hello world"}).encode()
+    )
+    assert isinstance(prepared, handlers.PreparedRequest)
+    assert prepared.reserved_tokens == prepared.prompt_tokens == count_prompt_tokens(prepared.request) == 2
+
+
+def test_refusal_helper_rounds_retry_after_up() -> None:
+    out = handlers.refusal(RequestError(429, "m", type="rate_limit_error", retry_after_s=2.01), "d")
+    assert dict(out.headers)["retry-after"] == "3"
+    out = handlers.refusal(RequestError(429, "m", type="rate_limit_error", retry_after_s=0.0001), "d")
+    assert dict(out.headers)["retry-after"] == "1"

@@ -31,17 +31,18 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 async def _serve(config_path: Path) -> int:
     server = XdsServer(config_path)
-    try:
-        await server.start()
-    except (InferlbError, RuntimeError) as exc:
-        log.error("xds_server cannot start: %s", exc)
-        await server.stop(0)
-        return 1
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
+    # handlers go in before start(): a supervisor may signal as soon as it reads the ready line
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     try:
+        try:
+            await server.start()
+        except (InferlbError, RuntimeError) as exc:
+            log.error("xds_server cannot start: %s", exc)
+            await server.stop(0)
+            return 1
         await stop.wait()
         log.info("xds_server stopping")
         await server.stop(DEFAULT_GRACE_S)

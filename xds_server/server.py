@@ -112,7 +112,10 @@ class XdsServer:
             SnapshotInconsistentError: the config yields resources Envoy would reject.
             RuntimeError: the listen address cannot be bound.
         """
-        data = await asyncio.to_thread(self.config_path.read_bytes)
+        try:
+            data = await asyncio.to_thread(self.config_path.read_bytes)
+        except OSError as exc:
+            raise ConfigError(str(self.config_path), [("", f"cannot read: {exc.strerror or exc}")]) from None
         loaded = self._publish(data)
         config = loaded.config
         self._started_listen = config.xds.listen

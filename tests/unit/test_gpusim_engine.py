@@ -310,7 +310,7 @@ def run(
         if a.cancel_after is not None:
             pending.append((t + a.cancel_after, 1, f"r{i}", None))
     pending.sort(key=lambda p: (p[0], p[1]))
-    for at, kind, rid, a in pending:
+    for at, kind, rid, arrival in pending:
         while True:
             nxt = eng.next_step_end() if fine else eng.next_transition_time()
             if nxt is None or nxt > at:
@@ -318,9 +318,13 @@ def run(
             events += eng.advance(nxt)
             check_bounds(eng, m)
         if kind == 0:
-            assert a is not None
+            assert arrival is not None
             result = eng.submit(
-                at, request_id=rid, prompt_tokens=a.prompt, completion_tokens=a.completion, width=a.width
+                at,
+                request_id=rid,
+                prompt_tokens=arrival.prompt,
+                completion_tokens=arrival.completion,
+                width=arrival.width,
             )
             if isinstance(result, Refused):
                 refused.add(rid)

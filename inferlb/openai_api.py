@@ -129,10 +129,19 @@ def _bad(message: str, param: str | None, code: str | None = None) -> RequestErr
     return RequestError(400, message, type=_INVALID, param=param, code=code)
 
 
+_JSON_TYPE_NAMES: Final[Mapping[type, str]] = {
+    type(None): "null",
+    dict: "object",
+    list: "array",
+    str: "string",
+    bool: "boolean",
+    int: "integer",
+    float: "number",
+}
+
+
 def _type_name(value: object) -> str:
-    return "null" if value is None else {
-        dict: "object", list: "array", str: "string", bool: "boolean", int: "integer", float: "number"
-    }.get(type(value), type(value).__name__)
+    return _JSON_TYPE_NAMES.get(type(value), type(value).__name__)
 
 
 def _is_int(value: object) -> bool:

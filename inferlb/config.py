@@ -322,7 +322,9 @@ class Config(_Frozen):
             elif e.version is None and len(model.versions) > 1:
                 problems.append(f"{where}.version: model {e.model!r} has several versions; name one")
             if e.gpu not in self.gpu_profiles:
-                problems.append(f"{where}.gpu: unknown GPU type {e.gpu!r} (known: {sorted(self.gpu_profiles)})")
+                problems.append(
+                    f"{where}.gpu: unknown GPU type {e.gpu!r} (known: {sorted(self.gpu_profiles)})"
+                )
         keys: dict[str, str] = {}
         names: set[str] = set()
         for i, t in enumerate(self.tenants):
@@ -367,7 +369,9 @@ class Config(_Frozen):
         return next(m for m in self.models if m.name == e.model).versions[0].name
 
 
-_SUBFIELD = re.compile(r"^(?P<field>[a-z_][a-z0-9_]*(?:\[\d+\])?(?:\.[a-z_][a-z0-9_]*(?:\[\d+\])?)*): (?P<msg>.+)$", re.S)
+_SUBFIELD = re.compile(
+    r"^(?P<field>[a-z_][a-z0-9_]*(?:\[\d+\])?(?:\.[a-z_][a-z0-9_]*(?:\[\d+\])?)*): (?P<msg>.+)$", re.S
+)
 
 
 def _loc_to_field(loc: tuple[int | str, ...]) -> str:

@@ -45,7 +45,7 @@ class RequestError(InferlbError):
         status: int,
         message: str,
         *,
-        type: str,  # noqa: A002 - the OpenAI field is called "type"
+        type: str,  # the OpenAI field is called "type"
         code: str | None = None,
         param: str | None = None,
         retry_after_s: float | None = None,

@@ -41,10 +41,66 @@ CHAT_OVERHEAD_TOKENS = 7
 # Words that are each exactly one cl100k_base token with a leading space; " w1 w2 ..." is then exactly
 # one token per word, since the pre-tokenizer splits at each space-led word.
 _WORDS = (
-    "the of and to in is for on that with as it at by from this be are was or an have not you all "
-    "can more one will which their has but about time new some when there what also up out use other "
-    "into only its like than first then two over make way these most any"
-).split()
+    "the",
+    "of",
+    "and",
+    "to",
+    "in",
+    "is",
+    "for",
+    "on",
+    "that",
+    "with",
+    "as",
+    "it",
+    "at",
+    "by",
+    "from",
+    "this",
+    "be",
+    "are",
+    "was",
+    "or",
+    "an",
+    "have",
+    "not",
+    "you",
+    "all",
+    "can",
+    "more",
+    "one",
+    "will",
+    "which",
+    "their",
+    "has",
+    "but",
+    "about",
+    "time",
+    "new",
+    "some",
+    "when",
+    "there",
+    "what",
+    "also",
+    "up",
+    "out",
+    "use",
+    "other",
+    "into",
+    "only",
+    "its",
+    "like",
+    "than",
+    "first",
+    "then",
+    "two",
+    "over",
+    "make",
+    "way",
+    "these",
+    "most",
+    "any",
+)
 
 
 class TraceError(InferlbError):
@@ -121,7 +177,9 @@ def read_trace(path: str | Path) -> list[TraceRow]:
             except (TypeError, ValueError) as exc:
                 raise TraceError(f"{p}:{line_no}: malformed row: {exc}") from None
             if ctx < 1 or gen < 0:
-                raise TraceError(f"{p}:{line_no}: token counts must be ContextTokens >= 1, GeneratedTokens >= 0")
+                raise TraceError(
+                    f"{p}:{line_no}: token counts must be ContextTokens >= 1, GeneratedTokens >= 0"
+                )
             rows.append((ts, ctx, gen))
     if not rows:
         raise TraceError(f"{p}: no rows")
@@ -130,8 +188,14 @@ def read_trace(path: str | Path) -> list[TraceRow]:
     return [TraceRow(offset_s=ts - t0, prompt_tokens=c, output_tokens=g) for ts, c, g in rows]
 
 
-def window(rows: Sequence[TraceRow], *, start_s: float = 0.0, duration_s: float | None = None,
-           speedup: float = 1.0, limit: int | None = None) -> list[TraceRow]:
+def window(
+    rows: Sequence[TraceRow],
+    *,
+    start_s: float = 0.0,
+    duration_s: float | None = None,
+    speedup: float = 1.0,
+    limit: int | None = None,
+) -> list[TraceRow]:
     """Rows with trace offset in ``[start_s, start_s + duration_s)``, re-timed to start at 0 and divided by
     ``speedup`` (2.0 = twice as fast), at most ``limit`` of them.
 
@@ -141,13 +205,26 @@ def window(rows: Sequence[TraceRow], *, start_s: float = 0.0, duration_s: float 
     if speedup <= 0 or start_s < 0 or (duration_s is not None and duration_s <= 0):
         raise ValueError("speedup and duration must be > 0 and start >= 0")
     end = math.inf if duration_s is None else start_s + duration_s
-    out = [TraceRow(offset_s=(r.offset_s - start_s) / speedup, prompt_tokens=r.prompt_tokens,
-                    output_tokens=r.output_tokens) for r in rows if start_s <= r.offset_s < end]
+    out = [
+        TraceRow(
+            offset_s=(r.offset_s - start_s) / speedup,
+            prompt_tokens=r.prompt_tokens,
+            output_tokens=r.output_tokens,
+        )
+        for r in rows
+        if start_s <= r.offset_s < end
+    ]
     return out[:limit] if limit is not None else out
 
 
-def plan(config: Config, rows: Sequence[TraceRow], *, model: str | None = None, seed: int = 1,
-         min_max_tokens: int = 1) -> list[PlannedRequest]:
+def plan(
+    config: Config,
+    rows: Sequence[TraceRow],
+    *,
+    model: str | None = None,
+    seed: int = 1,
+    min_max_tokens: int = 1,
+) -> list[PlannedRequest]:
     """Assign tenants (round-robin over every tenant's first key) and models to trace rows.
 
     Without ``model``, each row's model is drawn (seeded) in proportion to the total relative capacity of
@@ -170,11 +247,17 @@ def plan(config: Config, rows: Sequence[TraceRow], *, model: str | None = None, 
     out = []
     for i, r in enumerate(rows):
         t = config.tenants[i % len(config.tenants)]
-        out.append(PlannedRequest(
-            index=i, at_s=r.offset_s, api_key=t.api_keys[0], tenant=t.name,
-            model=model or rng.choices(models, weights)[0],
-            prompt_tokens=r.prompt_tokens, max_tokens=max(min_max_tokens, r.output_tokens),
-        ))
+        out.append(
+            PlannedRequest(
+                index=i,
+                at_s=r.offset_s,
+                api_key=t.api_keys[0],
+                tenant=t.name,
+                model=model or rng.choices(models, weights)[0],
+                prompt_tokens=r.prompt_tokens,
+                max_tokens=max(min_max_tokens, r.output_tokens),
+            )
+        )
     return out
 
 
@@ -197,22 +280,35 @@ def chat_body(req: PlannedRequest, *, stream: bool) -> dict[str, Any]:
     return body
 
 
-async def _one(session: aiohttp.ClientSession, url: str, req: PlannedRequest, *, stream: bool,
-               timeout_s: float) -> Outcome:
+async def _one(
+    session: aiohttp.ClientSession, url: str, req: PlannedRequest, *, stream: bool, timeout_s: float
+) -> Outcome:
     t0 = time.perf_counter()
     ttft: float | None = None
     usage: dict[str, Any] = {}
     headers = {"Authorization": f"Bearer {req.api_key}"}
 
     def done(status: int, endpoint: str | None, error: str | None = None) -> Outcome:
-        return Outcome(index=req.index, tenant=req.tenant, model=req.model, status=status,
-                       latency_s=time.perf_counter() - t0, ttft_s=ttft, endpoint=endpoint,
-                       prompt_tokens=int(usage.get("prompt_tokens", 0)),
-                       completion_tokens=int(usage.get("completion_tokens", 0)), error=error)
+        return Outcome(
+            index=req.index,
+            tenant=req.tenant,
+            model=req.model,
+            status=status,
+            latency_s=time.perf_counter() - t0,
+            ttft_s=ttft,
+            endpoint=endpoint,
+            prompt_tokens=int(usage.get("prompt_tokens", 0)),
+            completion_tokens=int(usage.get("completion_tokens", 0)),
+            error=error,
+        )
 
     try:
-        async with session.post(url, json=chat_body(req, stream=stream), headers=headers,
-                                timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
+        async with session.post(
+            url,
+            json=chat_body(req, stream=stream),
+            headers=headers,
+            timeout=aiohttp.ClientTimeout(total=timeout_s),
+        ) as resp:
             endpoint = resp.headers.get(ENDPOINT)
             if resp.status != 200:
                 text = await resp.text()
@@ -243,9 +339,15 @@ async def _one(session: aiohttp.ClientSession, url: str, req: PlannedRequest, *,
         return done(0, None, f"{type(exc).__name__}: {exc}")
 
 
-async def send_all(gateway: str, planned: Sequence[PlannedRequest], *, stream: bool = True,
-                   timeout_s: float = 120.0, max_in_flight: int = 512,
-                   on_done: Callable[[Outcome], None] | None = None) -> list[Outcome]:
+async def send_all(
+    gateway: str,
+    planned: Sequence[PlannedRequest],
+    *,
+    stream: bool = True,
+    timeout_s: float = 120.0,
+    max_in_flight: int = 512,
+    on_done: Callable[[Outcome], None] | None = None,
+) -> list[Outcome]:
     """Send every planned request at its time through ``gateway`` (``host:port``); return outcomes.
 
     Bounded: at most ``len(planned)`` requests, each cut off after ``timeout_s`` seconds, and at most
@@ -296,8 +398,9 @@ class EndpointShare:
     token_share: float
 
 
-def endpoint_shares(config: Config, outcomes: Sequence[Outcome],
-                    weights: dict[str, int]) -> list[EndpointShare]:
+def endpoint_shares(
+    config: Config, outcomes: Sequence[Outcome], weights: dict[str, int]
+) -> list[EndpointShare]:
     """Join served outcomes with each endpoint's weight (``weights``: display name -> Envoy weight)."""
     by_name = {e.display_name: e for e in config.endpoints}
     models = {m.name: m for m in config.models}
@@ -307,8 +410,9 @@ def endpoint_shares(config: Config, outcomes: Sequence[Outcome],
         if o.status == 200 and o.endpoint:
             reqs[o.endpoint] += 1
             toks[o.endpoint] += o.prompt_tokens + o.completion_tokens
-    cluster_of = {e.display_name: models[e.model].cluster_name(config.endpoint_version(e))
-                  for e in config.endpoints}
+    cluster_of = {
+        e.display_name: models[e.model].cluster_name(config.endpoint_version(e)) for e in config.endpoints
+    }
     tot_w: Counter[str] = Counter()
     tot_r: Counter[str] = Counter()
     tot_t: Counter[str] = Counter()
@@ -318,12 +422,19 @@ def endpoint_shares(config: Config, outcomes: Sequence[Outcome],
         tot_t[cl] += toks[name]
     rows = []
     for name, cl in sorted(cluster_of.items(), key=lambda kv: (kv[1], kv[0])):
-        rows.append(EndpointShare(
-            cluster=cl, endpoint=name, gpu=by_name[name].gpu, weight=weights.get(name, 0),
-            weight_share=weights.get(name, 0) / tot_w[cl] if tot_w[cl] else 0.0,
-            requests=reqs[name], request_share=reqs[name] / tot_r[cl] if tot_r[cl] else 0.0,
-            tokens=toks[name], token_share=toks[name] / tot_t[cl] if tot_t[cl] else 0.0,
-        ))
+        rows.append(
+            EndpointShare(
+                cluster=cl,
+                endpoint=name,
+                gpu=by_name[name].gpu,
+                weight=weights.get(name, 0),
+                weight_share=weights.get(name, 0) / tot_w[cl] if tot_w[cl] else 0.0,
+                requests=reqs[name],
+                request_share=reqs[name] / tot_r[cl] if tot_r[cl] else 0.0,
+                tokens=toks[name],
+                token_share=toks[name] / tot_t[cl] if tot_t[cl] else 0.0,
+            )
+        )
     return rows
 
 
@@ -351,8 +462,13 @@ def summarize(outcomes: Sequence[Outcome], wall_s: float) -> ReplaySummary:
     lat = [o.latency_s for o in ok]
     ttft = [o.ttft_s for o in ok if o.ttft_s is not None]
     return ReplaySummary(
-        sent=len(outcomes), ok=len(ok), by_status=dict(Counter(o.status for o in outcomes)),
+        sent=len(outcomes),
+        ok=len(ok),
+        by_status=dict(Counter(o.status for o in outcomes)),
         by_tenant={t: dict(c) for t, c in sorted(by_tenant.items())},
-        latency_p50_s=percentile(lat, 50), latency_p99_s=percentile(lat, 99),
-        ttft_p50_s=percentile(ttft, 50), ttft_p99_s=percentile(ttft, 99), wall_s=wall_s,
+        latency_p50_s=percentile(lat, 50),
+        latency_p99_s=percentile(lat, 99),
+        ttft_p50_s=percentile(ttft, 50),
+        ttft_p99_s=percentile(ttft, 99),
+        wall_s=wall_s,
     )

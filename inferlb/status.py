@@ -44,8 +44,7 @@ def _stat(host: dict[str, Any], name: str) -> int:
 
 def _health(host: dict[str, Any]) -> str:
     hs = host.get("health_status", {})
-    flags = [k for k, v in hs.items() if k.startswith("failed") or k.startswith("pending")
-             if v is True]
+    flags = [k for k, v in hs.items() if k.startswith("failed") or k.startswith("pending") if v is True]
     eds = hs.get("eds_health_status", "HEALTHY")
     if eds not in ("HEALTHY", "UNKNOWN"):
         flags.append(eds.lower())
@@ -71,22 +70,50 @@ def host_rows(config: Config, clusters: dict[str, Any], *, only_models: bool = T
             addr = f"{sa.get('address', '?')}:{sa.get('port_value', '?')}"
             ep = by_addr.get(addr)
             w = int(h.get("weight", 1))
-            rows.append(HostRow(
-                cluster=name, address=addr, name=ep.display_name if ep else addr, gpu=ep.gpu if ep else "?",
-                weight=w, weight_share=w / total_w, health=_health(h), rq_active=_stat(h, "rq_active"),
-                rq_total=_stat(h, "rq_total"), rq_error=_stat(h, "rq_error"),
-            ))
+            rows.append(
+                HostRow(
+                    cluster=name,
+                    address=addr,
+                    name=ep.display_name if ep else addr,
+                    gpu=ep.gpu if ep else "?",
+                    weight=w,
+                    weight_share=w / total_w,
+                    health=_health(h),
+                    rq_active=_stat(h, "rq_active"),
+                    rq_total=_stat(h, "rq_total"),
+                    rq_error=_stat(h, "rq_error"),
+                )
+            )
     return rows
 
 
 def status_table(rows: list[HostRow]) -> Table:
     """A rich table of :func:`host_rows`."""
     t = Table(title="inferlb fleet (Envoy's view)")
-    for col, just in (("cluster", "left"), ("endpoint", "left"), ("address", "left"), ("gpu", "left"),
-                      ("weight", "right"), ("share", "right"), ("health", "left"), ("active", "right"),
-                      ("total", "right"), ("errors", "right")):
+    for col, just in (
+        ("cluster", "left"),
+        ("endpoint", "left"),
+        ("address", "left"),
+        ("gpu", "left"),
+        ("weight", "right"),
+        ("share", "right"),
+        ("health", "left"),
+        ("active", "right"),
+        ("total", "right"),
+        ("errors", "right"),
+    ):
         t.add_column(col, justify=just)  # type: ignore[arg-type]
     for r in rows:
-        t.add_row(r.cluster, r.name, r.address, r.gpu, str(r.weight), f"{r.weight_share:.0%}", r.health,
-                  str(r.rq_active), str(r.rq_total), str(r.rq_error))
+        t.add_row(
+            r.cluster,
+            r.name,
+            r.address,
+            r.gpu,
+            str(r.weight),
+            f"{r.weight_share:.0%}",
+            r.health,
+            str(r.rq_active),
+            str(r.rq_total),
+            str(r.rq_error),
+        )
     return t

@@ -50,8 +50,9 @@ def make_config_doc(*, fast: bool = True) -> dict[str, Any]:
     for ep, port in zip(doc["endpoints"], ports[4:], strict=True):
         ep["address"] = f"{LOOPBACK}:{port}"
     if fast:
-        doc["simulation"].update(prefill_tokens_per_s=2_000_000, decode_tokens_per_s=5_000, max_batch=64,
-                                 max_queue=4096)
+        doc["simulation"].update(
+            prefill_tokens_per_s=2_000_000, decode_tokens_per_s=5_000, max_batch=64, max_queue=4096
+        )
     return doc
 
 

@@ -56,6 +56,12 @@ def test_docker_compose_config_accepts_the_file() -> None:
         if os.environ.get("CI"):
             pytest.fail("CI must have Debian's docker-compose (.ci/run installs it)")
         pytest.skip("Debian's docker-compose is not installed (.ci/run installs it)")
-    proc = subprocess.run(["docker-compose", "-f", str(ROOT / "docker-compose.yml"), "config", "--quiet"],
-                          capture_output=True, text=True, timeout=60, check=False, cwd=ROOT)
+    proc = subprocess.run(
+        ["docker-compose", "-f", str(ROOT / "docker-compose.yml"), "config", "--quiet"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+        cwd=ROOT,
+    )
     assert proc.returncode == 0, proc.stderr

@@ -76,7 +76,10 @@ def test_gpu_capacity_ratios_follow_the_field() -> None:
         (lambda d: d["tenants"][0].update(tokens_per_minute=0), "tenants[0].tokens_per_minute"),
         (lambda d: d["models"][1].update(aliases=["llama3"]), "models"),
         (lambda d: d["gateway"].update(listen=d["xds"]["listen"]), "xds.listen"),
-        (lambda d: d["gpu_profiles"]["V100"].update(relative_capacity=0), "gpu_profiles.V100.relative_capacity"),
+        (
+            lambda d: d["gpu_profiles"]["V100"].update(relative_capacity=0),
+            "gpu_profiles.V100.relative_capacity",
+        ),
         (lambda d: d.update(surprise=1), "surprise"),
         (lambda d: d["ext_proc"].update(message_timeout_ms="soon"), "ext_proc.message_timeout_ms"),
     ],
@@ -108,8 +111,9 @@ def test_profiles_named_in_a_file_keep_the_builtin_ones() -> None:
 
 
 def test_single_version_endpoints_need_no_version() -> None:
-    cfg = parse_config({"models": [{"name": "m"}],
-                        "endpoints": [{"address": "127.0.0.1:9000", "model": "m", "gpu": "A100"}]})
+    cfg = parse_config(
+        {"models": [{"name": "m"}], "endpoints": [{"address": "127.0.0.1:9000", "model": "m", "gpu": "A100"}]}
+    )
     assert cfg.endpoint_version(cfg.endpoints[0]) == "v1"
 
 
@@ -123,7 +127,7 @@ def test_hostport_parses_ipv6_and_names() -> None:
 @given(st.text(min_size=1, max_size=30), st.text(min_size=1, max_size=10))
 def test_cluster_names_are_envoy_safe(model: str, version: str) -> None:
     name = cluster_name(model, version)
-    assert all(c.isalnum() and c.isascii() or c in "_.-" for c in name)
+    assert all((c.isalnum() and c.isascii()) or c in "_.-" for c in name)
 
 
 def test_config_is_frozen() -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 
 import pytest
@@ -33,7 +34,7 @@ def test_bundled_trace_is_the_azure_conversation_trace() -> None:
     assert rows[0].offset_s == 0.0
     assert 3400 < rows[-1].offset_s < 3600  # about one hour
     assert (rows[0].prompt_tokens, rows[0].output_tokens) == (374, 44)
-    assert all(a.offset_s <= b.offset_s for a, b in zip(rows, rows[1:], strict=False))
+    assert all(a.offset_s <= b.offset_s for a, b in itertools.pairwise(rows))
     attribution = (DEFAULT_TRACE.parent / "TRACE_LICENSE.md").read_text(encoding="utf-8")
     assert "CC-BY 4.0" in attribution and "Splitwise" in attribution
 
@@ -43,8 +44,10 @@ def test_bad_traces_name_file_and_line(tmp_path: Path) -> None:
     p.write_text("TIMESTAMP,ContextTokens\n2023-11-16 18:15:46.6805900,3\n", encoding="utf-8")
     with pytest.raises(TraceError, match="missing column"):
         read_trace(p)
-    p.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46.6,3,4\nnot-a-date,1,1\n",
-                 encoding="utf-8")
+    p.write_text(
+        "TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46.6,3,4\nnot-a-date,1,1\n",
+        encoding="utf-8",
+    )
     with pytest.raises(TraceError, match=r"t\.csv:3"):
         read_trace(p)
     with pytest.raises(TraceError, match="cannot read"):
@@ -83,7 +86,7 @@ def test_prompt_text_has_exactly_the_asked_tokens(n: int) -> None:
 
 def test_chat_overhead_matches_the_cookbook() -> None:
     # tokens_per_message (3) + role "user" (1) + reply priming (3)
-    assert CHAT_OVERHEAD_TOKENS == 3 + len(ENC.encode("user")) + 3
+    assert 3 + len(ENC.encode("user")) + 3 == CHAT_OVERHEAD_TOKENS
 
 
 def test_percentile_is_nearest_rank() -> None:
@@ -93,16 +96,38 @@ def test_percentile_is_nearest_rank() -> None:
 
 
 def _o(i: int, status: int, endpoint: str | None, tenant: str = "t") -> Outcome:
-    return Outcome(index=i, tenant=tenant, model="m", status=status, latency_s=i / 10, ttft_s=i / 100,
-                   endpoint=endpoint, prompt_tokens=10, completion_tokens=5)
+    return Outcome(
+        index=i,
+        tenant=tenant,
+        model="m",
+        status=status,
+        latency_s=i / 10,
+        ttft_s=i / 100,
+        endpoint=endpoint,
+        prompt_tokens=10,
+        completion_tokens=5,
+    )
 
 
 def test_endpoint_shares_are_within_each_cluster() -> None:
     cfg = load_config(default_config_path())
-    weights = {"h100-0": 34, "a100-0": 17, "a100-1": 17, "v100-0": 10, "a100-2": 17,
-               "h100-1": 34, "v100-1": 10, "v100-2": 10}
-    outs = [_o(0, 200, "h100-0"), _o(1, 200, "h100-0"), _o(2, 200, "v100-0"), _o(3, 200, "a100-2"),
-            _o(4, 429, None)]
+    weights = {
+        "h100-0": 34,
+        "a100-0": 17,
+        "a100-1": 17,
+        "v100-0": 10,
+        "a100-2": 17,
+        "h100-1": 34,
+        "v100-1": 10,
+        "v100-2": 10,
+    }
+    outs = [
+        _o(0, 200, "h100-0"),
+        _o(1, 200, "h100-0"),
+        _o(2, 200, "v100-0"),
+        _o(3, 200, "a100-2"),
+        _o(4, 429, None),
+    ]
     rows = {r.endpoint: r for r in endpoint_shares(cfg, outs, weights)}
     assert rows["h100-0"].weight_share == pytest.approx(34 / 78)
     assert rows["h100-0"].request_share == pytest.approx(2 / 3)
@@ -112,7 +137,9 @@ def test_endpoint_shares_are_within_each_cluster() -> None:
 
 
 def test_summary_counts_statuses_per_tenant() -> None:
-    s = summarize([_o(1, 200, "x", "a"), _o(2, 429, None, "b"), _o(3, 200, "x", "b"), _o(4, 0, None, "a")], 2.0)
+    s = summarize(
+        [_o(1, 200, "x", "a"), _o(2, 429, None, "b"), _o(3, 200, "x", "b"), _o(4, 0, None, "a")], 2.0
+    )
     assert (s.sent, s.ok) == (4, 2)
     assert s.by_status == {200: 2, 429: 1, 0: 1}
     assert s.by_tenant == {"a": {200: 1, 0: 1}, "b": {429: 1, 200: 1}}

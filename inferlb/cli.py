@@ -1,0 +1,321 @@
+"""The ``inferlb`` command line: ``up``, ``status``, ``replay``, ``validate``, ``bootstrap``.
+
+Every verb that takes a config defaults to the embedded one (``inferlb/data/local.yaml``, also at
+``examples/local.yaml``). Exit codes: 0 success, 1 a run-time failure, 2 bad input (config, trace, usage).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import signal
+import sys
+import time
+import urllib.error
+from collections.abc import Sequence
+from dataclasses import asdict
+from pathlib import Path
+from types import FrameType
+
+import yaml
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from inferlb.bootstrap import render_bootstrap
+from inferlb.config import Config, default_config_path, load_config
+from inferlb.errors import ConfigError, InferlbError
+from inferlb.replay import EndpointShare, ReplaySummary
+
+EXIT_OK, EXIT_FAIL, EXIT_INPUT = 0, 1, 2
+
+
+def _config_arg(p: argparse.ArgumentParser, positional: bool) -> None:
+    help_ = "config file (YAML); default: the embedded local config"
+    if positional:
+        p.add_argument("config", nargs="?", default=None, help=help_)
+    else:
+        p.add_argument("--config", "-c", default=None, help=help_)
+
+
+def _load(path: str | None) -> Config:
+    return load_config(path or default_config_path())
+
+
+def cmd_validate(args: argparse.Namespace, out: Console) -> int:
+    """``inferlb validate FILE``: check a config; exit 2 naming each bad field."""
+    cfg = load_config(args.file)
+    out.print(
+        f"ok: {args.file}: {len(cfg.models)} models, {len(cfg.endpoints)} endpoints "
+        f"({sum(e.simulated for e in cfg.endpoints)} simulated), {len(cfg.tenants)} tenants"
+    )
+    return EXIT_OK
+
+
+def cmd_bootstrap(args: argparse.Namespace, out: Console) -> int:
+    """``inferlb bootstrap [CONFIG]``: print the Envoy bootstrap (YAML) for a config."""
+    cfg = _load(args.config)
+    doc = render_bootstrap(cfg, node_id=args.node_id)
+    sys.stdout.write(yaml.safe_dump(doc, sort_keys=False))
+    return EXIT_OK
+
+
+def cmd_up(args: argparse.Namespace, out: Console) -> int:
+    """``inferlb up [CONFIG]``: run the local stack until Ctrl-C or SIGTERM."""
+    from inferlb.stack import Stack, StackError, describe, sample_curl  # noqa: PLC0415 - CLI-only import
+
+    path = Path(args.config) if args.config else default_config_path()
+    stack = Stack(path, workdir=args.workdir, log_level=args.log_level)
+    stopping = False
+
+    def on_signal(signum: int, _frame: FrameType | None) -> None:
+        nonlocal stopping
+        stopping = True
+
+    old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        out.print(f"[bold]inferlb[/bold] starting the local stack from {path}")
+        try:
+            stack.start(timeout_s=args.timeout, progress=lambda m: out.print(f"  {m}"))
+        except StackError as exc:
+            out.print(f"[red]failed to start:[/red] {exc}")
+            return EXIT_FAIL
+        out.print("[green]ready[/green]: Envoy holds every cluster with its endpoints")
+        for line in describe(stack.config):
+            out.print("  " + line)
+        out.print(f"  logs     {stack.workdir}")
+        out.print("\ntry:\n" + sample_curl(stack.config), markup=False, highlight=False)
+        out.print("\nCtrl-C stops everything.")
+        while not stopping:
+            broken = stack.first_exited()
+            if broken is not None:
+                out.print(
+                    f"[red]{broken.name} exited[/red] (code {broken.exited()}); stopping the stack\n"
+                    f"{broken.log_tail()}",
+                    markup=False,
+                )
+                return EXIT_FAIL
+            time.sleep(0.3)
+        out.print("stopping")
+        return EXIT_OK
+    finally:
+        stack.stop()
+        for s, h in old.items():
+            signal.signal(s, h)
+
+
+def cmd_status(args: argparse.Namespace, out: Console) -> int:
+    """``inferlb status``: Envoy's clusters and endpoints with weight, health and request counts."""
+    from inferlb.stack import clusters_json  # noqa: PLC0415
+    from inferlb.status import host_rows, status_table  # noqa: PLC0415
+
+    cfg = _load(args.config)
+    try:
+        data = clusters_json(cfg)
+    except (OSError, urllib.error.URLError) as exc:
+        out.print(
+            f"[red]cannot reach Envoy admin at http://{cfg.gateway.admin}[/red]: {exc}\n"
+            "Is the stack up (`inferlb up`)?"
+        )
+        return EXIT_FAIL
+    rows = host_rows(cfg, data, only_models=not args.all)
+    if args.json:
+        sys.stdout.write(json.dumps([asdict(r) for r in rows], indent=2) + "\n")
+    else:
+        out.print(status_table(rows))
+    return EXIT_OK
+
+
+def cmd_replay(args: argparse.Namespace, out: Console) -> int:
+    """``inferlb replay [TRACE]``: replay a trace through the gateway and print what the fleet did."""
+    from inferlb import replay as rp  # noqa: PLC0415
+    from inferlb.stack import clusters_json  # noqa: PLC0415
+    from inferlb.status import host_rows  # noqa: PLC0415
+
+    cfg = _load(args.config)
+    rows = rp.window(
+        rp.read_trace(args.trace or rp.DEFAULT_TRACE),
+        start_s=args.start,
+        duration_s=args.duration,
+        speedup=args.speedup,
+        limit=args.limit,
+    )
+    planned = rp.plan(cfg, rows, model=args.model, seed=args.seed)
+    if not planned:
+        out.print("[yellow]no trace rows in that window[/yellow]")
+        return EXIT_INPUT
+    out.print(
+        f"replaying {len(planned)} requests over {planned[-1].at_s:.1f} s "
+        f"(speedup {args.speedup:g}) through http://{cfg.gateway.listen}"
+    )
+    progress = Progress(
+        TextColumn("replay"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=out,
+        transient=False,
+        disable=not out.is_terminal and not args.progress,
+    )
+    t0 = time.perf_counter()
+    with progress:
+        task = progress.add_task("replay", total=len(planned))
+        outcomes = asyncio.run(
+            rp.send_all(
+                str(cfg.gateway.listen),
+                planned,
+                stream=not args.no_stream,
+                timeout_s=args.timeout,
+                on_done=lambda _o: progress.advance(task),
+            )
+        )
+    wall = time.perf_counter() - t0
+    try:
+        weights = {r.name: r.weight for r in host_rows(cfg, clusters_json(cfg))}
+    except (OSError, urllib.error.URLError):
+        weights = {}
+    summary = rp.summarize(outcomes, wall)
+    shares = rp.endpoint_shares(cfg, outcomes, weights)
+    print_replay(out, summary, shares)
+    if args.json:
+        Path(args.json).write_text(
+            json.dumps(
+                {
+                    "summary": asdict(summary),
+                    "endpoints": [asdict(s) for s in shares],
+                    "outcomes": [asdict(o) for o in outcomes],
+                },
+                indent=1,
+            ),
+            encoding="utf-8",
+        )
+        out.print(f"wrote {args.json}")
+    transport_errors = summary.by_status.get(0, 0) + sum(n for s, n in summary.by_status.items() if s >= 500)
+    return EXIT_FAIL if transport_errors else EXIT_OK
+
+
+def print_replay(out: Console, s: ReplaySummary, shares: Sequence[EndpointShare]) -> None:
+    """Print the replay tables: per endpoint, per tenant, totals."""
+    t = Table(title="per endpoint (shares within each cluster)")
+    for col in (
+        "cluster",
+        "endpoint",
+        "gpu",
+        "weight",
+        "weight share",
+        "requests",
+        "req share",
+        "tokens",
+        "token share",
+    ):
+        t.add_column(col, justify="right" if col not in ("cluster", "endpoint", "gpu") else "left")
+    for r in shares:
+        t.add_row(
+            r.cluster,
+            r.endpoint,
+            r.gpu,
+            str(r.weight),
+            f"{r.weight_share:.1%}",
+            str(r.requests),
+            f"{r.request_share:.1%}",
+            str(r.tokens),
+            f"{r.token_share:.1%}",
+        )
+    out.print(t)
+    statuses = sorted(s.by_status)
+    tt = Table(title="per tenant (requests by HTTP status; 0 = transport error)")
+    tt.add_column("tenant")
+    for st in statuses:
+        tt.add_column(str(st), justify="right")
+    for tenant, counts in s.by_tenant.items():
+        tt.add_row(tenant, *(str(counts.get(st, 0)) for st in statuses))
+    out.print(tt)
+    tot = Table(title="totals")
+    for col in (
+        "sent",
+        "ok",
+        "errors by status",
+        "latency p50",
+        "latency p99",
+        "TTFT p50",
+        "TTFT p99",
+        "wall",
+    ):
+        tot.add_column(col, justify="right")
+    errs = ", ".join(f"{k}: {v}" for k, v in sorted(s.by_status.items()) if k != 200) or "none"
+    tot.add_row(
+        str(s.sent),
+        str(s.ok),
+        errs,
+        f"{s.latency_p50_s * 1000:.0f} ms",
+        f"{s.latency_p99_s * 1000:.0f} ms",
+        f"{s.ttft_p50_s * 1000:.0f} ms",
+        f"{s.ttft_p99_s * 1000:.0f} ms",
+        f"{s.wall_s:.1f} s",
+    )
+    out.print(tot)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argparse parser for every verb."""
+    p = argparse.ArgumentParser(prog="inferlb", description=__doc__.splitlines()[0] if __doc__ else None)
+    sub = p.add_subparsers(dest="verb", required=True)
+
+    v = sub.add_parser("validate", help="check a config file; exit 2 naming each bad field")
+    v.add_argument("file")
+    v.set_defaults(fn=cmd_validate)
+
+    b = sub.add_parser("bootstrap", help="print the Envoy bootstrap for a config")
+    _config_arg(b, positional=True)
+    b.add_argument("--node-id", default="inferlb-gateway-0")
+    b.set_defaults(fn=cmd_bootstrap)
+
+    u = sub.add_parser("up", help="run the local stack (xDS, ext_proc, simulated GPUs, Envoy)")
+    _config_arg(u, positional=True)
+    u.add_argument("--workdir", default=None, help="where bootstrap and logs go (default: a temp dir)")
+    u.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    u.add_argument("--timeout", type=float, default=60.0, help="start-up deadline (s)")
+    u.set_defaults(fn=cmd_up)
+
+    s = sub.add_parser("status", help="Envoy's clusters and endpoints: weight, health, requests")
+    _config_arg(s, positional=False)
+    s.add_argument("--all", action="store_true", help="include internal clusters (xDS, ext_proc)")
+    s.add_argument("--json", action="store_true", help="print JSON rows instead of a table")
+    s.set_defaults(fn=cmd_status)
+
+    r = sub.add_parser("replay", help="replay a TIMESTAMP,ContextTokens,GeneratedTokens trace")
+    r.add_argument("trace", nargs="?", default=None, help="CSV trace (default: the bundled Azure 2023 trace)")
+    _config_arg(r, positional=False)
+    r.add_argument("--speedup", type=float, default=1.0, help="time compression (2 = twice as fast)")
+    r.add_argument("--start", type=float, default=0.0, help="trace offset to start at (s)")
+    r.add_argument("--duration", type=float, default=60.0, help="trace seconds to replay (default 60)")
+    r.add_argument("--limit", type=int, default=None, help="at most this many requests")
+    r.add_argument("--model", default=None, help="send everything to this model (default: spread)")
+    r.add_argument("--seed", type=int, default=1)
+    r.add_argument("--timeout", type=float, default=120.0, help="per-request timeout (s)")
+    r.add_argument("--no-stream", action="store_true", help="non-streamed requests (no TTFT)")
+    r.add_argument("--progress", action="store_true", help="show the progress bar even when not a terminal")
+    r.add_argument("--json", default=None, help="also write summary and outcomes to this JSON file")
+    r.set_defaults(fn=cmd_replay)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``inferlb`` console script; returns the exit code."""
+    args = build_parser().parse_args(argv)
+    out = Console(highlight=False)
+    err = Console(stderr=True, highlight=False)
+    try:
+        code: int = args.fn(args, out)
+    except ConfigError as exc:
+        err.print(str(exc), markup=False)
+        return EXIT_INPUT
+    except (InferlbError, ValueError) as exc:
+        err.print(f"error: {exc}", markup=False)
+        return EXIT_INPUT
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

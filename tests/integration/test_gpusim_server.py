@@ -423,3 +423,36 @@ async def test_the_openai_sdk_can_use_it(v100: tuple[SimulatedEndpoint, str]) ->
         assert "".join(parts) == openai_api.completion_text(3)
         assert usage is not None
         assert (usage.prompt_tokens, usage.completion_tokens) == (count("Hi!"), 3)
+
+
+async def test_a_burst_is_served_or_refused_and_every_request_is_accounted_for(
+    http: aiohttp.ClientSession,
+) -> None:
+    config = make_config(decode_tokens_per_s=100, max_batch=4, max_queue=6)
+    async with serving(config, "v100-test") as (server, url):
+
+        async def one(i: int) -> tuple[int, int | None]:
+            stream = i % 2 == 0
+            payload = {**CHAT, "max_tokens": 10, "stream": stream, "stream_options": {"include_usage": True}}
+            if not stream:
+                del payload["stream_options"]
+            async with http.post(f"{url}/v1/chat/completions", json=payload) as resp:
+                if resp.status != 200:
+                    return resp.status, None
+                if stream:
+                    return 200, sse_events(await resp.text())[-2]["usage"]["completion_tokens"]
+                return 200, (await resp.json())["usage"]["completion_tokens"]
+
+        results = await asyncio.gather(*(one(i) for i in range(30)))
+        statuses = [s for s, _ in results]
+        assert set(statuses) <= {200, 503}
+        assert statuses.count(200) >= 4 + 6  # the batch and the queue at least
+        assert statuses.count(503) >= 1  # 30 at once cannot all fit: ~40 requests/s drain at most
+        assert all(tokens == 10 for s, tokens in results if s == 200)
+        samples = await scrape(http, url)
+        assert metric(samples, "gpusim:requests_received_total") == 30
+        assert metric(samples, "vllm:request_success_total", finished_reason="length") == statuses.count(200)
+        assert metric(samples, "gpusim:requests_refused_total", reason="queue_full") == statuses.count(503)
+        assert metric(samples, "vllm:generation_tokens_total") == 10 * statuses.count(200)
+        assert metric(samples, "vllm:num_requests_running") == 0
+        assert server.engine.next_step_end() is None

@@ -26,6 +26,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Final
 
+from envoy.config.accesslog.v3 import accesslog_pb2
 from envoy.config.cluster.v3 import circuit_breaker_pb2, cluster_pb2, outlier_detection_pb2
 from envoy.config.common.mutation_rules.v3 import mutation_rules_pb2
 from envoy.config.core.v3 import (
@@ -35,6 +36,7 @@ from envoy.config.core.v3 import (
     extension_pb2,
     grpc_service_pb2,
     protocol_pb2,
+    substitution_format_string_pb2,
 )
 from envoy.config.endpoint.v3 import endpoint_components_pb2, endpoint_pb2
 from envoy.config.listener.v3 import listener_components_pb2, listener_pb2
@@ -152,6 +154,64 @@ def _http2_protocol_options() -> dict[str, any_pb2.Any]:
     return {"envoy.extensions.upstreams.http.v3.HttpProtocolOptions": _pack(opts)}
 
 
+# -- local replies -------------------------------------------------------------------------------------
+#: Envoy response flags of the replies Envoy makes itself when upstreams fail (Envoy access-log docs,
+#: "%RESPONSE_FLAGS%"): no healthy upstream, connection failure, circuit-breaker overflow, retry limit
+#: exceeded, upstream timeout, upstream connection termination, no cluster, DNS failure.
+UPSTREAM_FAILURE_FLAGS: Final[tuple[str, ...]] = ("UH", "UF", "UO", "URX", "UT", "UC", "NC", "DF")
+
+
+def body_too_large_body(limit: int) -> str:
+    """The JSON body of Envoy's 413 (request body above ``gateway.max_request_body_bytes``)."""
+    err = RequestError(
+        413,
+        f"request body is larger than this gateway's limit of {limit} bytes",
+        type="invalid_request_error",
+        code="request_too_large",
+    )
+    return json.dumps(err.to_openai_json(), separators=(",", ":"))
+
+
+def build_local_reply_config(config: Config) -> http_connection_manager_pb2.LocalReplyConfig:
+    """Envoy ``local_reply_config`` that turns Envoy's own plain-text replies into OpenAI-style JSON.
+
+    Two mappers: status 413 (Envoy's buffer limit answers before ext_proc sees the body) gets the
+    ``request_too_large`` error; replies carrying an upstream-failure response flag
+    (:data:`UPSTREAM_FAILURE_FLAGS`: 503 no healthy upstream, 504 timeout, ...) keep their status and get
+    ``{"error": {"message": <Envoy's text>, "type": "server_error", "code": <response flags>}}``.
+    ext_proc's own immediate responses carry no such flag and are already JSON, so they pass unchanged.
+    """
+    json_text = substitution_format_string_pb2.SubstitutionFormatString(
+        text_format_source=base_pb2.DataSource(inline_string="%LOCAL_REPLY_BODY%"),
+        content_type="application/json",
+    )
+    too_large = http_connection_manager_pb2.ResponseMapper(
+        filter=accesslog_pb2.AccessLogFilter(
+            status_code_filter=accesslog_pb2.StatusCodeFilter(
+                comparison=accesslog_pb2.ComparisonFilter(
+                    op=accesslog_pb2.ComparisonFilter.EQ,
+                    value=base_pb2.RuntimeUInt32(default_value=413, runtime_key="inferlb.local_reply.413"),
+                )
+            )
+        ),
+        body=base_pb2.DataSource(inline_string=body_too_large_body(config.gateway.max_request_body_bytes)),
+        body_format_override=json_text,
+    )
+    error = struct_pb2.Struct()
+    error.update(
+        {"error": {"message": "%LOCAL_REPLY_BODY%", "type": "server_error", "code": "%RESPONSE_FLAGS%"}}
+    )
+    upstream = http_connection_manager_pb2.ResponseMapper(
+        filter=accesslog_pb2.AccessLogFilter(
+            response_flag_filter=accesslog_pb2.ResponseFlagFilter(flags=list(UPSTREAM_FAILURE_FLAGS))
+        ),
+        body_format_override=substitution_format_string_pb2.SubstitutionFormatString(
+            json_format=error, content_type="application/json"
+        ),
+    )
+    return http_connection_manager_pb2.LocalReplyConfig(mappers=[too_large, upstream])
+
+
 # -- listener -------------------------------------------------------------------------------------------
 def build_listener(config: Config) -> listener_pb2.Listener:
     """The gateway Listener ``inferlb_gateway`` (see the module docstring for its filter chain).
@@ -191,6 +251,7 @@ def build_listener(config: Config) -> listener_pb2.Listener:
             extension_pb2.TypedExtensionConfig(name=EARLY_HEADER_MUTATION, typed_config=_pack(strip))
         ],
         rds=http_connection_manager_pb2.Rds(config_source=_ads_source(), route_config_name=ROUTE_CONFIG_NAME),
+        local_reply_config=build_local_reply_config(config),
         http_filters=[
             http_connection_manager_pb2.HttpFilter(
                 name="envoy.filters.http.ext_proc", typed_config=_pack(ext_proc)

@@ -162,6 +162,8 @@ def test_a_body_over_the_limit_gets_413_before_any_gpu(running_stack: RunningSta
         running_stack.gateway, "POST", "/v1/chat/completions", big, {"Authorization": "Bearer sk-demo-a"}
     )
     assert r.status == 413
+    assert r.headers["content-type"].startswith("application/json")
+    assert r.json()["error"]["code"] == "request_too_large"
     assert backend_requests(running_stack) == before
 
 

@@ -1,0 +1,50 @@
+"""When no GPU can answer, Envoy's own reply reaches the client as an OpenAI-style JSON error with the
+right status (Envoy's local_reply_config from the xDS server), not as Envoy's plain text."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from inferlb.stack import Stack
+from tests.conftest import free_ports, make_config_doc, write_config
+from tests.e2e.conftest import http_request
+
+pytestmark = pytest.mark.e2e
+
+
+def test_a_model_whose_gpus_are_all_down_gets_a_json_503(tmp_path: Path) -> None:
+    doc = make_config_doc()
+    (dead_port,) = free_ports(1)  # nothing listens here
+    doc["models"].append({"name": "dead-model"})
+    doc["endpoints"].append(
+        {"name": "gone-0", "address": f"127.0.0.1:{dead_port}", "model": "dead-model", "gpu": "A100"}
+    )
+    stack = Stack(write_config(tmp_path / "c.yaml", doc), workdir=tmp_path)
+    stack.start(timeout_s=60)
+    try:
+        r = http_request(
+            str(stack.config.gateway.listen),
+            "POST",
+            "/v1/chat/completions",
+            {"model": "dead-model", "messages": [{"role": "user", "content": "hi"}]},
+            {"Authorization": "Bearer sk-demo-a"},
+        )
+        assert r.status == 503, r.body
+        assert r.headers["content-type"].startswith("application/json")
+        err = r.json()["error"]
+        assert err["type"] == "server_error"
+        assert "upstream" in err["message"]
+        assert err["code"]  # Envoy's response flags, e.g. "UF,URX"
+        # a live model on the same gateway is unaffected
+        ok = http_request(
+            str(stack.config.gateway.listen),
+            "POST",
+            "/v1/chat/completions",
+            {"model": "qwen", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
+            {"Authorization": "Bearer sk-demo-a"},
+        )
+        assert ok.status == 200
+    finally:
+        stack.stop()

@@ -152,6 +152,56 @@ class Simulation(_Frozen):
     max_queue: Annotated[int, Field(ge=0, le=100_000)] = 256
 
 
+class WeightsConfig(_Frozen):
+    """How telemetry turns into Envoy endpoint weights (:mod:`inferlb.weights` has the formula and sources).
+
+    The weight of an endpoint with fresh telemetry is ``scale * relative_capacity * performance * load *
+    kv * errors``, smoothed with an EWMA of time constant ``smoothing_tau_ms``, pushed only when it moves by
+    at least ``hysteresis_percent``, ramped in over ``slow_start_ms`` for a new endpoint, bounded to
+    ``[1, max_weight]``. Telemetry older than ``stale_after_ms`` is ignored and the endpoint gets its
+    profile weight (``scale * relative_capacity``).
+    """
+
+    #: Weight units per unit of relative capacity (V100 = 1.0 -> 100). Finer than the static
+    #: ``inferlb.fleet.WEIGHT_SCALE`` (10) so that a few percent of load shows in Envoy's integer weights.
+    scale: Annotated[float, Field(gt=0, le=10_000)] = 100.0
+    #: Upper bound of a pushed weight (Envoy caps the sum per locality at 2^32-1).
+    max_weight: Annotated[int, Field(ge=1, le=1_000_000)] = 10_000
+    #: EWMA time constant (ms): after a step change of the inputs, 63% of the change is applied after
+    #: one time constant, 90% after 2.3.
+    smoothing_tau_ms: Annotated[int, Field(ge=0, le=600_000)] = 1_000
+    #: A new weight is pushed only when it differs from the pushed one by at least this much (%).
+    hysteresis_percent: Annotated[float, Field(ge=0, le=100)] = 10.0
+    #: A new endpoint's weight ramps linearly from ``slow_start_min_percent`` to 100% over this time (ms).
+    slow_start_ms: Annotated[int, Field(ge=0, le=3_600_000)] = 10_000
+    slow_start_min_percent: Annotated[float, Field(gt=0, le=100)] = 10.0
+    #: Telemetry older than this (ms) is ignored: the endpoint falls back to its profile weight.
+    stale_after_ms: Annotated[int, Field(ge=1, le=3_600_000)] = 5_000
+    #: Weight lost per waiting request, relative to the batch size: ``load = 1 / (1 + q * waiting / batch
+    #: + r * running / batch)`` with ``q = queue_penalty`` and ``r = running_penalty``.
+    queue_penalty: Annotated[float, Field(ge=0, le=100)] = 1.0
+    running_penalty: Annotated[float, Field(ge=0, le=100)] = 0.25
+    #: KV-cache usage (0..1) above which the weight falls linearly, to ``kv_floor`` at a full cache.
+    kv_knee: Annotated[float, Field(ge=0, lt=1)] = 0.8
+    kv_floor: Annotated[float, Field(gt=0, le=1)] = 0.2
+    #: Factor applied when a thermal or power throttle reason is set and no clock ratio is known.
+    throttle_factor: Annotated[float, Field(gt=0, le=1)] = 0.5
+    #: ``errors = max(error_floor, 1 - error_penalty * error_rate)``.
+    error_penalty: Annotated[float, Field(ge=0, le=100)] = 2.0
+    error_floor: Annotated[float, Field(gt=0, le=1)] = 0.05
+
+
+class TelemetryConfig(_Frozen):
+    """Where and how often telemetry is gathered: the model-server ``/metrics`` scrape and the GPU agents."""
+
+    #: Period of the model-server ``/metrics`` scrape (ms).
+    scrape_interval_ms: Annotated[int, Field(ge=50, le=600_000)] = 500
+    #: Timeout of one scrape (ms); a timed-out scrape keeps the last sample, which then ages.
+    scrape_timeout_ms: Annotated[int, Field(ge=10, le=60_000)] = 1_000
+    #: Period at which ``inferlb agent`` reads NVML and reports (ms).
+    agent_interval_ms: Annotated[int, Field(ge=50, le=600_000)] = 1_000
+
+
 class OutlierDetection(_Frozen):
     """Envoy ``outlier_detection`` for a model's clusters. Envoy defaults differ (gateway-failure and
     failure-percentage enforcement default to 0%, i.e. off): every field is sent explicitly."""
@@ -288,6 +338,8 @@ class Config(_Frozen):
     models: tuple[ModelConfig, ...]
     endpoints: tuple[EndpointConfig, ...] = ()
     tenants: tuple[TenantConfig, ...] = ()
+    weights: WeightsConfig = WeightsConfig()
+    telemetry: TelemetryConfig = TelemetryConfig()
 
     @field_validator("gpu_profiles", mode="before")
     @classmethod

@@ -35,6 +35,7 @@ from envoy.config.core.v3 import (
     config_source_pb2,
     extension_pb2,
     grpc_service_pb2,
+    health_check_pb2,
     protocol_pb2,
     substitution_format_string_pb2,
 )
@@ -473,28 +474,74 @@ def build_clusters(config: Config) -> list[cluster_pb2.Cluster]:
 
 
 # -- endpoints ------------------------------------------------------------------------------------------
-def _lb_endpoint(config: Config, e: EndpointConfig) -> endpoint_components_pb2.LbEndpoint:
+def endpoint_key(e: EndpointConfig) -> str:
+    """The key an endpoint is known by in overrides and the fleet API: its address as written
+    (``host:port``, e.g. ``gpusim:8001`` or ``10.0.0.5:8000``); config validation keeps it unique."""
+    return str(e.address)
+
+
+@dataclass(frozen=True, kw_only=True)
+class EndpointOverride:
+    """What the server changes about one endpoint on top of the config (fleet API, telemetry weights).
+
+    Attributes:
+        weight: Envoy ``load_balancing_weight`` to send instead of the capacity weight (>= 1), or None.
+        draining: send ``health_status: DRAINING`` (Envoy sends it no new requests; in-flight ones finish).
+    """
+
+    weight: int | None = None
+    draining: bool = False
+
+
+_NO_OVERRIDE: Final = EndpointOverride()
+
+
+def _endpoint_ip(e: EndpointConfig, resolved_hosts: Mapping[str, str]) -> HostPort:
+    if e.address.is_ip:
+        return e.address
+    return HostPort(host=resolved_hosts[e.address.host], port=e.address.port)
+
+
+def _lb_endpoint(
+    config: Config, e: EndpointConfig, address: HostPort, override: EndpointOverride
+) -> endpoint_components_pb2.LbEndpoint:
     meta = struct_pb2.Struct()
     meta.update({"name": e.display_name, "gpu": e.gpu})
-    return endpoint_components_pb2.LbEndpoint(
-        endpoint=endpoint_components_pb2.Endpoint(
-            address=_socket_address(e.address), hostname=e.display_name
-        ),
-        load_balancing_weight=wrappers_pb2.UInt32Value(value=capacity_weight(config, e)),
+    weight = override.weight if override.weight is not None else capacity_weight(config, e)
+    lb = endpoint_components_pb2.LbEndpoint(
+        endpoint=endpoint_components_pb2.Endpoint(address=_socket_address(address), hostname=e.display_name),
+        load_balancing_weight=wrappers_pb2.UInt32Value(value=max(1, weight)),
         metadata=base_pb2.Metadata(filter_metadata={METADATA_NAMESPACE: meta}),
     )
+    if override.draining:
+        lb.health_status = health_check_pb2.HealthStatus.DRAINING
+    return lb
 
 
 def build_load_assignment(
-    config: Config, model: ModelConfig, version: str
+    config: Config,
+    model: ModelConfig,
+    version: str,
+    *,
+    resolved_hosts: Mapping[str, str] | None = None,
+    overrides: Mapping[str, EndpointOverride] | None = None,
 ) -> endpoint_pb2.ClusterLoadAssignment:
     """The ClusterLoadAssignment of one model version: its endpoints grouped by (region, zone), localities
     in sorted order, endpoints in config order. No endpoints -> an assignment with no localities (Envoy
-    needs that answer to finish warming the cluster, then answers 503 fast)."""
+    needs that answer to finish warming the cluster, then answers 503 fast).
+
+    Args:
+        resolved_hosts: ``{host name: IP}`` for endpoints written with a host name (see
+            :func:`build_resources`).
+        overrides: ``{endpoint_key: EndpointOverride}``; endpoints not named keep their config weight.
+    """
+    hosts = resolved_hosts or {}
+    ovr = overrides or {}
     by_locality: dict[tuple[str, str], list[endpoint_components_pb2.LbEndpoint]] = {}
     for e in config.endpoints:
         if e.model == model.name and config.endpoint_version(e) == version:
-            by_locality.setdefault((e.region, e.zone), []).append(_lb_endpoint(config, e))
+            lb = _lb_endpoint(config, e, _endpoint_ip(e, hosts), ovr.get(endpoint_key(e), _NO_OVERRIDE))
+            by_locality.setdefault((e.region, e.zone), []).append(lb)
     return endpoint_pb2.ClusterLoadAssignment(
         cluster_name=cluster_name(model.name, version),
         endpoints=[
@@ -506,44 +553,71 @@ def build_load_assignment(
     )
 
 
-def build_load_assignments(config: Config) -> list[endpoint_pb2.ClusterLoadAssignment]:
+def build_load_assignments(
+    config: Config,
+    *,
+    resolved_hosts: Mapping[str, str] | None = None,
+    overrides: Mapping[str, EndpointOverride] | None = None,
+) -> list[endpoint_pb2.ClusterLoadAssignment]:
     """One ClusterLoadAssignment per model-version cluster, config order, empty pools included."""
-    return [build_load_assignment(config, m, v.name) for m in config.models for v in m.versions]
+    return [
+        build_load_assignment(config, m, v.name, resolved_hosts=resolved_hosts, overrides=overrides)
+        for m in config.models
+        for v in m.versions
+    ]
 
 
-def check_endpoint_addresses(config: Config, source: str = "<config>") -> None:
-    """EDS endpoints are not resolved by Envoy: each must be an IP literal.
+def check_endpoint_addresses(
+    config: Config, source: str = "<config>", resolved_hosts: Mapping[str, str] | None = None
+) -> None:
+    """EDS endpoints are not resolved by Envoy: each must be an IP literal, or a host name the caller
+    resolved (``resolved_hosts``, filled at the edge with getaddrinfo).
 
     Raises:
-        ConfigError: naming ``endpoints[i].address`` for every host name found.
+        ConfigError: naming ``endpoints[i].address`` for every host name not resolved.
     """
+    hosts = resolved_hosts or {}
     problems = [
-        (f"endpoints[{i}].address", f"EDS endpoints need an IP address, got host name {e.address.host!r}")
+        (
+            f"endpoints[{i}].address",
+            f"EDS endpoints need an IP address, and host name {e.address.host!r} was not resolved to one",
+        )
         for i, e in enumerate(config.endpoints)
-        if not e.address.is_ip
+        if not e.address.is_ip and e.address.host not in hosts
     ]
     if problems:
         raise ConfigError(source, problems)
 
 
-def build_resources(config: Config, source: str = "<config>") -> XdsResources:
+def build_resources(
+    config: Config,
+    source: str = "<config>",
+    *,
+    resolved_hosts: Mapping[str, str] | None = None,
+    overrides: Mapping[str, EndpointOverride] | None = None,
+) -> XdsResources:
     """Every xDS resource of a config, by type URL then name.
 
     Args:
         config: a validated config.
         source: where the config came from, for error messages.
+        resolved_hosts: ``{host name: IP literal}`` for endpoints written with a host name
+            (``gpusim:8001`` in a container stack). This module does no I/O: the server resolves names
+            with getaddrinfo and passes the answers in.
+        overrides: per-endpoint changes on top of the config (weight, draining), by :func:`endpoint_key`.
 
     Raises:
-        ConfigError: the config cannot be expressed in Envoy (an endpoint host name, see
-            :func:`check_endpoint_addresses`).
+        ConfigError: the config cannot be expressed in Envoy (an endpoint host name that was not
+            resolved, see :func:`check_endpoint_addresses`).
     """
-    check_endpoint_addresses(config, source)
+    check_endpoint_addresses(config, source, resolved_hosts)
     listener = build_listener(config)
     routes = build_route_configuration(config)
+    assignments = build_load_assignments(config, resolved_hosts=resolved_hosts, overrides=overrides)
     return XdsResources(
         by_type={
             CLUSTER_TYPE: {c.name: c for c in build_clusters(config)},
-            ENDPOINT_TYPE: {a.cluster_name: a for a in build_load_assignments(config)},
+            ENDPOINT_TYPE: {a.cluster_name: a for a in assignments},
             LISTENER_TYPE: {listener.name: listener},
             ROUTE_TYPE: {routes.name: routes},
         }

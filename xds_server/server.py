@@ -12,6 +12,8 @@ import asyncio
 import contextlib
 import hashlib
 import logging
+import socket
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -66,6 +68,49 @@ def parse_config_bytes(data: bytes, source: str) -> Config:
     return parse_config(document, source)
 
 
+async def resolve_endpoint_hosts(config: Config, source: str) -> dict[str, str]:
+    """Resolve every endpoint host name of a config to one IP address (EDS endpoints must be IPs).
+
+    Uses the event loop's ``getaddrinfo`` (the system resolver: /etc/hosts, DNS, a container network's
+    service names). An IPv4 answer is preferred, since Envoy's default listeners and most fleets are IPv4.
+    IP literals are left alone and not looked up.
+
+    Returns:
+        ``{host name: IP literal}`` for every distinct host name among ``config.endpoints``.
+
+    Raises:
+        ConfigError: naming ``endpoints[i].address`` for each endpoint whose host name does not resolve.
+    """
+    loop = asyncio.get_running_loop()
+    names = sorted({e.address.host for e in config.endpoints if not e.address.is_ip})
+    answers = await asyncio.gather(
+        *(loop.getaddrinfo(n, None, type=socket.SOCK_STREAM) for n in names), return_exceptions=True
+    )
+    resolved: dict[str, str] = {}
+    failed: dict[str, str] = {}
+    for name, answer in zip(names, answers, strict=True):
+        if isinstance(answer, BaseException):
+            failed[name] = str(answer)
+            continue
+        ipv4 = [a for a in answer if a[0] == socket.AF_INET]
+        chosen = (ipv4 or answer)[0] if answer else None
+        if chosen is None:
+            failed[name] = "no address"
+        else:
+            resolved[name] = str(chosen[4][0])
+    problems = [
+        (
+            f"endpoints[{i}].address",
+            f"host name {e.address.host!r} does not resolve: {failed[e.address.host]}",
+        )
+        for i, e in enumerate(config.endpoints)
+        if e.address.host in failed
+    ]
+    if problems:
+        raise ConfigError(source, problems)
+    return resolved
+
+
 class XdsServer:
     """ADS on ``config.xds.listen`` (or ``bind``), fed from a config file that it keeps following.
 
@@ -94,6 +139,7 @@ class XdsServer:
         self.cache = cache or SnapshotCache()
         self.servicer = AggregatedDiscoveryServicer(self.cache)
         self.config: Config | None = None
+        self.resolved_hosts: Mapping[str, str] = {}
         self.port = 0
         self.host = ""
         self.reload_errors = 0
@@ -116,7 +162,7 @@ class XdsServer:
             data = await asyncio.to_thread(self.config_path.read_bytes)
         except OSError as exc:
             raise ConfigError(str(self.config_path), [("", f"cannot read: {exc.strerror or exc}")]) from None
-        loaded = self._publish(data)
+        loaded = await self._publish(data)
         config = loaded.config
         self._started_listen = config.xds.listen
         host, port = self._bind or (config.xds.listen.host, config.xds.listen.port)
@@ -134,12 +180,14 @@ class XdsServer:
         self._poller = asyncio.create_task(self._follow_config(), name="xds-config-poller")
         log.info("xds_server ready on %s:%d", host, bound)
 
-    def _publish(self, data: bytes) -> ConfigLoaded:
+    async def _publish(self, data: bytes) -> ConfigLoaded:
         digest = hashlib.sha256(data).hexdigest()
         source = str(self.config_path)
         config = parse_config_bytes(data, source)
-        snapshot = self.cache.set_resources(build_resources(config, source), group=DEFAULT_GROUP)
-        self.config, self._digest = config, digest
+        resolved: Mapping[str, str] = await resolve_endpoint_hosts(config, source)
+        resources = build_resources(config, source, resolved_hosts=resolved)
+        snapshot = self.cache.set_resources(resources, group=DEFAULT_GROUP)
+        self.config, self.resolved_hosts, self._digest = config, resolved, digest
         return ConfigLoaded(config=config, snapshot=snapshot, digest=digest)
 
     async def reload_if_changed(self) -> ConfigLoaded | None:
@@ -159,7 +207,7 @@ class XdsServer:
         if digest == self._digest:
             return None
         try:
-            loaded = self._publish(data)
+            loaded = await self._publish(data)
         except (ConfigError, SnapshotInconsistentError) as exc:
             self._digest = digest  # report a bad file once, not every poll
             self.reload_errors += 1

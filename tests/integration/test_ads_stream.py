@@ -296,16 +296,39 @@ async def test_bad_config_is_refused_and_the_last_good_keeps_serving(
     late = connect()
     await late.send(r.ENDPOINT_TYPE, names=CLUSTERS, node=True)
     assert (await late.recv()).version_info == first.version_info
-    # a file Envoy cannot use (an EDS host name) is refused the same way, naming the field
+    # a file Envoy cannot use (an EDS host name that does not resolve: .invalid is reserved, RFC 2606) is
+    # refused the same way, naming the field
     doc = _doc()
-    doc["endpoints"][0]["address"] = "gpu-0.example:8001"
+    doc["endpoints"][0]["address"] = "gpu-0.invalid:8001"
     _write(config_file, doc)
     await _until(lambda: server.reload_errors == 2, "the host-name config to be refused")
-    assert any("endpoints[0].address" in rec.getMessage() for rec in caplog.records)
+    assert any(
+        "endpoints[0].address" in rec.getMessage() and "does not resolve" in rec.getMessage()
+        for rec in caplog.records
+    )
     doc["endpoints"][0]["address"] = "127.0.0.1:8101"
     _write(config_file, doc)
     pushed = await client.recv()
     assert pushed.version_info != first.version_info
+
+
+async def test_endpoint_host_names_are_resolved_to_ip_addresses(
+    server: XdsServer, connect: Callable[[], AdsClient], config_file: Path
+) -> None:
+    doc = _doc()
+    doc["endpoints"][0]["address"] = "localhost:8101"  # a name, as in the container stack (gpusim:8001)
+    _write(config_file, doc)
+    await _until(lambda: server.resolved_hosts == {"localhost": "127.0.0.1"}, "localhost to be resolved")
+    client = connect()
+    await client.send(r.ENDPOINT_TYPE, names=CLUSTERS, node=True)
+    resp = await client.recv()
+    first = endpoint_pb2.ClusterLoadAssignment()
+    assert resp.resources[0].Unpack(first)
+    assert first.cluster_name == CLUSTERS[0]
+    hosts = [lb for loc in first.endpoints for lb in loc.lb_endpoints]
+    h100 = next(lb for lb in hosts if lb.endpoint.hostname == "h100-0")
+    assert h100.endpoint.address.socket_address.address == "127.0.0.1"
+    assert h100.endpoint.address.socket_address.port_value == 8101
 
 
 async def test_delta_is_answered_unimplemented(server: XdsServer) -> None:

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 import yaml
 from envoy.config.cluster.v3 import cluster_pb2
-from envoy.config.core.v3 import base_pb2
+from envoy.config.core.v3 import base_pb2, health_check_pb2
 from envoy.config.endpoint.v3 import endpoint_pb2
 from envoy.config.listener.v3 import listener_pb2
 from envoy.config.route.v3 import route_pb2
@@ -260,6 +260,33 @@ def test_endpoint_host_name_is_refused_with_the_field_named() -> None:
         r.build_resources(parse_config(doc), "fleet.yaml")
     assert err.value.source == "fleet.yaml"
     assert [f for f, _ in err.value.problems] == ["endpoints[2].address"]
+
+
+def test_endpoint_host_name_resolved_at_the_edge_is_sent_as_its_ip() -> None:
+    doc = _default_doc()
+    doc["endpoints"][2]["address"] = "gpusim:8003"
+    res = r.build_resources(parse_config(doc), "fleet.yaml", resolved_hosts={"gpusim": "10.1.2.3"})
+    cla = res.by_type[r.ENDPOINT_TYPE]["llama-3.1-8b-instruct--v1"]
+    assert isinstance(cla, endpoint_pb2.ClusterLoadAssignment)
+    by_name = {lb.endpoint.hostname: lb for loc in cla.endpoints for lb in loc.lb_endpoints}
+    sa = by_name["a100-1"].endpoint.address.socket_address
+    assert (sa.address, sa.port_value) == ("10.1.2.3", 8003)
+    # a map that lacks the name is refused the same way as no map
+    with pytest.raises(ConfigError) as err:
+        r.build_resources(parse_config(doc), "fleet.yaml", resolved_hosts={"other": "10.0.0.1"})
+    assert [f for f, _ in err.value.problems] == ["endpoints[2].address"]
+
+
+def test_endpoint_overrides_set_weight_and_draining(config: Config) -> None:
+    key = r.endpoint_key(config.endpoints[0])
+    res = r.build_resources(config, overrides={key: r.EndpointOverride(weight=77, draining=True)})
+    cla = res.by_type[r.ENDPOINT_TYPE]["llama-3.1-8b-instruct--v1"]
+    assert isinstance(cla, endpoint_pb2.ClusterLoadAssignment)
+    by_name = {lb.endpoint.hostname: lb for loc in cla.endpoints for lb in loc.lb_endpoints}
+    assert by_name["h100-0"].load_balancing_weight.value == 77
+    assert by_name["h100-0"].health_status == health_check_pb2.HealthStatus.DRAINING
+    assert by_name["a100-0"].load_balancing_weight.value == 17
+    assert by_name["a100-0"].health_status == health_check_pb2.HealthStatus.UNKNOWN
 
 
 def test_same_config_gives_byte_identical_resources(config: Config) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import signal
 import sys
 import time
@@ -83,9 +84,10 @@ def cmd_up(args: argparse.Namespace, out: Console) -> int:
             return EXIT_FAIL
         out.print("[green]ready[/green]: Envoy holds every cluster with its endpoints")
         for line in describe(stack.config):
-            out.print("  " + line)
+            out.print("  " + line, soft_wrap=True)
         out.print(f"  logs     {stack.workdir}")
-        out.print("\ntry:\n" + sample_curl(stack.config), markup=False, highlight=False)
+        # soft_wrap: a wrapped curl line would not paste back into a shell
+        out.print("\ntry:\n" + sample_curl(stack.config), markup=False, highlight=False, soft_wrap=True)
         out.print("\nCtrl-C stops everything.")
         while not stopping:
             broken = stack.first_exited()
@@ -304,8 +306,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``inferlb`` console script; returns the exit code."""
     args = build_parser().parse_args(argv)
-    out = Console(highlight=False)
-    err = Console(stderr=True, highlight=False)
+    # Tables stay whole when piped to a file or a CI log (rich would otherwise assume 80 columns).
+    width = None if sys.stdout.isatty() or "COLUMNS" in os.environ else 160
+    out = Console(highlight=False, width=width)
+    err = Console(stderr=True, highlight=False, width=width)
     try:
         code: int = args.fn(args, out)
     except ConfigError as exc:

@@ -28,9 +28,10 @@ from inferlb import headers as h
 from inferlb.config import Config, ModelConfig, TenantConfig
 from inferlb.errors import RequestError
 from inferlb.openai_api import INFERENCE_PATHS, EndpointKind, InferenceRequest, parse_request
-from inferlb.quota import Admitted, QuotaBook
+from inferlb.quota import Admitted, Limit, QuotaBook, Refused
 from inferlb.routing import RoutingTable, model_not_found, priority_header_value
 from inferlb.tokens import TextTokenCounter, count_prompt_tokens, default_counter
+from inferlb.usage import Reservation, add_include_usage
 
 MODELS_PATH = "/v1/models"
 _JSON = (("content-type", "application/json"),)
@@ -81,6 +82,8 @@ class PreparedRequest:
     prompt_tokens: int
     #: prompt + the largest completion the request may produce (tokens): what admission reserves.
     reserved_tokens: int
+    #: the body to send upstream instead of the client's (``stream_options.include_usage`` added), or None.
+    upstream_body: bytes | None = None
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -91,14 +94,19 @@ class ContinueRequest:
         set_headers: headers to set, overwriting any value.
         remove_headers: header names to remove.
         clear_route_cache: make Envoy pick the route again from the changed headers.
-        admitted: the quota reservation taken (tenant, tokens) to reconcile with the response's usage
-            (issue 4), or None.
+        body: a replacement request body (``set_headers`` then carries its ``content-length``), or None.
+        admitted: the quota reservation taken, to settle with the response's usage, or None.
+        reservation: what the response meter needs to settle it (prompt, reservation, stream), or None.
+        model: the canonical model name ("" before one is known), for metrics.
     """
 
     set_headers: tuple[tuple[str, str], ...] = ()
     remove_headers: tuple[str, ...] = ()
     clear_route_cache: bool = False
+    body: bytes | None = None
     admitted: Admitted | None = None
+    reservation: Reservation | None = None
+    model: str = ""
 
 
 # -- the per-config state -------------------------------------------------------------------------
@@ -113,6 +121,8 @@ class Gateway:
         models_list_body: the ``GET /v1/models`` JSON body.
         model_bodies: model name or alias -> the ``GET /v1/models/{id}`` JSON body.
         counter: the prompt token counter.
+        account_responses: ``ext_proc.account_responses``: responses are metered, so streams get
+            ``stream_options.include_usage`` added when the client did not ask for it.
     """
 
     config: Config
@@ -121,6 +131,7 @@ class Gateway:
     models_list_body: bytes
     model_bodies: Mapping[str, bytes]
     counter: TextTokenCounter
+    account_responses: bool = True
 
     @classmethod
     def from_config(cls, config: Config, counter: TextTokenCounter | None = None) -> Gateway:
@@ -138,6 +149,7 @@ class Gateway:
             models_list_body=json.dumps({"object": "list", "data": list(objects.values())}).encode(),
             model_bodies=MappingProxyType(bodies),
             counter=counter or default_counter(),
+            account_responses=config.ext_proc.account_responses,
         )
 
 
@@ -285,12 +297,17 @@ def prepare_body(
             ),
             "inferlb_context_length_exceeded",
         )
+    upstream_body = None
+    if gateway.account_responses and request.stream and pending.kind.generates_tokens:
+        # ask the model server for the usage event so the stream is billed from its own numbers
+        upstream_body = add_include_usage(body)
     return PreparedRequest(
         pending=pending,
         request=request,
         model=model,
         prompt_tokens=prompt_tokens,
         reserved_tokens=prompt_tokens + output_cap,
+        upstream_body=upstream_body,
     )
 
 
@@ -308,29 +325,67 @@ def admit(
         ``-prompt-tokens`` with ``clear_route_cache``; or a 429 ``rate_limit_error``/``rate_limit_exceeded``
         :class:`ImmediateReply` with ``retry-after`` (none when the request can never fit the quota).
     """
-    tenant = prepared.pending.tenant
-    decision = quotas.try_admit(tenant.name, prepared.reserved_tokens, now)
-    if not isinstance(decision, Admitted):
+    decision = quotas.try_admit(prepared.pending.tenant.name, prepared.reserved_tokens, now)
+    if isinstance(decision, Refused):
+        return quota_refusal(decision)
+    return route(gateway, prepared, decision, rng=rng)
+
+
+def quota_refusal(decision: Refused) -> ImmediateReply:
+    """The answer to a quota refusal: 429 ``rate_limit_error``/``rate_limit_exceeded`` with ``retry-after``
+    (none when the request can never fit), or 503 ``server_error``/``quota_backend_unavailable`` when the
+    shared quota state is unreachable and the store fails closed."""
+    if decision.limit is Limit.QUOTA_BACKEND_UNAVAILABLE:
         err = RequestError(
-            429,
+            503,
             decision.message,
-            type="rate_limit_error",
-            code="rate_limit_exceeded",
+            type="server_error",
+            code="quota_backend_unavailable",
             retry_after_s=decision.retry_after_s,
         )
-        reason = "request_too_large" if decision.never_fits else decision.limit.value
-        return refusal(err, f"inferlb_quota_{reason}")
+        return refusal(err, "inferlb_quota_backend_unavailable")
+    err = RequestError(
+        429,
+        decision.message,
+        type="rate_limit_error",
+        code="rate_limit_exceeded",
+        retry_after_s=decision.retry_after_s,
+    )
+    reason = "request_too_large" if decision.never_fits else decision.limit.value
+    return refusal(err, f"inferlb_quota_{reason}")
+
+
+def route(
+    gateway: Gateway, prepared: PreparedRequest, admitted: Admitted, *, rng: random.Random
+) -> ContinueRequest:
+    """The routing headers of an admitted request (and its rewritten body with its new
+    ``content-length``, when the gateway added ``include_usage``)."""
+    tenant = prepared.pending.tenant
     version = gateway.routing.pick_version(prepared.model, prepared.request.user, rng)
+    headers: tuple[tuple[str, str], ...] = (
+        (h.MODEL, prepared.model.name),
+        (h.VERSION, version),
+        (h.TENANT, tenant.name),
+        (h.PRIORITY, priority_header_value(tenant.priority)),
+        (h.PROMPT_TOKENS, str(prepared.prompt_tokens)),
+    )
+    body = prepared.upstream_body
+    if body is not None:
+        # Envoy's ProcessingMode docs: with a BUFFERED body and SEND headers, the processor that mutates
+        # the body must set content-length to the new length (Envoy >= 1.29 no longer drops it)
+        headers = (*headers, ("content-length", str(len(body))))
     return ContinueRequest(
-        set_headers=(
-            (h.MODEL, prepared.model.name),
-            (h.VERSION, version),
-            (h.TENANT, tenant.name),
-            (h.PRIORITY, priority_header_value(tenant.priority)),
-            (h.PROMPT_TOKENS, str(prepared.prompt_tokens)),
-        ),
+        set_headers=headers,
         clear_route_cache=True,
-        admitted=decision,
+        body=body,
+        admitted=admitted,
+        reservation=Reservation(
+            prompt_tokens=prepared.prompt_tokens,
+            reserved_tokens=prepared.reserved_tokens,
+            stream=prepared.request.stream,
+            strip_usage_event=body is not None,
+        ),
+        model=prepared.model.name,
     )
 
 

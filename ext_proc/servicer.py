@@ -1,9 +1,17 @@
 """The grpcio aio adapter between Envoy's ext_proc stream and :mod:`ext_proc.handlers`.
 
-One ``Process`` stream carries one HTTP request: request headers, then (BUFFERED) the whole body. Each
-message gets exactly one answer: a headers/body response that continues (with header mutations) or an
-``ImmediateResponse``. Response-side messages, which the filter config does not ask for today, are answered
-with a plain CONTINUE so a config that sends them never stalls a request.
+One ``Process`` stream carries one HTTP request: request headers, then (BUFFERED) the whole body, then,
+when ``ext_proc.account_responses`` is on, the response headers (SEND) and the response body chunks
+(STREAMED), and response trailers if Envoy is configured to send them. Each message gets exactly one
+answer: a headers/body response that continues (with header or body mutations) or an
+``ImmediateResponse``.
+
+Quota accounting per stream: admission takes a reservation (and a concurrency lease) from the
+:class:`~inferlb.quota.QuotaStore`; a :class:`~inferlb.usage.ResponseMeter` follows the response, and the
+reservation is settled with the real usage exactly once: at the end of the response body, at the
+response trailers, or, when the stream ends first (client abort, upstream reset, Envoy timeout), with
+what was produced so far. A settlement that has to wait for the store (Redis) after the stream was
+cancelled runs as a tracked task (:meth:`ExternalProcessor.drain` waits for them).
 
 Envoy resets the stream after the last message it needs; grpc aio turns that into a cancellation of this
 coroutine, which is normal and not logged. A bug in a handler answers 500 with an OpenAI ``server_error``
@@ -27,7 +35,9 @@ from envoy.type.v3 import http_status_pb2
 
 from ext_proc import handlers
 from inferlb.config import Config
-from inferlb.quota import QuotaBook, limits_from_config
+from inferlb.metrics import ExtProcMetrics
+from inferlb.quota import Admitted, MemoryQuotaStore, QuotaStore, Refused, limits_from_config
+from inferlb.usage import ResponseMeter, Usage
 
 log = logging.getLogger("ext_proc")
 
@@ -39,13 +49,15 @@ _OVERWRITE = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
 
 
 class ExtProcState:
-    """The mutable state one ext_proc process serves from: the current :class:`handlers.Gateway` and the
-    tenants' :class:`~inferlb.quota.QuotaBook`.
+    """The mutable state one ext_proc process serves from: the current :class:`handlers.Gateway`, the
+    tenants' :class:`~inferlb.quota.QuotaStore` and the metrics.
 
     Args:
         config: the initial config.
-        clock: monotonic seconds (injected for tests).
+        clock: monotonic seconds (injected for tests), for the default in-process store.
         rng: randomness for version choice when a request names no user.
+        quotas: the quota store; default an in-process :class:`~inferlb.quota.MemoryQuotaStore`.
+        metrics: the metric families; default a fresh :class:`~inferlb.metrics.ExtProcMetrics`.
     """
 
     def __init__(
@@ -54,11 +66,16 @@ class ExtProcState:
         *,
         clock: Callable[[], float] = time.monotonic,
         rng: random.Random | None = None,
+        quotas: QuotaStore | None = None,
+        metrics: ExtProcMetrics | None = None,
     ) -> None:
         self.clock = clock
         self.rng = rng or random.Random()
         self.gateway = handlers.Gateway.from_config(config)
-        self.quotas = QuotaBook(limits_from_config(config), clock())
+        self.quotas: QuotaStore = (
+            quotas if quotas is not None else MemoryQuotaStore(limits_from_config(config), clock=clock)
+        )
+        self.metrics = metrics if metrics is not None else ExtProcMetrics()
 
     def apply_config(self, config: Config) -> None:
         """Serve ``config`` from now on; quota state of tenants whose limits did not change is kept.
@@ -66,7 +83,7 @@ class ExtProcState:
         Streams already past their headers phase finish with the tenant they authenticated as.
         """
         gateway = handlers.Gateway.from_config(config, self.gateway.counter)
-        self.quotas.update_limits(limits_from_config(config), self.clock())
+        self.quotas.update_limits(limits_from_config(config))
         self.gateway = gateway
 
 
@@ -112,16 +129,31 @@ def headers_continue(remove: tuple[str, ...]) -> ep.ProcessingResponse:
 
 
 def body_continue(decision: handlers.ContinueRequest) -> ep.ProcessingResponse:
-    """Continue after the request body with the decision's header changes and route-cache clearing."""
-    return ep.ProcessingResponse(
-        request_body=ep.BodyResponse(
-            response=_common(
-                set_headers=decision.set_headers,
-                remove=decision.remove_headers,
-                clear_route_cache=decision.clear_route_cache,
-            )
-        )
+    """Continue after the request body with the decision's header changes, route-cache clearing and, when
+    the body was rewritten, the new body (its ``content-length`` is among the header changes)."""
+    common = _common(
+        set_headers=decision.set_headers,
+        remove=decision.remove_headers,
+        clear_route_cache=decision.clear_route_cache,
     )
+    if decision.body is not None:
+        common.body_mutation.CopyFrom(ep.BodyMutation(body=decision.body))
+    return ep.ProcessingResponse(request_body=ep.BodyResponse(response=common))
+
+
+def response_headers_continue(*, remove_content_length: bool) -> ep.ProcessingResponse:
+    """Continue after the response headers; drop ``content-length`` when the body will be rewritten."""
+    remove = ("content-length",) if remove_content_length else ()
+    return ep.ProcessingResponse(response_headers=ep.HeadersResponse(response=_common(remove=remove)))
+
+
+def response_body_continue(chunk: bytes, out: bytes) -> ep.ProcessingResponse:
+    """Continue after one response body chunk, replacing it with ``out`` when it differs."""
+    if out == chunk:
+        return ep.ProcessingResponse(response_body=ep.BodyResponse())
+    common = ep.CommonResponse()
+    common.body_mutation.CopyFrom(ep.BodyMutation(body=out))
+    return ep.ProcessingResponse(response_body=ep.BodyResponse(response=common))
 
 
 def header_map(msg: ep.HttpHeaders) -> dict[str, str]:
@@ -151,12 +183,31 @@ _INTERNAL_ERROR = handlers.ImmediateReply(
 )
 
 
+class _Exchange:
+    """Per-stream state: what the headers phase learned, and the admitted request's meter."""
+
+    __slots__ = ("admitted", "meter", "model", "pending", "settled")
+
+    def __init__(self) -> None:
+        self.pending: handlers.PendingRequest | None = None
+        self.admitted: Admitted | None = None
+        self.meter: ResponseMeter | None = None
+        self.model = ""
+        self.settled = False
+
+
 class ExternalProcessor(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]  # generated, untyped
     """``envoy.service.ext_proc.v3.ExternalProcessor`` over :mod:`ext_proc.handlers`."""
 
     def __init__(self, state: ExtProcState, *, offload_body_bytes: int = OFFLOAD_BODY_BYTES) -> None:
         self.state = state
         self.offload_body_bytes = offload_body_bytes
+        self._settling: set[asyncio.Task[None]] = set()
+
+    async def drain(self) -> None:
+        """Wait for settlements still running after their streams ended."""
+        while self._settling:
+            await asyncio.gather(*self._settling, return_exceptions=True)
 
     async def Process(
         self,
@@ -164,45 +215,62 @@ class ExternalProcessor(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc
         context: grpc.aio.ServicerContext[ep.ProcessingRequest, ep.ProcessingResponse],
     ) -> AsyncIterator[ep.ProcessingResponse]:
         """Answer each ``ProcessingRequest`` of one HTTP request's stream, in order."""
-        pending: handlers.PendingRequest | None = None
-        async for req in request_iterator:
-            phase = req.WhichOneof("request")
-            try:
-                if phase == "request_headers":
-                    out, pending = self._on_headers(req.request_headers)
-                elif phase == "request_body":
-                    out = await self._on_body(pending, req.request_body)
-                elif phase == "response_headers":
-                    out = ep.ProcessingResponse(response_headers=ep.HeadersResponse())
-                elif phase == "response_body":
-                    out = ep.ProcessingResponse(response_body=ep.BodyResponse())
-                elif phase == "request_trailers":
-                    out = ep.ProcessingResponse(request_trailers=ep.TrailersResponse())
-                elif phase == "response_trailers":
-                    out = ep.ProcessingResponse(response_trailers=ep.TrailersResponse())
-                else:
-                    log.warning("ext_proc message without a known phase (%r); ignoring it", phase)
-                    continue
-            except Exception:
-                log.exception("ext_proc failed on a %s message; answering 500", phase)
-                out = immediate_response(_INTERNAL_ERROR)
-            yield out
-            if out.HasField("immediate_response"):
-                return
+        ex = _Exchange()
+        histogram = self.state.metrics.processing_seconds
+        try:
+            async for req in request_iterator:
+                phase = req.WhichOneof("request")
+                started = time.perf_counter()
+                try:
+                    if phase == "request_headers":
+                        out = self._on_headers(ex, req.request_headers)
+                    elif phase == "request_body":
+                        out = await self._on_body(ex, req.request_body)
+                    elif phase == "response_headers":
+                        out = self._on_response_headers(ex, req.response_headers)
+                    elif phase == "response_body":
+                        out = await self._on_response_body(ex, req.response_body)
+                    elif phase == "request_trailers":
+                        out = ep.ProcessingResponse(request_trailers=ep.TrailersResponse())
+                    elif phase == "response_trailers":
+                        await self._finish(ex, aborted=False)
+                        out = ep.ProcessingResponse(response_trailers=ep.TrailersResponse())
+                    else:
+                        log.warning("ext_proc message without a known phase (%r); ignoring it", phase)
+                        continue
+                except Exception:
+                    log.exception("ext_proc failed on a %s message; answering 500", phase)
+                    out = immediate_response(_INTERNAL_ERROR)
+                histogram.labels(phase).observe(time.perf_counter() - started)
+                yield out
+                if out.HasField("immediate_response"):
+                    if ex.admitted is not None and not ex.settled:
+                        # refused after admission (an internal error): nothing went upstream
+                        ex.meter = None
+                        await self._settle(ex, None, status="500")
+                    return
+        finally:
+            if ex.admitted is not None and not ex.settled:
+                # the stream ended before the response did: charge what was produced, release the lease
+                task = asyncio.get_running_loop().create_task(self._finish(ex, aborted=True))
+                self._settling.add(task)
+                task.add_done_callback(self._settling.discard)
 
-    def _on_headers(
-        self, msg: ep.HttpHeaders
-    ) -> tuple[ep.ProcessingResponse, handlers.PendingRequest | None]:
+    def _on_headers(self, ex: _Exchange, msg: ep.HttpHeaders) -> ep.ProcessingResponse:
         decision = handlers.on_request_headers(
             self.state.gateway, header_map(msg), end_of_stream=msg.end_of_stream
         )
         if isinstance(decision, handlers.ImmediateReply):
-            return immediate_response(decision), None
-        return headers_continue(decision.remove_headers), decision.pending
+            self._count_reply(decision, tenant="", model="")
+            return immediate_response(decision)
+        ex.pending = decision.pending
+        return headers_continue(decision.remove_headers)
 
-    async def _on_body(
-        self, pending: handlers.PendingRequest | None, msg: ep.HttpBody
-    ) -> ep.ProcessingResponse:
+    def _count_reply(self, reply: handlers.ImmediateReply, *, tenant: str, model: str) -> None:
+        self.state.metrics.requests.labels(tenant, model, str(reply.status)).inc()
+
+    async def _on_body(self, ex: _Exchange, msg: ep.HttpBody) -> ep.ProcessingResponse:
+        pending = ex.pending
         if pending is None:
             # a body without an accepted headers phase: Envoy is configured to skip headers, which breaks
             # routing (shared/DESIGN.md); refuse rather than forward unrouted
@@ -217,12 +285,77 @@ class ExternalProcessor(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc
             )
         else:
             prepared = handlers.prepare_body(gateway, pending, body, end_of_stream=msg.end_of_stream)
+        tenant = pending.tenant.name
         if isinstance(prepared, handlers.ImmediateReply):
+            self._count_reply(prepared, tenant=tenant, model="")
             return immediate_response(prepared)
-        decision = handlers.admit(gateway, state.quotas, prepared, now=state.clock(), rng=state.rng)
-        if isinstance(decision, handlers.ImmediateReply):
-            return immediate_response(decision)
-        return body_continue(decision)
+        decision = await state.quotas.admit(tenant, prepared.reserved_tokens)
+        if isinstance(decision, Refused):
+            reply = handlers.quota_refusal(decision)
+            state.metrics.quota_rejections.labels(tenant, decision.limit.value).inc()
+            self._count_reply(reply, tenant=tenant, model=prepared.model.name)
+            return immediate_response(reply)
+        ex.admitted = decision
+        ex.model = prepared.model.name
+        cont = handlers.route(gateway, prepared, decision, rng=state.rng)
+        if gateway.account_responses and cont.reservation is not None:
+            ex.meter = ResponseMeter(cont.reservation, gateway.counter)
+        else:
+            # no response phases will come: the reservation is the charge, the lease ends now
+            await self._settle(ex, None, status="forwarded")
+        return body_continue(cont)
+
+    def _on_response_headers(self, ex: _Exchange, msg: ep.HttpHeaders) -> ep.ProcessingResponse:
+        meter = ex.meter
+        if meter is None or ex.settled:
+            return ep.ProcessingResponse(response_headers=ep.HeadersResponse())
+        hdrs = header_map(msg)
+        try:
+            status = int(hdrs.get(":status", "0"))
+        except ValueError:
+            status = 0
+        meter.on_headers(status, hdrs.get("content-type", ""))
+        return response_headers_continue(remove_content_length=meter.rewrites_body)
+
+    async def _on_response_body(self, ex: _Exchange, msg: ep.HttpBody) -> ep.ProcessingResponse:
+        meter = ex.meter
+        if meter is None or ex.settled:
+            return ep.ProcessingResponse(response_body=ep.BodyResponse())
+        out = meter.on_body(msg.body, end_of_stream=msg.end_of_stream)
+        if msg.end_of_stream:
+            await self._finish(ex, aborted=False)
+        return response_body_continue(msg.body, out)
+
+    async def _finish(self, ex: _Exchange, *, aborted: bool) -> None:
+        meter = ex.meter
+        if ex.settled or meter is None:
+            if ex.admitted is not None and not ex.settled:
+                await self._settle(ex, None, status="aborted" if aborted else "forwarded")
+            return
+        usage = meter.finish(aborted=aborted)
+        if usage is None:
+            return
+        status = "aborted" if aborted or meter.status is None else str(meter.status)
+        await self._settle(ex, usage, status=status)
+
+    async def _settle(self, ex: _Exchange, usage: Usage | None, *, status: str) -> None:
+        """Settle the stream's reservation once: ``usage`` tokens, or the reservation itself when None."""
+        admitted = ex.admitted
+        if admitted is None or ex.settled:
+            return
+        ex.settled = True
+        used = admitted.tokens if usage is None else usage.total_tokens
+        metrics = self.state.metrics
+        tenant, model = admitted.tenant, ex.model
+        metrics.requests.labels(tenant, model, status).inc()
+        if usage is not None:
+            metrics.usage_settled.labels(usage.source.value).inc()
+            metrics.prompt_tokens.labels(tenant, model).inc(usage.prompt_tokens)
+            metrics.completion_tokens.labels(tenant, model).inc(usage.completion_tokens)
+        try:
+            await self.state.quotas.settle(admitted, used)
+        except Exception:
+            log.exception("settling the quota of tenant %r failed", tenant)
 
 
 def add_to_server(server: grpc.aio.Server, state: ExtProcState) -> ExternalProcessor:

@@ -4,11 +4,12 @@ Shape (see README "Config reference" and ``examples/local.yaml``)::
 
     gateway:    {listen, admin, max_request_body_bytes, ...}   # the Envoy side
     xds:        {listen, push_debounce_ms}                    # our xDS server
-    ext_proc:   {listen, message_timeout_ms, failure_mode_allow}
+    ext_proc:   {listen, message_timeout_ms, failure_mode_allow, account_responses, quota_backend, ...}
     gpu_profiles: {H100: {relative_capacity: 3.4, ...}, ...}
     models:     [{name, aliases, context_length, versions: [{name, traffic_percent}], cluster: {...}}]
     endpoints:  [{address, model, version, gpu, region, zone, simulated}]
-    tenants:    [{name, api_keys, priority, requests_per_minute, tokens_per_minute}]
+    tenants:    [{name, api_keys, priority, requests_per_minute, tokens_per_minute,
+                  max_concurrent_requests, daily_token_budget}]
 
 Everything is frozen after validation; a new file gives a new :class:`Config`. Errors are raised as
 :class:`inferlb.errors.ConfigError`, each naming the dotted field path and the source file.
@@ -126,6 +127,22 @@ class ExtProcConfig(_Frozen):
     message_timeout_ms: Annotated[int, Field(ge=10, le=60_000)] = 5_000
     #: Envoy ``failure_mode_allow``: on an ext_proc failure, forward unprocessed (True) or answer 5xx (False).
     failure_mode_allow: bool = False
+    #: Settle each request's quota reservation with the real usage of its response (and hold its
+    #: concurrency slot until the response ends). Needs Envoy to send response headers (SEND) and bodies
+    #: (STREAMED) to ext_proc; the xDS server derives the filter's ``processing_mode`` from this field.
+    account_responses: bool = True
+    #: Where quota state lives: ``memory`` (this process) or ``redis`` (shared by several replicas).
+    quota_backend: Literal["memory", "redis"] = "memory"
+    #: redis-py URL of the shared quota state (``quota_backend: redis``).
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    #: Prefix of every Redis key inferlb writes.
+    redis_key_prefix: Annotated[str, Field(min_length=1, max_length=64)] = "inferlb:quota"
+    #: Timeout of one Redis call (ms); a slower call counts as Redis being unreachable.
+    redis_timeout_ms: Annotated[int, Field(ge=1, le=10_000)] = 100
+    #: When Redis is unreachable: ``open`` admits the request unchecked, ``closed`` answers 503.
+    redis_failure_mode: Literal["open", "closed"] = "open"
+    #: HTTP address of ext_proc's Prometheus ``/metrics``.
+    metrics_listen: HostPort = HostPort(host="127.0.0.1", port=18081)
 
 
 class GpuProfile(_Frozen):
@@ -314,6 +331,11 @@ class TenantConfig(_Frozen):
     requests_per_minute: Annotated[int, Field(ge=1)] | None = None
     #: Prompt + completion tokens per minute.
     tokens_per_minute: Annotated[int, Field(ge=1)] | None = None
+    #: Requests in flight at once, from admission to the end of the response (or the client's abort).
+    max_concurrent_requests: Annotated[int, Field(ge=1)] | None = None
+    #: Prompt + completion tokens per UTC calendar day; a request is admitted only if its reservation
+    #: (prompt + largest output cap x n) still fits today's remainder.
+    daily_token_budget: Annotated[int, Field(ge=1)] | None = None
 
     @field_validator("api_keys")
     @classmethod
@@ -394,6 +416,7 @@ class Config(_Frozen):
             ("gateway.admin", self.gateway.admin),
             ("xds.listen", self.xds.listen),
             ("ext_proc.listen", self.ext_proc.listen),
+            ("ext_proc.metrics_listen", self.ext_proc.metrics_listen),
             *((f"endpoints[{i}].address", e.address) for i, e in enumerate(self.endpoints)),
         ]
         for field, hp in sockets:

@@ -174,11 +174,19 @@ async def test_refusals_over_grpc(stub: ep_grpc.ExternalProcessorStub) -> None:
 
 
 async def test_quota_429_with_retry_after(stub: ep_grpc.ExternalProcessorStub) -> None:
-    # each request reserves 9 prompt + 100 default output tokens of the 300/min quota
+    # each request reserves 9 prompt + 100 default output tokens of the 300/min quota; the streams stay
+    # open (their responses have not ended), so the reservations are still held
+    held = []
     for _ in range(2):
-        _, ok = await exchange(stub, headers_msg(key="sk-small-001"), body_msg(chat()))
+        call = stub.Process()
+        held.append(call)
+        for m in (headers_msg(key="sk-small-001"), body_msg(chat())):
+            await call.write(m)
+            ok = await asyncio.wait_for(call.read(), timeout=10)
         assert ok.HasField("request_body")
     _, r = await exchange(stub, headers_msg(key="sk-small-001"), body_msg(chat()))
+    for call in held:
+        call.cancel()
     err = immediate(r, 429)
     assert (err["type"], err["code"]) == ("rate_limit_error", "rate_limit_exceeded")
     assert int(err["headers"]["retry-after"]) >= 1

@@ -1,0 +1,81 @@
+"""Prometheus metrics of the ext_proc service (prometheus_client), in their own registry.
+
+Names follow Prometheus conventions (``_total`` counters, base units: seconds, tokens). Label values come
+from the config (tenant and model names), the HTTP status, or a fixed vocabulary, so cardinality is
+bounded by the config. A request refused before its tenant or model is known is labelled ``""``.
+
+- ``inferlb_requests_total{tenant, model, status}``: requests ended, by HTTP status (``aborted`` when the
+  response never completed);
+- ``inferlb_prompt_tokens_total{tenant, model}``, ``inferlb_completion_tokens_total{tenant, model}``:
+  tokens charged to the quotas;
+- ``inferlb_usage_settled_total{source}``: settlements by where the usage came from (``reported``,
+  ``counted``, ``reserved``, ``none``; see :class:`inferlb.usage.UsageSource`);
+- ``inferlb_quota_rejections_total{tenant, limit}``: quota refusals (429, or 503 when failing closed);
+- ``inferlb_quota_backend_errors_total{backend, operation}``: calls to the shared quota state that failed;
+- ``inferlb_ext_proc_processing_seconds{phase}``: time to answer one ext_proc message.
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+
+#: Histogram buckets for one ext_proc message (s): 50 us to 1 s, finer where the hot path lives
+#: (the issue's target is <= 0.4 ms added at p50).
+PROCESSING_BUCKETS: Final = (
+    0.00005,
+    0.0001,
+    0.00025,
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    1.0,
+)
+
+
+class ExtProcMetrics:
+    """The ext_proc metric families, registered in ``registry`` (a fresh one by default, so several
+    instances in one test process do not collide)."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        r = self.registry
+        self.requests = Counter(
+            "inferlb_requests", "Requests ended, by HTTP status", ("tenant", "model", "status"), registry=r
+        )
+        self.prompt_tokens = Counter(
+            "inferlb_prompt_tokens", "Prompt tokens charged", ("tenant", "model"), registry=r
+        )
+        self.completion_tokens = Counter(
+            "inferlb_completion_tokens", "Completion tokens charged", ("tenant", "model"), registry=r
+        )
+        self.usage_settled = Counter(
+            "inferlb_usage_settled", "Quota settlements by the source of the usage", ("source",), registry=r
+        )
+        self.quota_rejections = Counter(
+            "inferlb_quota_rejections", "Requests refused by a quota", ("tenant", "limit"), registry=r
+        )
+        self.quota_backend_errors = Counter(
+            "inferlb_quota_backend_errors",
+            "Calls to the shared quota state that failed (unreachable, timeout)",
+            ("backend", "operation"),
+            registry=r,
+        )
+        self.processing_seconds = Histogram(
+            "inferlb_ext_proc_processing_seconds",
+            "Time to answer one ext_proc message",
+            ("phase",),
+            buckets=PROCESSING_BUCKETS,
+            registry=r,
+        )
+
+    def quota_backend_error(self, backend: str, operation: str) -> None:
+        """Count one failed call to the quota backend (the callback :mod:`inferlb.quota_redis` takes)."""
+        self.quota_backend_errors.labels(backend, operation).inc()

@@ -1,6 +1,10 @@
-"""``python -m ext_proc --config PATH [--listen HOST:PORT] [--log-level info]``: serve Envoy's ext_proc.
+"""``python -m ext_proc --config PATH [--listen HOST:PORT] [--metrics-listen HOST:PORT]``: serve Envoy's
+ext_proc.
 
-Serves on ``ext_proc.listen`` from the config (``--listen`` overrides it, e.g. one port per process),
+Serves on ``ext_proc.listen`` from the config (``--listen`` overrides it, e.g. one port per process) and
+Prometheus metrics on ``http://ext_proc.metrics_listen/metrics`` (``--metrics-listen`` overrides it; port 0
+picks a free one, logged as ``ext_proc metrics on HOST:PORT``). Quota state lives where
+``ext_proc.quota_backend`` says (``memory`` or ``redis``; a change needs a restart). It
 logs ``ext_proc ready on HOST:PORT`` once it accepts streams, polls the config file every
 ``--poll-interval`` seconds (0.5) by content hash and applies a changed file; a bad file is logged with the
 field named and the last good config keeps serving. SIGINT/SIGTERM stop it cleanly (in-flight streams get a
@@ -21,8 +25,10 @@ import grpc
 
 from ext_proc.reload import ConfigPoller
 from ext_proc.servicer import ExtProcState, add_to_server
+from ext_proc.stores import make_quota_store, start_metrics_server
 from inferlb.config import Config, HostPort
 from inferlb.errors import ConfigError
+from inferlb.metrics import ExtProcMetrics
 
 log = logging.getLogger("ext_proc")
 
@@ -34,6 +40,9 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m ext_proc", description="inferlb Envoy external processor")
     p.add_argument("--config", required=True, help="inferlb YAML config file (watched for changes)")
     p.add_argument("--listen", help="HOST:PORT to serve on instead of the config's ext_proc.listen")
+    p.add_argument(
+        "--metrics-listen", help="HOST:PORT for /metrics instead of the config's ext_proc.metrics_listen"
+    )
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.add_argument("--poll-interval", type=float, default=0.5, help="config poll period in seconds")
     return p.parse_args(argv)
@@ -58,6 +67,10 @@ async def _watch_config(poller: ConfigPoller, state: ExtProcState, listen: str, 
             log.warning(
                 "ext_proc.listen changed to %s; the new address needs a restart", config.ext_proc.listen
             )
+        if config.ext_proc.quota_backend != state.gateway.config.ext_proc.quota_backend:
+            log.warning(
+                "ext_proc.quota_backend changed to %s; it needs a restart", config.ext_proc.quota_backend
+            )
         state.apply_config(config)
         log.info(
             "config reloaded from %s: %d models, %d tenants",
@@ -67,16 +80,34 @@ async def _watch_config(poller: ConfigPoller, state: ExtProcState, listen: str, 
         )
 
 
-async def serve(config: Config, poller: ConfigPoller, listen: HostPort, poll_interval_s: float) -> int:
+async def serve(
+    config: Config,
+    poller: ConfigPoller,
+    listen: HostPort,
+    poll_interval_s: float,
+    metrics_listen: HostPort | None = None,
+) -> int:
     """Run the server until SIGINT/SIGTERM; returns the exit status."""
-    state = ExtProcState(config)
+    metrics = ExtProcMetrics()
+    quotas = make_quota_store(config, metrics)
+    state = ExtProcState(config, quotas=quotas, metrics=metrics)
     server = grpc.aio.server()
-    add_to_server(server, state)
+    servicer = add_to_server(server, state)
     try:
         port = server.add_insecure_port(str(listen))
     except RuntimeError as exc:
         log.error("cannot listen on %s: %s", listen, exc)
+        await quotas.aclose()
         return 1
+    metrics_at = metrics_listen or config.ext_proc.metrics_listen
+    try:
+        metrics_server, metrics_port = start_metrics_server(metrics_at, metrics)
+    except OSError as exc:
+        log.error("cannot serve metrics on %s: %s", metrics_at, exc)
+        await quotas.aclose()
+        return 1
+    log.info("ext_proc metrics on %s", HostPort(host=metrics_at.host, port=metrics_port))
+    log.info("ext_proc quota backend: %s", config.ext_proc.quota_backend)
     await server.start()
     bound = HostPort(host=listen.host, port=port)
     log.info("ext_proc ready on %s", bound)
@@ -96,6 +127,10 @@ async def serve(config: Config, poller: ConfigPoller, listen: HostPort, poll_int
         await server.stop(SHUTDOWN_GRACE_S)
         # the watcher may be mid-poll; wait for its cancellation so nothing runs after we return
         await asyncio.gather(watcher, return_exceptions=True)
+        await servicer.drain()  # settlements of streams cut by the stop
+        await quotas.aclose()
+        metrics_server.shutdown()
+        metrics_server.server_close()
     log.info("ext_proc stopped")
     return 0
 
@@ -112,14 +147,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         digest, config = poller.read()
         listen = HostPort.model_validate(args.listen) if args.listen else config.ext_proc.listen
+        metrics_listen = HostPort.model_validate(args.metrics_listen) if args.metrics_listen else None
     except ConfigError as err:
         _log_config_error(err, "cannot start")
         return 1
     except ValueError as exc:  # pydantic's ValidationError for a bad --listen
-        log.error("cannot start: --listen: %s", exc)
+        log.error("cannot start: --listen/--metrics-listen: %s", exc)
         return 1
     poller.digest = digest
-    return asyncio.run(serve(config, poller, listen, args.poll_interval))
+    return asyncio.run(serve(config, poller, listen, args.poll_interval, metrics_listen))
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ import signal
 import socket
 import sys
 import time
+import urllib.request
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -278,7 +279,11 @@ async def first_status(addr: str, key: str) -> int:
 
 async def test_process_serves_reloads_and_stops(tmp_path: Path) -> None:
     port = free_port()
-    cfg = {**CONFIG, "ext_proc": {"listen": f"127.0.0.1:{port}"}}
+    metrics_port = free_port()
+    cfg = {
+        **CONFIG,
+        "ext_proc": {"listen": f"127.0.0.1:{port}", "metrics_listen": f"127.0.0.1:{metrics_port}"},
+    }
     path = tmp_path / "inferlb.yaml"
     path.write_text(yaml.safe_dump(cfg))
     proc = Process(
@@ -300,6 +305,11 @@ async def test_process_serves_reloads_and_stops(tmp_path: Path) -> None:
         assert f"ext_proc ready on {addr}" in await proc.wait_for_line("ext_proc ready on")
         assert await first_status(addr, "sk-gold-0001") == 200
         assert await first_status(addr, "sk-newt-0001") == 401
+        # the metrics endpoint counts both (401 before the tenant is known)
+        url = f"http://127.0.0.1:{metrics_port}/metrics"
+        text = await asyncio.to_thread(lambda: urllib.request.urlopen(url, timeout=5).read().decode())
+        assert 'inferlb_requests_total{model="",status="401",tenant=""} 1.0' in text
+        assert "inferlb_ext_proc_processing_seconds_bucket" in text
 
         # a new tenant in the file is served without a restart
         cfg["tenants"] = [*CONFIG["tenants"], {"name": "newt", "api_keys": ["sk-newt-0001"]}]

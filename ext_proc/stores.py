@@ -1,0 +1,61 @@
+"""Build the edge objects ``python -m ext_proc`` needs from the config: the quota store (in-process or
+Redis) and the Prometheus ``/metrics`` HTTP server."""
+
+from __future__ import annotations
+
+import threading
+from wsgiref.simple_server import WSGIServer
+
+from prometheus_client import start_http_server
+
+from inferlb.config import Config, HostPort
+from inferlb.metrics import ExtProcMetrics
+from inferlb.quota import MemoryQuotaStore, QuotaStore, limits_from_config
+from inferlb.quota_redis import RedisQuotaStore
+
+#: A concurrency lease outlives the longest request by this much (s), so a lease is only ever dropped by
+#: expiry when its replica died without settling it.
+LEASE_MARGIN_S = 60.0
+#: Lease lifetime when Envoy's route timeout is disabled (``gateway.request_timeout_ms: 0``), in s.
+UNBOUNDED_LEASE_S = 3600.0
+
+
+def lease_ttl_s(config: Config) -> float:
+    """Lifetime of a Redis concurrency lease (s): the route timeout plus :data:`LEASE_MARGIN_S`."""
+    timeout_ms = config.gateway.request_timeout_ms
+    if timeout_ms == 0:
+        return UNBOUNDED_LEASE_S
+    return timeout_ms / 1000.0 + LEASE_MARGIN_S
+
+
+def make_quota_store(config: Config, metrics: ExtProcMetrics) -> QuotaStore:
+    """The quota store ``ext_proc.quota_backend`` names: :class:`~inferlb.quota.MemoryQuotaStore` or a
+    :class:`~inferlb.quota_redis.RedisQuotaStore` on ``ext_proc.redis_url`` (connects on first use, so an
+    unreachable Redis at start-up is handled like one at run time: by ``redis_failure_mode``)."""
+    limits = limits_from_config(config)
+    ep = config.ext_proc
+    if ep.quota_backend == "memory":
+        return MemoryQuotaStore(limits)
+    return RedisQuotaStore.from_url(
+        ep.redis_url,
+        limits,
+        timeout_s=ep.redis_timeout_ms / 1000.0,
+        key_prefix=ep.redis_key_prefix,
+        failure_mode=ep.redis_failure_mode,
+        lease_ttl_s=lease_ttl_s(config),
+        on_error=metrics.quota_backend_error,
+    )
+
+
+def start_metrics_server(listen: HostPort, metrics: ExtProcMetrics) -> tuple[WSGIServer, int]:
+    """Serve ``metrics.registry`` as Prometheus text on ``http://listen/metrics`` from a daemon thread.
+
+    Returns:
+        ``(server, bound port)``; stop it with ``server.shutdown(); server.server_close()``.
+
+    Raises:
+        OSError: the address cannot be bound.
+    """
+    server, thread = start_http_server(listen.port, addr=listen.host, registry=metrics.registry)
+    assert isinstance(thread, threading.Thread)
+    return server, int(server.server_address[1])

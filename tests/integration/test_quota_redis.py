@@ -1,0 +1,321 @@
+"""RedisQuotaStore against a real redis-server on a free loopback port: the same decisions as the
+in-process QuotaBook, exactly-once leases, and concurrent bursts from two replicas (two stores, two
+connection pools) sharing one Redis that never over-admit; fail-open and fail-closed when Redis is down."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+import redis.asyncio as aioredis
+import yaml
+from envoy.config.core.v3 import base_pb2
+from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
+
+from ext_proc import handlers
+from inferlb.metrics import ExtProcMetrics
+from inferlb.quota import SECONDS_PER_DAY, Admitted, Limit, QuotaBook, Refused, TenantLimits
+from inferlb.quota_redis import RedisQuotaStore
+
+REDIS_BIN = shutil.which("redis-server") or "/usr/bin/redis-server"
+WALL = 20_000 * SECONDS_PER_DAY + 3600.0  # a fixed wall clock: no refill during a test
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture(scope="module")
+def redis_url() -> Iterator[str]:
+    if not os.path.exists(REDIS_BIN):
+        if os.environ.get("CI"):
+            pytest.fail("redis-server is not installed but CI is set: .ci/run must install it")
+        pytest.skip("redis-server is not installed (apt-get install redis-server)")
+    port = free_port()
+    proc = subprocess.Popen(
+        [REDIS_BIN, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                with socket.create_connection(("127.0.0.1", port), timeout=0.2) as s:
+                    s.sendall(b"PING\r\n")
+                    if s.recv(16).startswith(b"+PONG"):
+                        break
+            except OSError:
+                pass
+            if time.monotonic() > deadline or proc.poll() is not None:
+                raise RuntimeError("redis-server did not start")
+            time.sleep(0.05)
+        yield f"redis://127.0.0.1:{port}/0"
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+
+
+@pytest.fixture
+async def prefix(redis_url: str) -> str:
+    # one key namespace per test: tests share the server but never each other's state
+    return f"t{time.monotonic_ns()}"
+
+
+async def make_store(
+    url: str, prefix: str, limits: dict[str, TenantLimits], wall: float = WALL, **kw: object
+) -> RedisQuotaStore:
+    return RedisQuotaStore.from_url(
+        url, limits, timeout_s=2.0, key_prefix=prefix, wall_clock=lambda: wall, **kw
+    )  # type: ignore[arg-type]
+
+
+@pytest.fixture
+async def replicas(redis_url: str, prefix: str) -> AsyncIterator[list[RedisQuotaStore]]:
+    limits = {
+        "t": TenantLimits(tokens_per_minute=10_000, max_concurrent_requests=25, daily_token_budget=50_000),
+        "rate": TenantLimits(requests_per_minute=30, tokens_per_minute=5_000),
+    }
+    stores = [await make_store(redis_url, prefix, limits) for _ in range(2)]
+    yield stores
+    for s in stores:
+        await s.aclose()
+
+
+async def test_two_replicas_concurrent_burst_never_over_admit(replicas: list[RedisQuotaStore]) -> None:
+    a, b = replicas
+    # 200 requests of 300 tokens, alternating replicas, all at once: 10_000 / 300 = 33 fit the bucket,
+    # but only 25 may be in flight
+    results = await asyncio.gather(*((a if i % 2 else b).admit("t", 300) for i in range(200)))
+    admitted = [r for r in results if isinstance(r, Admitted)]
+    assert len(admitted) == 25
+    assert {r.limit for r in results if isinstance(r, Refused)} == {Limit.MAX_CONCURRENT_REQUESTS}
+    assert await a.in_flight("t") == 25
+    # settle them on the other replica, twice each: each lease is released exactly once
+    first = await asyncio.gather(*(b.settle(x, 300) for x in admitted))
+    second = await asyncio.gather(*(a.settle(x, 300) for x in admitted))
+    assert all(first) and not any(second)
+    assert await b.in_flight("t") == 0
+    # now the token bucket binds: 10_000 - 25 * 300 = 2_500 left, 8 more fit
+    results = await asyncio.gather(*((a if i % 2 else b).admit("t", 300) for i in range(100)))
+    assert sum(isinstance(r, Admitted) for r in results) == 8
+    assert {r.limit for r in results if isinstance(r, Refused)} == {Limit.TOKENS_PER_MINUTE}
+
+
+async def test_request_rate_burst_across_replicas(replicas: list[RedisQuotaStore]) -> None:
+    a, b = replicas
+    results = await asyncio.gather(*((a if i % 2 else b).admit("rate", 10) for i in range(100)))
+    assert sum(isinstance(r, Admitted) for r in results) == 30
+    refused = [r for r in results if isinstance(r, Refused)]
+    assert all(
+        r.limit is Limit.REQUESTS_PER_MINUTE and r.retry_after_s == pytest.approx(2.0) for r in refused
+    )
+
+
+async def test_same_decisions_as_the_in_process_book(redis_url: str, prefix: str) -> None:
+    limits = {"t": TenantLimits(requests_per_minute=20, tokens_per_minute=1_000, daily_token_budget=1_500)}
+    clock = [WALL]
+    store = RedisQuotaStore.from_url(
+        redis_url, limits, timeout_s=2.0, key_prefix=prefix, wall_clock=lambda: clock[0]
+    )
+    book = QuotaBook(limits, WALL)
+    try:
+        steps = [(0.0, 400, 400), (0.0, 400, 100), (0.0, 400, None), (1.0, 300, 250), (6.0, 300, None)]
+        steps += [(30.0, 500, 500), (60.0, 200, None), (61.0, 900, None), (200.0, 1000, None)]
+        held_r: list[Admitted] = []
+        held_m: list[Admitted] = []
+        for dt, tokens, used in steps:
+            clock[0] = WALL + dt
+            r = await store.admit("t", tokens)
+            m = book.try_admit("t", tokens, WALL + dt, wall=WALL + dt)
+            assert type(r) is type(m), (dt, tokens, r, m)
+            if isinstance(r, Refused) and isinstance(m, Refused):
+                assert r.limit is m.limit
+                assert (r.retry_after_s is None) == (m.retry_after_s is None)
+                if r.retry_after_s is not None and m.retry_after_s is not None:
+                    assert r.retry_after_s == pytest.approx(m.retry_after_s, abs=1e-6)
+            elif isinstance(r, Admitted) and isinstance(m, Admitted):
+                held_r.append(r)
+                held_m.append(m)
+                if used is not None:
+                    await store.settle(held_r.pop(), used)
+                    book.settle(held_m.pop(), used, WALL + dt)
+    finally:
+        await store.aclose()
+
+
+async def test_daily_budget_and_never_fits(redis_url: str, prefix: str) -> None:
+    store = await make_store(redis_url, prefix, {"t": TenantLimits(daily_token_budget=1_000)})
+    try:
+        r = await store.admit("t", 1_001)
+        assert isinstance(r, Refused) and r.never_fits and r.limit is Limit.DAILY_TOKEN_BUDGET
+        a = await store.admit("t", 800)
+        assert isinstance(a, Admitted)
+        r = await store.admit("t", 300)
+        assert isinstance(r, Refused) and r.retry_after_s == pytest.approx(SECONDS_PER_DAY - 3600.0)
+        assert await store.settle(a, 500)
+        assert isinstance(await store.admit("t", 300), Admitted)
+        # the next UTC day starts from zero
+        tomorrow = await make_store(
+            redis_url, prefix, {"t": TenantLimits(daily_token_budget=1_000)}, WALL + SECONDS_PER_DAY
+        )
+        assert isinstance(await tomorrow.admit("t", 1_000), Admitted)
+        await tomorrow.aclose()
+    finally:
+        await store.aclose()
+
+
+async def test_expired_lease_of_a_dead_replica_frees_its_slot(redis_url: str, prefix: str) -> None:
+    limits = {"t": TenantLimits(max_concurrent_requests=1)}
+    dead = await make_store(redis_url, prefix, limits, lease_ttl_s=10.0)
+    later = await make_store(redis_url, prefix, limits, WALL + 11.0)
+    try:
+        assert isinstance(await dead.admit("t", 1), Admitted)
+        assert isinstance(await dead.admit("t", 1), Refused)
+        assert isinstance(await later.admit("t", 1), Admitted)
+    finally:
+        await dead.aclose()
+        await later.aclose()
+
+
+@pytest.mark.parametrize("mode", ["open", "closed"])
+async def test_unreachable_redis_fails_as_configured_and_counts(mode: str) -> None:
+    metrics = ExtProcMetrics()
+    url = f"redis://127.0.0.1:{free_port()}/0"  # nothing listens there
+    store = RedisQuotaStore(
+        aioredis.Redis.from_url(url, socket_timeout=0.5, socket_connect_timeout=0.5),
+        {"t": TenantLimits(tokens_per_minute=100)},
+        failure_mode=mode,  # type: ignore[arg-type]
+        wall_clock=lambda: WALL,
+        on_error=metrics.quota_backend_error,
+    )
+    try:
+        d = await store.admit("t", 10)
+        if mode == "open":
+            assert isinstance(d, Admitted) and d.degraded
+            assert await store.settle(d, 10) is False
+        else:
+            assert isinstance(d, Refused) and d.limit is Limit.QUOTA_BACKEND_UNAVAILABLE
+            reply = handlers.quota_refusal(d)
+            assert reply.status == 503 and ("retry-after", "1") in reply.headers
+        errors = metrics.registry.get_sample_value(
+            "inferlb_quota_backend_errors_total", {"backend": "redis", "operation": "admit"}
+        )
+        assert errors == 1
+        # an unlimited tenant never needs Redis
+        assert isinstance(await store.admit("free", 10**6), Admitted)
+    finally:
+        await store.aclose()
+
+
+# -- two `python -m ext_proc` replicas sharing one Redis ------------------------------------------
+async def _wait_ready(proc: asyncio.subprocess.Process) -> None:
+    assert proc.stderr is not None
+    lines = []
+    while True:
+        line = (await asyncio.wait_for(proc.stderr.readline(), timeout=30)).decode()
+        lines.append(line)
+        if not line:
+            raise AssertionError("ext_proc exited:\n" + "".join(lines))
+        if "ext_proc ready on" in line:
+            return
+
+
+async def test_two_ext_proc_processes_sharing_redis_never_over_admit(
+    redis_url: str, prefix: str, tmp_path: Path
+) -> None:
+    ports = [free_port() for _ in range(4)]
+    cfg = {
+        "models": [{"name": "llama", "default_max_tokens": 100}],
+        "tenants": [
+            {"name": "conc", "api_keys": ["sk-conc-0001"], "max_concurrent_requests": 5},
+            {"name": "daily", "api_keys": ["sk-daily-001"], "daily_token_budget": 1000},
+        ],
+    }
+    procs = []
+    for i in range(2):
+        doc = {
+            **cfg,
+            "ext_proc": {
+                "listen": f"127.0.0.1:{ports[2 * i]}",
+                "metrics_listen": f"127.0.0.1:{ports[2 * i + 1]}",
+                "quota_backend": "redis",
+                "redis_url": redis_url,
+                "redis_key_prefix": prefix,
+                "redis_failure_mode": "closed",
+            },
+        }
+        path = tmp_path / f"replica{i}.yaml"
+        path.write_text(yaml.safe_dump(doc))
+        procs.append(
+            await asyncio.create_subprocess_exec(
+                sys.executable,
+                "-m",
+                "ext_proc",
+                "--config",
+                str(path),
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=asyncio.subprocess.DEVNULL,
+                stderr=asyncio.subprocess.PIPE,
+            )
+        )
+    channels = []
+    try:
+        for p in procs:
+            await _wait_ready(p)
+        channels = [
+            grpc.aio.insecure_channel(f"127.0.0.1:{ports[0]}"),
+            grpc.aio.insecure_channel(f"127.0.0.1:{ports[2]}"),
+        ]
+        stubs = [ep_grpc.ExternalProcessorStub(c) for c in channels]
+        body = json.dumps({"model": "llama", "messages": [{"role": "user", "content": "hello"}]}).encode()
+
+        async def one(i: int, key: str) -> tuple[Any, ep.ProcessingResponse]:
+            call = stubs[i % 2].Process()
+            pairs = {":method": "POST", ":path": "/v1/chat/completions", "authorization": f"Bearer {key}"}
+            hm = base_pb2.HeaderMap(
+                headers=[base_pb2.HeaderValue(key=k, raw_value=v.encode()) for k, v in pairs.items()]
+            )
+            await call.write(ep.ProcessingRequest(request_headers=ep.HttpHeaders(headers=hm)))
+            await asyncio.wait_for(call.read(), timeout=10)
+            await call.write(ep.ProcessingRequest(request_body=ep.HttpBody(body=body, end_of_stream=True)))
+            return call, await asyncio.wait_for(call.read(), timeout=10)
+
+        for key, fixed in (("sk-conc-0001", 5), ("sk-daily-001", None)):
+            results = await asyncio.gather(*(one(i, key) for i in range(40)))
+            ok = [r for _, r in results if r.HasField("request_body")]
+            refused = [r for _, r in results if r.HasField("immediate_response")]
+            assert all(r.immediate_response.status.code == 429 for r in refused)
+            expect = fixed
+            if expect is None:
+                # every admitted request reserves prompt + 100 output tokens of the 1000-token day
+                hdrs = {
+                    o.header.key: o.header.raw_value.decode()
+                    for o in ok[0].request_body.response.header_mutation.set_headers
+                }
+                expect = 1000 // (int(hdrs["x-inferlb-prompt-tokens"]) + 100)
+            assert len(ok) == expect
+            for call, _ in results:
+                call.cancel()
+    finally:
+        for c in channels:
+            await c.close()
+        for p in procs:
+            p.send_signal(signal.SIGTERM)
+        for p in procs:
+            assert await asyncio.wait_for(p.wait(), timeout=20) == 0

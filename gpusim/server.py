@@ -10,6 +10,11 @@ Routes (what vLLM's OpenAI server answers, in its shapes):
   ``retry-after`` when the queue is full.
 * ``GET /v1/models``, ``GET /health`` (``{"status": "ok"}``), ``GET /metrics`` (vLLM names, see
   :mod:`gpusim.metrics`).
+* The simulation's control API (:mod:`gpusim.faults`): ``POST /sim/fault`` with ``{"action": "throttle" |
+  "slow" | "fail" | "recover", "factor": 2.0}`` answers the new fault state; ``GET /sim/fault`` the current
+  one; ``GET /sim/telemetry`` the GPU's NVML-like telemetry (:class:`inferlb.telemetry.GpuTelemetry` JSON).
+  A failed endpoint answers 503 to ``/health`` and to every generation request; ``/metrics`` and ``/sim/*``
+  keep answering.
 
 Every response, errors included, carries ``x-inferlb-endpoint: <display name>`` and ``x-inferlb-gpu: <GPU
 type>``. A client that disconnects (the handler is cancelled: ``handler_cancellation=True``) frees its batch
@@ -23,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import math
 import time
@@ -44,11 +50,19 @@ from gpusim.engine import (
     SequenceScheduled,
     TimingModel,
 )
+from gpusim.faults import (
+    FaultCommand,
+    FaultState,
+    parse_fault_command,
+    simulated_gpu_telemetry,
+    utilization_percent,
+)
 from gpusim.metrics import CONTENT_TYPE, EndpointMetrics
 from gpusim.tokens import count_tokens, warm_up
 from inferlb import headers
 from inferlb.config import Config, EndpointConfig, ModelConfig
 from inferlb.errors import RequestError
+from inferlb.telemetry import GpuTelemetry
 
 log = logging.getLogger("gpusim")
 
@@ -56,6 +70,8 @@ log = logging.getLogger("gpusim")
 GPU_HEADER: Final = "x-inferlb-gpu"
 #: Seconds aiohttp waits for handlers at shutdown (requests in flight are told to stop first).
 SHUTDOWN_TIMEOUT_S = 2.0
+#: Utilization readings closer together than this reuse the last value (a shorter window is all noise).
+MIN_UTILIZATION_WINDOW_S = 0.2
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -96,6 +112,10 @@ class SimulatedEndpoint:
         self.model: ModelConfig = model
         self.timing = timing or TimingModel.for_endpoint(config, endpoint)
         self.engine = BatchEngine(model=self.timing)
+        self.memory_gb = config.gpu_profiles[endpoint.gpu].memory_gb
+        self.fault = FaultState()
+        self._util_sample: tuple[float, float] | None = None  # (engine time, busy seconds)
+        self._util_percent = 0.0
         self.metrics = EndpointMetrics(model_name=model.name, stats=self._stats_now)
         self._served_names = (model.name, *model.aliases)
         self._flights: dict[str, _Flight] = {}
@@ -125,6 +145,7 @@ class SimulatedEndpoint:
         warm_up()
         self._wake = asyncio.Event()
         self._driver = asyncio.create_task(self._drive(), name=f"gpusim-driver-{self.display_name}")
+        self._util_sample = (self._now(), self.engine.stats().busy_seconds_total)
         runner = web.AppRunner(
             self.app, handler_cancellation=True, shutdown_timeout=SHUTDOWN_TIMEOUT_S, access_log=None
         )
@@ -169,6 +190,39 @@ class SimulatedEndpoint:
         """
         self.engine.set_slowdown(self._now(), factor)
         self._pump()
+
+    def apply_fault(self, command: FaultCommand) -> FaultState:
+        """Put the GPU in the fault ``command`` leads to (replacing any other); returns the new state.
+
+        Throttle and slow change the engine's slowdown from its next step on; fail makes ``/health`` and new
+        generation requests answer 503 (requests in flight finish); recover undoes all.
+        """
+        state = command.apply()
+        self.set_slowdown(state.slowdown)
+        self.fault = state
+        log.info("%s: fault %s (factor %g)", self.display_name, state.mode, state.factor)
+        return state
+
+    def gpu_telemetry(self) -> GpuTelemetry:
+        """The GPU's NVML-like telemetry now (:func:`gpusim.faults.simulated_gpu_telemetry`). Utilization
+        covers the time since the previous reading, at least :data:`MIN_UTILIZATION_WINDOW_S`."""
+        stats = self._stats_now()
+        now = self.engine.clock
+        if self._util_sample is None:
+            self._util_sample = (0.0, 0.0)
+        at, busy = self._util_sample
+        if now - at >= MIN_UTILIZATION_WINDOW_S:
+            self._util_percent = utilization_percent(busy, at, stats.busy_seconds_total, now)
+            self._util_sample = (now, stats.busy_seconds_total)
+        return simulated_gpu_telemetry(
+            name=self.display_name,
+            gpu_type=self.endpoint.gpu,
+            memory_gb=self.memory_gb,
+            kv_budget_tokens=self.timing.kv_budget_tokens,
+            stats=stats,
+            utilization=self._util_percent,
+            fault=self.fault,
+        )
 
     # -- the engine driver ----------------------------------------------------------------------------------
 
@@ -233,6 +287,9 @@ class SimulatedEndpoint:
         app.router.add_get("/v1/models", self._models)
         app.router.add_get("/health", self._health)
         app.router.add_get("/metrics", self._metrics)
+        app.router.add_post("/sim/fault", self._post_fault)
+        app.router.add_get("/sim/fault", self._get_fault)
+        app.router.add_get("/sim/telemetry", self._get_telemetry)
         app.on_response_prepare.append(self._stamp_headers)
         return app
 
@@ -256,7 +313,34 @@ class SimulatedEndpoint:
             return _error_response(err, extra_headers=dict(exc.headers))
 
     async def _health(self, _request: web.Request) -> web.Response:
+        if self.fault.mode == "failed":
+            return _error_response(self._failed_error())
         return web.json_response({"status": "ok"})
+
+    def _failed_error(self) -> RequestError:
+        return RequestError(
+            503, f"The GPU of {self.display_name} has failed (simulated).", type="server_error",
+            code="gpu_failed",
+        )  # fmt: skip
+
+    async def _post_fault(self, request: web.Request) -> web.Response:
+        try:
+            body = json.loads(await request.read() or b"null")
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            return _error_response(
+                RequestError(400, f"body is not JSON: {exc}", type="invalid_request_error")
+            )
+        try:
+            command = parse_fault_command(body)
+        except RequestError as exc:
+            return _error_response(exc)
+        return web.json_response(self.apply_fault(command).to_json())
+
+    async def _get_fault(self, _request: web.Request) -> web.Response:
+        return web.json_response(self.fault.to_json())
+
+    async def _get_telemetry(self, _request: web.Request) -> web.Response:
+        return web.json_response(self.gpu_telemetry().to_json())
 
     async def _models(self, _request: web.Request) -> web.Response:
         created = int(time.time())
@@ -316,6 +400,9 @@ class SimulatedEndpoint:
 
     async def _generate(self, request: web.Request, kind: openai_api.Kind) -> web.StreamResponse:
         self.metrics.request_received()
+        if self.fault.mode == "failed":
+            self.metrics.request_refused("gpu_failed")
+            return _error_response(self._failed_error())
         body = await request.read()
         try:
             req = openai_api.parse_generation_request(body, kind)

@@ -1,4 +1,5 @@
-"""The ``inferlb`` command line: ``up``, ``status``, ``replay``, ``validate``, ``bootstrap``.
+"""The ``inferlb`` command line: ``up``, ``status``, ``replay``, ``validate``, ``bootstrap``, ``sim``,
+``agent``.
 
 Every verb that takes a config defaults to the embedded one (``inferlb/data/local.yaml``, also at
 ``examples/local.yaml``). Exit codes: 0 success, 1 a run-time failure, 2 bad input (config, trace, usage).
@@ -259,6 +260,54 @@ def print_replay(out: Console, s: ReplaySummary, shares: Sequence[EndpointShare]
     out.print(tot)
 
 
+SIM_ACTIONS = ("throttle", "slow", "fail", "recover", "telemetry")
+
+
+def cmd_sim(args: argparse.Namespace, out: Console) -> int:
+    """``inferlb sim ACTION NAME [--factor X]``: tell a simulated endpoint to throttle, slow down, fail or
+    recover (``POST http://ADDRESS/sim/fault``), or show its simulated GPU telemetry (``GET /sim/telemetry``).
+
+    NAME is an endpoint's display name in the config (its ``name``, else its address). Exit 1 when the
+    endpoint cannot be reached or refuses the command, 2 for an unknown name.
+    """
+    import urllib.request  # noqa: PLC0415 - CLI-only import
+
+    cfg = _load(args.config)
+    by_name = {e.display_name: e for e in cfg.endpoints}
+    endpoint = by_name.get(args.name)
+    if endpoint is None:
+        raise ValueError(f"unknown endpoint {args.name!r}; known: {sorted(by_name)}")
+    base = f"http://{endpoint.address}"
+    if args.action == "telemetry":
+        req = urllib.request.Request(f"{base}/sim/telemetry", method="GET")
+    else:
+        body = {"action": args.action, "factor": args.factor}
+        req = urllib.request.Request(
+            f"{base}/sim/fault",
+            data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json"},
+            method="POST",
+        )
+    try:
+        with urllib.request.urlopen(req, timeout=args.timeout) as resp:
+            answer = json.loads(resp.read())
+    except urllib.error.HTTPError as exc:
+        detail = exc.read().decode(errors="replace")
+        out.print(f"{endpoint.display_name} refused {args.action} ({exc.code}): {detail}", markup=False)
+        return EXIT_FAIL
+    except (OSError, urllib.error.URLError, json.JSONDecodeError) as exc:
+        out.print(f"cannot reach {endpoint.display_name} at {base}: {exc}", markup=False)
+        return EXIT_FAIL
+    if args.json or args.action == "telemetry":
+        sys.stdout.write(json.dumps(answer, indent=2) + "\n")
+    else:
+        out.print(
+            f"{endpoint.display_name} ({endpoint.gpu}, {endpoint.address}): {answer.get('mode')}, "
+            f"slowdown {answer.get('slowdown')}"
+        )
+    return EXIT_OK
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argparse parser for every verb."""
     p = argparse.ArgumentParser(prog="inferlb", description=__doc__.splitlines()[0] if __doc__ else None)
@@ -300,6 +349,15 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--progress", action="store_true", help="show the progress bar even when not a terminal")
     r.add_argument("--json", default=None, help="also write summary and outcomes to this JSON file")
     r.set_defaults(fn=cmd_replay)
+
+    m = sub.add_parser("sim", help="throttle, slow, fail or recover a simulated GPU, or show its telemetry")
+    m.add_argument("action", choices=SIM_ACTIONS)
+    m.add_argument("name", help="endpoint name (or address) in the config")
+    _config_arg(m, positional=False)
+    m.add_argument("--factor", type=float, default=2.0, help="slowdown factor for throttle/slow (default 2)")
+    m.add_argument("--timeout", type=float, default=5.0, help="HTTP timeout (s)")
+    m.add_argument("--json", action="store_true", help="print the endpoint's JSON answer")
+    m.set_defaults(fn=cmd_sim)
     return p
 
 

@@ -322,7 +322,7 @@ class ExternalProcessor(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc
         if meter is None or ex.settled:
             return ep.ProcessingResponse(response_body=ep.BodyResponse())
         out = meter.on_body(msg.body, end_of_stream=msg.end_of_stream)
-        if msg.end_of_stream:
+        if msg.end_of_stream or meter.complete:
             await self._finish(ex, aborted=False)
         return response_body_continue(msg.body, out)
 
@@ -335,7 +335,7 @@ class ExternalProcessor(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc
         usage = meter.finish(aborted=aborted)
         if usage is None:
             return
-        status = "aborted" if aborted or meter.status is None else str(meter.status)
+        status = "aborted" if usage.aborted or meter.status is None else str(meter.status)
         await self._settle(ex, usage, status=status)
 
     async def _settle(self, ex: _Exchange, usage: Usage | None, *, status: str) -> None:

@@ -328,6 +328,13 @@ class ResponseMeter:
         return self._sse is not None
 
     @property
+    def complete(self) -> bool:
+        """True once an SSE stream's ``data: [DONE]`` terminator was read: nothing more will be generated,
+        so the request can be settled without waiting for the end of the body (Envoy does not always
+        deliver an end-of-stream body message before it resets the stream)."""
+        return self._sse is not None and self._sse.done
+
+    @property
     def rewrites_body(self) -> bool:
         """True when :meth:`on_body` may return bytes different from its input (the usage chunk is
         stripped), so the response's ``content-length`` must go."""
@@ -358,11 +365,14 @@ class ResponseMeter:
         """The usage of this response, the first time it is called; None afterwards.
 
         Args:
-            aborted: the body did not reach its end (client gone, upstream reset, timeout).
+            aborted: the body did not reach its end (client gone, upstream reset, timeout). Ignored for
+                an SSE stream that reached ``[DONE]``.
         """
         if self._finished:
             return None
         self._finished = True
+        if self.complete:
+            aborted = False  # the stream reached [DONE]; only its transport was cut
         res = self.reservation
         if self.status is None:
             # no response at all: the prompt went upstream and may have been prefilled; nothing generated

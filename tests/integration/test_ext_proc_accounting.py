@@ -275,3 +275,16 @@ async def test_metrics_exposition_has_every_family(harness: Harness) -> None:
         "inferlb_ext_proc_processing_seconds_bucket",
     ):
         assert f"# TYPE {name.removesuffix('_total').removesuffix('_bucket')}" in text
+
+
+async def test_stream_settles_at_done_even_without_an_end_of_stream_message(harness: Harness) -> None:
+    # Envoy 1.40 was seen resetting the stream after the [DONE] chunk without a final end_of_stream body
+    hx = harness
+    call, _ = await admit(hx, "sk-metered-1", chat(stream=True, stream_options={"include_usage": True}))
+    await hx.send(call, resp_headers())
+    await hx.send(call, resp_body(sse(delta("Hi"), USAGE, "[DONE]")))
+    assert tokens_left(hx) == TPM - 18  # settled already, before the reset
+    call.cancel()
+    await hx.servicer.drain()
+    assert hx.metric("inferlb_requests_total", tenant="metered", model="llama", status="200") == 1
+    assert hx.metric("inferlb_requests_total", tenant="metered", model="llama", status="aborted") == 0

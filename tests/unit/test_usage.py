@@ -272,3 +272,12 @@ def test_abort_before_response_headers_charges_the_prompt() -> None:
     usage = ResponseMeter(RES, COUNTER).finish(aborted=True)
     assert usage is not None
     assert (usage.prompt_tokens, usage.completion_tokens, usage.aborted) == (20, 0, True)
+
+
+def test_a_stream_cut_after_done_is_complete_not_aborted() -> None:
+    meter = ResponseMeter(RES, COUNTER)
+    meter.on_headers(200, "text/event-stream")
+    meter.on_body(STREAM, end_of_stream=False)
+    assert meter.complete
+    usage = meter.finish(aborted=True)
+    assert usage is not None and not usage.aborted and usage.total_tokens == 20

@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
 from types import FrameType
+from typing import TYPE_CHECKING
 
 import yaml
 from rich.console import Console
@@ -29,6 +30,9 @@ from inferlb.bootstrap import render_bootstrap
 from inferlb.config import Config, default_config_path, load_config
 from inferlb.errors import ConfigError, InferlbError
 from inferlb.replay import EndpointShare, ReplaySummary
+
+if TYPE_CHECKING:
+    from inferlb.agent import Agent
 
 EXIT_OK, EXIT_FAIL, EXIT_INPUT = 0, 1, 2
 
@@ -308,9 +312,75 @@ def cmd_sim(args: argparse.Namespace, out: Console) -> int:
     return EXIT_OK
 
 
+def cmd_agent(args: argparse.Namespace, out: Console) -> int:
+    """``inferlb agent``: read this node's GPUs through NVML, serve them on ``/metrics`` and POST them to
+    ``{url}/v1/telemetry/gpu`` every period (see :mod:`inferlb.agent`). Exit 1 with the reason when the node
+    has no usable NVIDIA GPU; 0 after SIGINT/SIGTERM or ``--once``.
+    """
+    from inferlb import agent as ag  # noqa: PLC0415 - CLI-only import
+    from inferlb.config import HostPort  # noqa: PLC0415
+
+    cfg = _load(args.config)
+    interval_s = args.interval if args.interval is not None else cfg.telemetry.agent_interval_ms / 1000
+    if interval_s <= 0:
+        raise ValueError(f"--interval must be > 0, got {interval_s}")
+    listen = None if args.no_metrics else HostPort.model_validate(args.listen)
+    settings = ag.AgentSettings(
+        node=args.node or ag.default_node_name(),
+        url=args.url,
+        metrics_host=listen.host if listen else None,
+        metrics_port=listen.port if listen else 0,
+        interval_s=interval_s,
+    )
+    err = Console(stderr=True, highlight=False)
+    try:
+        nvml = ag.load_pynvml()
+        count = ag.open_nvml(nvml)
+    except ag.NoGpuError as exc:
+        err.print(f"inferlb agent: {exc}", markup=False, soft_wrap=True)
+        return EXIT_FAIL
+    agent = ag.Agent(nvml, count, settings)
+    if args.once:
+        try:
+            sys.stdout.write(json.dumps(agent.read().to_json(), indent=2) + "\n")
+        finally:
+            asyncio.run(agent.close())
+        return EXIT_OK
+    return asyncio.run(_run_agent(agent, out, err))
+
+
+async def _run_agent(agent: Agent, out: Console, err: Console) -> int:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        try:
+            bound = await agent.start_metrics()
+        except OSError as exc:
+            err.print(f"inferlb agent: cannot listen for /metrics: {exc}", markup=False)
+            return EXIT_FAIL
+        s = agent.settings
+        out.print(
+            f"inferlb agent on {s.node}: {agent.gpu_count} GPU(s), every {s.interval_s:g} s; "
+            f"metrics {f'http://{bound[0]}:{bound[1]}/metrics' if bound else 'off'}; "
+            f"reports {s.url + '/v1/telemetry/gpu' if s.url else 'off (no --url)'}",
+            markup=False,
+        )
+        await agent.run(stop)
+        return EXIT_OK
+    finally:
+        await agent.close()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argparse parser for every verb."""
-    p = argparse.ArgumentParser(prog="inferlb", description=__doc__.splitlines()[0] if __doc__ else None)
+    p = argparse.ArgumentParser(
+        prog="inferlb",
+        description="inferlb: an Envoy control plane that load-balances LLM inference across GPU fleets.",
+    )
     sub = p.add_subparsers(dest="verb", required=True)
 
     v = sub.add_parser("validate", help="check a config file; exit 2 naming each bad field")
@@ -358,6 +428,18 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--timeout", type=float, default=5.0, help="HTTP timeout (s)")
     m.add_argument("--json", action="store_true", help="print the endpoint's JSON answer")
     m.set_defaults(fn=cmd_sim)
+
+    a = sub.add_parser("agent", help="report this node's GPUs (NVML) to the control plane and on /metrics")
+    _config_arg(a, positional=False)
+    a.add_argument("--url", default=None, help="control-plane base URL; reports go to URL/v1/telemetry/gpu")
+    a.add_argument("--node", default=None, help="node name in reports (default: the host name)")
+    a.add_argument(
+        "--listen", default="127.0.0.1:9402", help="host:port of /metrics (default 127.0.0.1:9402)"
+    )
+    a.add_argument("--no-metrics", action="store_true", help="do not serve /metrics")
+    a.add_argument("--interval", type=float, default=None, help="seconds between readings (default: config)")
+    a.add_argument("--once", action="store_true", help="read once, print the JSON report, exit")
+    a.set_defaults(fn=cmd_agent)
     return p
 
 

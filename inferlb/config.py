@@ -3,7 +3,7 @@
 Shape (see README "Config reference" and ``examples/local.yaml``)::
 
     gateway:    {listen, admin, max_request_body_bytes, ...}   # the Envoy side
-    xds:        {listen, push_debounce_ms}                    # our xDS server
+    xds:        {listen, push_debounce_ms, push_max_delay_ms, api_listen, api_token, drain_period_ms}
     ext_proc:   {listen, message_timeout_ms, failure_mode_allow, account_responses, quota_backend, ...}
     gpu_profiles: {H100: {relative_capacity: 3.4, ...}, ...}
     models:     [{name, aliases, context_length, versions: [{name, traffic_percent}], cluster: {...}}]
@@ -117,6 +117,17 @@ class XdsConfig(_Frozen):
     listen: HostPort = HostPort(host="127.0.0.1", port=18000)
     #: Changes within this window are coalesced into one push (ms).
     push_debounce_ms: Annotated[int, Field(ge=0, le=60_000)] = 100
+    #: Bound on staleness: a burst of changes is pushed at most this long after its first change (ms),
+    #: even while changes keep arriving within ``push_debounce_ms`` of each other.
+    push_max_delay_ms: Annotated[int, Field(ge=0, le=600_000)] = 1_000
+    #: HTTP address of the xDS server's fleet API, ``/metrics`` and client list; None: no HTTP API.
+    api_listen: HostPort | None = HostPort(host="127.0.0.1", port=18001)
+    #: Bearer token the fleet API requires (``Authorization: Bearer <token>``). The env variable
+    #: ``INFERLB_XDS_API_TOKEN`` overrides it; with neither set, the fleet API refuses every change.
+    api_token: Annotated[str, Field(min_length=16, max_length=512)] | None = None
+    #: How long a drained endpoint stays in its cluster as DRAINING (no new requests, in-flight ones
+    #: finish) before it is removed (ms).
+    drain_period_ms: Annotated[int, Field(ge=0, le=3_600_000)] = 30_000
 
 
 class ExtProcConfig(_Frozen):
@@ -416,6 +427,7 @@ class Config(_Frozen):
             ("gateway.admin", self.gateway.admin),
             ("xds.listen", self.xds.listen),
             ("ext_proc.listen", self.ext_proc.listen),
+            *((("xds.api_listen", self.xds.api_listen),) if self.xds.api_listen is not None else ()),
             ("ext_proc.metrics_listen", self.ext_proc.metrics_listen),
             *((f"endpoints[{i}].address", e.address) for i, e in enumerate(self.endpoints)),
         ]

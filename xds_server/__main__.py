@@ -1,5 +1,7 @@
 """``python -m xds_server --config PATH [--log-level info]``: serve ADS for one inferlb config file.
 
+The fleet API's bearer token comes from ``INFERLB_XDS_API_TOKEN`` when set (else ``xds.api_token``).
+
 Exits 1 when the config is invalid or the listen address cannot be bound at start-up; at run time a bad
 config change is logged and the last good snapshot keeps serving. SIGINT/SIGTERM stop it cleanly.
 """
@@ -9,6 +11,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import signal
 import sys
 from pathlib import Path
@@ -18,6 +21,9 @@ from inferlb.errors import InferlbError
 from xds_server.server import DEFAULT_GRACE_S, XdsServer
 
 log = logging.getLogger("xds_server")
+
+#: Environment variable holding the fleet API's bearer token (overrides ``xds.api_token``).
+API_TOKEN_ENV = "INFERLB_XDS_API_TOKEN"
 
 
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -30,7 +36,7 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 async def _serve(config_path: Path) -> int:
-    server = XdsServer(config_path)
+    server = XdsServer(config_path, api_token=os.environ.get(API_TOKEN_ENV) or None)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     # handlers go in before start(): a supervisor may signal as soon as it reads the ready line

@@ -1,12 +1,15 @@
-"""The grpcio aio Aggregated Discovery Service servicer: a thin adapter over :mod:`xds_server.sotw`.
+"""The grpcio aio Aggregated Discovery Service servicer: a thin adapter over :mod:`xds_server.sotw` (state of
+the world, ``StreamAggregatedResources``) and :mod:`xds_server.delta` (incremental,
+``DeltaAggregatedResources``).
 
-One stream = one :class:`~xds_server.sotw.SotwStream` + one input queue. A reader task puts the client's
-requests on the queue; the cache's watcher puts a wake-up there whenever a snapshot is published; the
-stream's loop takes one input at a time, asks the protocol state what to send, and writes it. Requests and
-pushes are therefore handled strictly in arrival order on each stream, with no locks.
+One stream = one protocol state (:class:`~xds_server.sotw.SotwStream` or
+:class:`~xds_server.delta.DeltaStream`) + one input queue. A reader task puts the client's requests on the
+queue; the cache's watcher puts a wake-up there whenever a snapshot is published; the stream's loop takes
+one input at a time, asks the protocol state what to send, and writes it. Requests and pushes are therefore
+handled strictly in arrival order on each stream, with no locks. Wake-ups that pile up while a stream is
+busy are merged: the stream only ever pushes the newest snapshot.
 
-gRPC status codes appear only here (shared/STYLE.md, item 3). Delta xDS (``DeltaAggregatedResources``)
-is answered ``UNIMPLEMENTED`` until issue 3 adds it.
+gRPC status codes appear only here (shared/STYLE.md, item 3).
 """
 
 from __future__ import annotations
@@ -14,48 +17,29 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-from collections.abc import AsyncIterator
-from dataclasses import dataclass
-from typing import TypeAlias
+import time
+from collections import Counter
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol, TypeAlias
 
 import grpc
 from envoy.service.discovery.v3 import ads_pb2_grpc, discovery_pb2
 
 from xds_server.cache import Snapshot, SnapshotCache
+from xds_server.delta import DeltaStream
 from xds_server.sotw import (
     AckReceived,
     NackReceived,
     ResponseSent,
     SotwStream,
     StaleNonceIgnored,
-    Step,
     StreamEvent,
     SubscriptionOpened,
     UnknownTypeIgnored,
 )
 
 log = logging.getLogger("xds_server.ads")
-
-
-@dataclass
-class AdsStats:
-    """Counters of one servicer since it started (issue 3 exports them as Prometheus metrics).
-
-    Attributes:
-        streams_opened / streams_active: SotW ADS streams.
-        responses_sent: DiscoveryResponses written.
-        acks / nacks / stale_nonces / unknown_types: requests by outcome.
-        last_nack: the most recent NACK (node id, type, rejected version, detail), or None.
-    """
-
-    streams_opened: int = 0
-    streams_active: int = 0
-    responses_sent: int = 0
-    acks: int = 0
-    nacks: int = 0
-    stale_nonces: int = 0
-    unknown_types: int = 0
-    last_nack: NackReceived | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -72,27 +56,132 @@ class _RequestsEnded:
     error: BaseException | None = None
 
 
-_StreamInput: TypeAlias = "discovery_pb2.DiscoveryRequest | _SnapshotPublished | _RequestsEnded"
+_StreamInput: TypeAlias = (
+    discovery_pb2.DiscoveryRequest | discovery_pb2.DeltaDiscoveryRequest | _SnapshotPublished | _RequestsEnded
+)
 
 
 def _short(type_url: str) -> str:
     return type_url.rsplit(".", 1)[-1]
 
 
+Mode = Literal["sotw", "delta"]
+MODES: tuple[Mode, ...] = ("sotw", "delta")
+
+
+@dataclass
+class AdsStats:
+    """Counters of one servicer since it started (exported by :mod:`xds_server.metrics`).
+
+    Attributes:
+        streams_opened / streams_active: ADS streams, both modes.
+        responses_sent: DiscoveryResponses written (both modes).
+        acks / nacks / stale_nonces / unknown_types: requests by outcome (both modes).
+        last_nack: the most recent NACK (node id, type, rejected version, detail), or None.
+        pushes: ``{(mode, type_url): responses written}``; ``nacks_by``: ``{(mode, type_url): NACKs}``.
+        streams_by_mode: ``{mode: streams opened}``.
+    """
+
+    streams_opened: int = 0
+    streams_active: int = 0
+    responses_sent: int = 0
+    acks: int = 0
+    nacks: int = 0
+    stale_nonces: int = 0
+    unknown_types: int = 0
+    last_nack: NackReceived | None = None
+    pushes: Counter[tuple[str, str]] = field(default_factory=Counter)
+    nacks_by: Counter[tuple[str, str]] = field(default_factory=Counter)
+    streams_by_mode: Counter[str] = field(default_factory=Counter)
+
+
+class _Protocol(Protocol):
+    """What the stream loop needs from :class:`SotwStream` and :class:`DeltaStream`."""
+
+    @property
+    def node_id(self) -> str: ...
+
+    @property
+    def node_cluster(self) -> str: ...
+
+    def handle_request(self, request: Any, snapshot: Snapshot | None) -> Any: ...
+
+    def handle_snapshot(self, snapshot: Snapshot) -> Any: ...
+
+
+@dataclass
+class ConnectedClient:
+    """One open ADS stream, for ``inferlb xds clients`` and the stream gauges.
+
+    Attributes:
+        stream_id: the servicer's stream number; mode: ``sotw`` or ``delta``; peer: gRPC peer string.
+        connected_at: wall-clock time (s since the epoch) the stream opened.
+        state: the stream's protocol state (read its ``types`` for versions).
+        last_nack: the stream's most recent NACK, or None.
+    """
+
+    stream_id: int
+    mode: Mode
+    peer: str
+    connected_at: float
+    state: SotwStream | DeltaStream
+    last_nack: NackReceived | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        """A JSON-ready dict: node, mode, peer, connected_at, per type (short name) the sent, ACKed and
+        NACKed versions, and the last NACK."""
+        types = {
+            _short(t): {
+                "sent_version": s.sent_version,
+                "acked_version": s.acked_version,
+                "nacked_version": s.nacked_version,
+            }
+            for t, s in self.state.types.items()
+        }
+        nack = self.last_nack
+        return {
+            "stream_id": self.stream_id,
+            "node_id": self.state.node_id,
+            "node_cluster": self.state.node_cluster,
+            "mode": self.mode,
+            "peer": self.peer,
+            "connected_at": self.connected_at,
+            "types": types,
+            "last_nack": None
+            if nack is None
+            else {
+                "type": _short(nack.type_url),
+                "rejected_version": nack.rejected_version,
+                "kept_version": nack.kept_version,
+                "error_code": nack.error_code,
+                "error_message": nack.error_message,
+            },
+        }
+
+
 class AggregatedDiscoveryServicer(ads_pb2_grpc.AggregatedDiscoveryServiceServicer):  # type: ignore[misc]
-    """ADS over grpcio aio, state of the world, reading snapshots from ``cache``.
+    """ADS over grpcio aio, state of the world and Delta, reading snapshots from ``cache``.
 
     Args:
         cache: where snapshots come from; each stream serves ``cache.snapshot_for(node.cluster)``.
+        on_push: called as ``on_push(mode, seconds)`` for each response a snapshot push writes, with the
+            time since the snapshot's first change (the push-latency metric); None: not measured.
 
     Attributes:
         stats: :class:`AdsStats`, updated as streams run.
+        clients: ``{stream_id: ConnectedClient}`` of the open streams.
     """
 
-    def __init__(self, cache: SnapshotCache) -> None:
+    def __init__(self, cache: SnapshotCache, *, on_push: Callable[[str, float], None] | None = None) -> None:
         self._cache = cache
         self._stream_ids = itertools.count(1)
         self.stats = AdsStats()
+        self.clients: dict[int, ConnectedClient] = {}
+        self.on_push = on_push
+
+    def clients_json(self) -> list[dict[str, Any]]:
+        """Every open stream as :meth:`ConnectedClient.to_json`, by stream id."""
+        return [c.to_json() for _, c in sorted(self.clients.items())]
 
     async def StreamAggregatedResources(  # the gRPC method name
         self,
@@ -100,37 +189,9 @@ class AggregatedDiscoveryServicer(ads_pb2_grpc.AggregatedDiscoveryServiceService
         context: grpc.aio.ServicerContext[discovery_pb2.DiscoveryRequest, discovery_pb2.DiscoveryResponse],
     ) -> None:
         """Serve one SotW ADS stream until the client closes or cancels it."""
-        stream_id = next(self._stream_ids)
-        stream = SotwStream(control_plane_id=self._cache.instance_id)
-        inputs: asyncio.Queue[_StreamInput] = asyncio.Queue()
-        unsubscribe = self._cache.subscribe(
-            lambda group, _s: inputs.put_nowait(_SnapshotPublished(group=group))
+        await self._serve(
+            "sotw", SotwStream(control_plane_id=self._cache.instance_id), request_iterator, context
         )
-        reader = asyncio.create_task(_read_requests(request_iterator, inputs), name=f"ads-reader-{stream_id}")
-        self.stats.streams_opened += 1
-        self.stats.streams_active += 1
-        try:
-            while True:
-                item = await inputs.get()
-                if isinstance(item, _RequestsEnded):
-                    if item.error is not None:
-                        log.info("ads stream %d (node %r) ended: %s", stream_id, stream.node_id, item.error)
-                    return
-                snapshot: Snapshot | None = self._cache.snapshot_for(stream.node_cluster)
-                if isinstance(item, _SnapshotPublished):
-                    if snapshot is None:
-                        continue
-                    step = stream.handle_snapshot(snapshot)
-                else:
-                    step = stream.handle_request(item, snapshot)
-                self._observe(stream_id, stream, step)
-                for response in step.responses:
-                    await context.write(response)
-        finally:
-            # Envoy restarts and test clients cancel streams all the time: clean up quietly.
-            unsubscribe()
-            reader.cancel()
-            self.stats.streams_active -= 1
 
     async def DeltaAggregatedResources(  # the gRPC method name
         self,
@@ -139,24 +200,81 @@ class AggregatedDiscoveryServicer(ads_pb2_grpc.AggregatedDiscoveryServiceService
             discovery_pb2.DeltaDiscoveryRequest, discovery_pb2.DeltaDiscoveryResponse
         ],
     ) -> None:
-        """Incremental xDS is not served yet: answer ``UNIMPLEMENTED`` so Envoy's log says why."""
-        await context.abort(
-            grpc.StatusCode.UNIMPLEMENTED, "inferlb xds_server serves state-of-the-world ADS only"
+        """Serve one Delta (incremental) ADS stream until the client closes or cancels it."""
+        await self._serve(
+            "delta", DeltaStream(control_plane_id=self._cache.instance_id), request_iterator, context
         )
 
-    def _observe(self, stream_id: int, stream: SotwStream, step: Step) -> None:
-        for event in step.events:
-            self._count(stream_id, stream, event)
+    async def _serve(
+        self,
+        mode: Mode,
+        stream: SotwStream | DeltaStream,
+        request_iterator: AsyncIterator[Any],
+        context: grpc.aio.ServicerContext[Any, Any],
+    ) -> None:
+        stream_id = next(self._stream_ids)
+        proto: _Protocol = stream
+        inputs: asyncio.Queue[_StreamInput] = asyncio.Queue()
+        woken = [False]  # a wake-up is already queued: later publishes merge into it
 
-    def _count(self, stream_id: int, stream: SotwStream, event: StreamEvent) -> None:
+        def on_publish(group: str, _snapshot: Snapshot) -> None:
+            if not woken[0]:
+                woken[0] = True
+                inputs.put_nowait(_SnapshotPublished(group=group))
+
+        unsubscribe = self._cache.subscribe(on_publish)
+        reader = asyncio.create_task(_read_requests(request_iterator, inputs), name=f"ads-reader-{stream_id}")
+        client = ConnectedClient(
+            stream_id=stream_id, mode=mode, peer=context.peer() or "", connected_at=time.time(), state=stream
+        )
+        self.clients[stream_id] = client
+        self.stats.streams_opened += 1
+        self.stats.streams_active += 1
+        self.stats.streams_by_mode[mode] += 1
+        try:
+            while True:
+                item = await inputs.get()
+                if isinstance(item, _RequestsEnded):
+                    if item.error is not None:
+                        log.info("ads stream %d (node %r) ended: %s", stream_id, proto.node_id, item.error)
+                    return
+                snapshot: Snapshot | None = self._cache.snapshot_for(proto.node_cluster)
+                pushed = isinstance(item, _SnapshotPublished)
+                if pushed:
+                    woken[0] = False
+                    if snapshot is None:
+                        continue
+                    step = proto.handle_snapshot(snapshot)
+                else:
+                    step = proto.handle_request(item, snapshot)
+                self._observe(stream_id, client, step.events)
+                for response in step.responses:
+                    await context.write(response)
+                if pushed and step.responses and snapshot is not None and self.on_push is not None:
+                    self.on_push(mode, time.monotonic() - snapshot.changed_at)
+        finally:
+            # Envoy restarts and test clients cancel streams all the time: clean up quietly.
+            unsubscribe()
+            reader.cancel()
+            self.clients.pop(stream_id, None)
+            self.stats.streams_active -= 1
+
+    def _observe(self, stream_id: int, client: ConnectedClient, events: tuple[StreamEvent, ...]) -> None:
+        for event in events:
+            self._count(stream_id, client, event)
+
+    def _count(self, stream_id: int, client: ConnectedClient, event: StreamEvent) -> None:
         s = self.stats
-        node = stream.node_id
+        node = client.state.node_id
+        mode = client.mode
         match event:
             case ResponseSent():
                 s.responses_sent += 1
+                s.pushes[(mode, event.type_url)] += 1
                 log.debug(
-                    "ads stream %d node %r: sent %s version %s nonce %s (%d resources)",
-                    stream_id, node, _short(event.type_url), event.version, event.nonce, event.resource_count,
+                    "ads %s stream %d node %r: sent %s version %s nonce %s (%d resources)",
+                    mode, stream_id, node, _short(event.type_url), event.version, event.nonce,
+                    event.resource_count,
                 )  # fmt: skip
             case AckReceived():
                 s.acks += 1
@@ -165,10 +283,12 @@ class AggregatedDiscoveryServicer(ads_pb2_grpc.AggregatedDiscoveryServiceService
                 )
             case NackReceived():
                 s.nacks += 1
+                s.nacks_by[(mode, event.type_url)] += 1
                 s.last_nack = event
+                client.last_nack = event
                 log.warning(
-                    "ads stream %d node %r NACKed %s version %s (keeps %s): code %d: %s",
-                    stream_id, event.node_id, _short(event.type_url), event.rejected_version,
+                    "ads %s stream %d node %r NACKed %s version %s (keeps %s): code %d: %s",
+                    mode, stream_id, event.node_id, _short(event.type_url), event.rejected_version,
                     event.kept_version or "<none>", event.error_code, event.error_message,
                 )  # fmt: skip
             case StaleNonceIgnored():
@@ -184,14 +304,12 @@ class AggregatedDiscoveryServicer(ads_pb2_grpc.AggregatedDiscoveryServiceService
                 )
             case SubscriptionOpened():
                 log.info(
-                    "ads stream %d node %r subscribed to %s %s",
-                    stream_id, node, _short(event.type_url), list(event.resource_names) or "(all)",
+                    "ads %s stream %d node %r subscribed to %s %s",
+                    mode, stream_id, node, _short(event.type_url), list(event.resource_names) or "(all)",
                 )  # fmt: skip
 
 
-async def _read_requests(
-    request_iterator: AsyncIterator[discovery_pb2.DiscoveryRequest], inputs: asyncio.Queue[_StreamInput]
-) -> None:
+async def _read_requests(request_iterator: AsyncIterator[Any], inputs: asyncio.Queue[_StreamInput]) -> None:
     try:
         async for request in request_iterator:
             inputs.put_nowait(request)

@@ -30,6 +30,7 @@ from envoy.config.cluster.v3 import cluster_pb2
 from envoy.config.endpoint.v3 import endpoint_pb2
 from envoy.config.listener.v3 import listener_pb2
 from envoy.extensions.filters.network.http_connection_manager.v3 import http_connection_manager_pb2
+from envoy.service.discovery.v3 import discovery_pb2
 from google.protobuf import any_pb2
 from google.protobuf.message import Message
 
@@ -78,19 +79,39 @@ class SnapshotResource:
         message: the proto (never mutate it: it is shared by every stream).
         packed: ``message`` packed into an ``Any`` (deterministic serialization), ready for a
             ``DiscoveryResponse``.
-        digest: sha256 hex of the serialized bytes: a per-resource version (for Delta xDS).
+        digest: sha256 hex of the serialized bytes.
+        version: the resource's Delta xDS version: the first :data:`RESOURCE_VERSION_CHARS` hex digits of
+            ``digest`` (equal bytes give equal versions, across snapshots and server restarts, so an Envoy
+            reconnecting with ``initial_resource_versions`` is not resent what it already has).
+        delta: ``packed`` wrapped in a Delta ``Resource`` (name, version), built once and shared.
     """
 
     name: str
     message: Message
     packed: any_pb2.Any
     digest: str
+    version: str
+    delta: discovery_pb2.Resource
+
+
+#: Hex digits of the sha256 digest used as a Delta resource version (64 bits: collisions are negligible
+#: for the few thousand versions a resource name goes through).
+RESOURCE_VERSION_CHARS: Final = 16
 
 
 def _serialize(name: str, msg: Message) -> SnapshotResource:
     body = msg.SerializeToString(deterministic=True)
     packed = any_pb2.Any(type_url=f"type.googleapis.com/{msg.DESCRIPTOR.full_name}", value=body)
-    return SnapshotResource(name=name, message=msg, packed=packed, digest=hashlib.sha256(body).hexdigest())
+    digest = hashlib.sha256(body).hexdigest()
+    version = digest[:RESOURCE_VERSION_CHARS]
+    return SnapshotResource(
+        name=name,
+        message=msg,
+        packed=packed,
+        digest=digest,
+        version=version,
+        delta=discovery_pb2.Resource(name=name, version=version, resource=packed),
+    )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -106,6 +127,10 @@ class Snapshot:
 
     versions: Mapping[str, str]
     resources: Mapping[str, Mapping[str, SnapshotResource]]
+    #: ``time.monotonic()`` of the first change this snapshot carries (push latency is measured from it).
+    changed_at: float = 0.0
+    #: the publish counter ``n`` of the newest version in this snapshot (the ``<n>`` of ``<id>-<n>``).
+    serial: int = 0
 
     @classmethod
     def from_resources(cls, resources: XdsResources, versions: Mapping[str, str]) -> Snapshot:
@@ -224,9 +249,12 @@ class SnapshotCache:
         else None (nothing published yet)."""
         return self._snapshots.get(node_cluster) or self._snapshots.get(DEFAULT_GROUP)
 
-    def set_resources(self, resources: XdsResources, *, group: str = DEFAULT_GROUP) -> Snapshot:
+    def set_resources(
+        self, resources: XdsResources, *, group: str = DEFAULT_GROUP, changed_at: float | None = None
+    ) -> Snapshot:
         """Version, check and publish the resources of one group, then notify every watcher.
 
+        ``changed_at`` is the monotonic time of the change that led to this publish (now by default).
         Each type keeps its previous version when its resources are byte-identical to the group's current
         snapshot, and otherwise gets ``<instance_id>-<n>`` with ``n`` a counter shared by the cache's
         publishes (so versions never repeat within a cache either).
@@ -245,9 +273,15 @@ class SnapshotCache:
         draft.check_consistent()
         if previous is not None and not changed:
             return previous
-        fresh = f"{self.instance_id}-{next(self._counter)}"
+        serial = next(self._counter)
+        fresh = f"{self.instance_id}-{serial}"
         versions = {t: fresh if previous is None or t in changed else previous.version(t) for t in PUSH_ORDER}
-        snapshot = Snapshot(versions=MappingProxyType(versions), resources=draft.resources)
+        snapshot = Snapshot(
+            versions=MappingProxyType(versions),
+            resources=draft.resources,
+            changed_at=time.monotonic() if changed_at is None else changed_at,
+            serial=serial,
+        )
         self._snapshots[group] = snapshot
         for watcher in list(self._watchers.values()):
             watcher(group, snapshot)

@@ -4,6 +4,12 @@ The file is polled (``poll_interval_s``, 0.5 s by default) by content hash: a ch
 when good, published as a new snapshot, which every connected Envoy receives without a restart. A bad file
 (or one Envoy could not take) is logged with the field named and the last good snapshot keeps serving
 (shared/STYLE.md, item 5: fail fast at start-up, degrade at run time).
+
+Three inputs feed the snapshot, each applied on top of the last good config file: the file itself, the
+fleet API (:mod:`xds_server.fleet`: register, drain, deregister, weight pins) and telemetry weights
+(:meth:`XdsServer.set_telemetry_weights`). Every change goes through one :class:`PushCoalescer`, so a
+burst of changes within ``xds.push_debounce_ms`` is one push, never later than ``xds.push_max_delay_ms``
+after its first change.
 """
 
 from __future__ import annotations
@@ -13,18 +19,30 @@ import contextlib
 import hashlib
 import logging
 import socket
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import grpc
 import yaml
 from envoy.service.discovery.v3 import ads_pb2_grpc
 
-from inferlb.config import Config, HostPort, parse_config
+from inferlb.config import Config, EndpointConfig, HostPort, parse_config
 from inferlb.errors import ConfigError
 from xds_server.ads import AggregatedDiscoveryServicer
-from xds_server.cache import DEFAULT_GROUP, Snapshot, SnapshotCache, SnapshotInconsistentError
+from xds_server.cache import DEFAULT_GROUP, SnapshotCache, SnapshotInconsistentError
+from xds_server.coalesce import PushCoalescer
+from xds_server.fleet import (
+    FleetState,
+    UnknownEndpointError,
+    effective_config,
+    effective_overrides,
+    known_keys,
+)
+from xds_server.http_api import HttpApi
+from xds_server.metrics import XdsMetrics
 from xds_server.resources import build_resources
 
 log = logging.getLogger("xds_server")
@@ -40,14 +58,13 @@ class ConfigLoaded:
     """A config file was read, validated and published.
 
     Attributes:
-        config: the validated config.
-        snapshot: the snapshot now serving (the previous one when the file changed only in ways that
-            do not change any resource, e.g. tenants or comments).
+        config: the validated config (the file's; fleet API changes apply on top of it).
         digest: sha256 hex of the file's bytes.
+
+    The snapshot follows through the push coalescer (at once when ``xds.push_debounce_ms`` is 0).
     """
 
     config: Config
-    snapshot: Snapshot
     digest: str
 
 
@@ -119,12 +136,20 @@ class XdsServer:
         cache: the snapshot cache (a fresh one, so a fresh version prefix, by default).
         bind: ``(host, port)`` to listen on instead of the config's ``xds.listen``; port 0 picks a free one.
         poll_interval_s: seconds between config file checks.
+        api_bind: ``(host, port)`` for the HTTP API instead of ``xds.api_listen`` (port 0: a free one).
+        api_token: the fleet API bearer token, overriding ``xds.api_token`` (``__main__`` passes
+            ``INFERLB_XDS_API_TOKEN`` here).
 
     Attributes:
-        cache, servicer: the snapshot cache and the ADS servicer (its ``stats``).
-        config: the last good config (None before :meth:`start`).
-        port: the bound port (0 before :meth:`start`).
-        reload_errors: how many times a changed file was refused.
+        cache, servicer: the snapshot cache and the ADS servicer (its ``stats`` and ``clients``).
+        metrics: the Prometheus metrics (:class:`~xds_server.metrics.XdsMetrics`).
+        config: the last good config file (None before :meth:`start`); fleet changes apply on top.
+        effective: what is served: ``config`` with the fleet API's endpoint changes (None before start).
+        fleet: the fleet API's changes (:class:`~xds_server.fleet.FleetState`).
+        resolved_hosts: ``{host name: IP}`` of the endpoints written with a host name.
+        port: the bound ADS port (0 before :meth:`start`); ``api_port``: the HTTP API's (0 when off).
+        reload_errors: how many times a changed file was refused; ``publish_errors``: failed publishes.
+        coalescer: the :class:`~xds_server.coalesce.PushCoalescer` every change goes through.
     """
 
     def __init__(
@@ -134,36 +159,59 @@ class XdsServer:
         cache: SnapshotCache | None = None,
         bind: tuple[str, int] | None = None,
         poll_interval_s: float = DEFAULT_POLL_INTERVAL_S,
+        api_bind: tuple[str, int] | None = None,
+        api_token: str | None = None,
     ) -> None:
         self.config_path = Path(config_path)
         self.cache = cache or SnapshotCache()
-        self.servicer = AggregatedDiscoveryServicer(self.cache)
+        self.metrics = XdsMetrics(self)
+        self.servicer = AggregatedDiscoveryServicer(self.cache, on_push=self.metrics.observe_push)
         self.config: Config | None = None
+        self.effective: Config | None = None
+        self.fleet = FleetState()
         self.resolved_hosts: Mapping[str, str] = {}
+        self.telemetry_weights: Mapping[str, int] = {}
         self.port = 0
         self.host = ""
+        self.api_port = 0
         self.reload_errors = 0
+        self.publish_errors = 0
+        self.coalescer: PushCoalescer | None = None
         self._bind = bind
+        self._api_bind = api_bind
+        self._api_token = api_token
         self._poll_interval_s = poll_interval_s
         self._digest = ""
         self._server: grpc.aio.Server | None = None
         self._poller: asyncio.Task[None] | None = None
+        self._drainer: asyncio.Task[None] | None = None
+        self._drain_wake = asyncio.Event()
         self._started_listen: HostPort | None = None
+        self._api: Any = None
 
+    # -- lifecycle ------------------------------------------------------------------------------------
     async def start(self) -> None:
-        """Load and publish the config, bind and start the gRPC server, start following the file.
+        """Load and publish the config, bind and start the gRPC server (and the HTTP API when
+        ``xds.api_listen`` is set), start following the file.
 
         Raises:
             ConfigError: the config file is missing or invalid (start-up fails fast).
             SnapshotInconsistentError: the config yields resources Envoy would reject.
-            RuntimeError: the listen address cannot be bound.
+            RuntimeError: a listen address cannot be bound.
         """
         try:
             data = await asyncio.to_thread(self.config_path.read_bytes)
         except OSError as exc:
             raise ConfigError(str(self.config_path), [("", f"cannot read: {exc.strerror or exc}")]) from None
-        loaded = await self._publish(data)
+        loaded = await self._accept_file(data)
         config = loaded.config
+        # the first snapshot goes out at once: Envoy must not wait a debounce to start
+        self._publish_now(time.monotonic(), raise_errors=True)
+        self.coalescer = PushCoalescer(
+            self._publish_now,
+            debounce_s=config.xds.push_debounce_ms / 1000,
+            max_delay_s=config.xds.push_max_delay_ms / 1000,
+        )
         self._started_listen = config.xds.listen
         host, port = self._bind or (config.xds.listen.host, config.xds.listen.port)
         server = grpc.aio.server()
@@ -177,24 +225,64 @@ class XdsServer:
             raise RuntimeError(f"cannot listen on {address}")
         await server.start()
         self._server, self.host, self.port = server, host, bound
+        await self._start_api(config)
         self._poller = asyncio.create_task(self._follow_config(), name="xds-config-poller")
+        self._drainer = asyncio.create_task(self._expire_drains(), name="xds-drain-timer")
         log.info("xds_server ready on %s:%d", host, bound)
 
-    async def _publish(self, data: bytes) -> ConfigLoaded:
+    async def _start_api(self, config: Config) -> None:
+        listen = config.xds.api_listen
+        if self._api_bind is None and listen is None:
+            return
+        host, port = self._api_bind or (listen.host, listen.port)  # type: ignore[union-attr]
+        token = self._api_token or config.xds.api_token
+        api = HttpApi(self, token=token)
+        self.api_port = await api.start(host, port)
+        self._api = api
+
+    async def stop(self, grace_s: float = DEFAULT_GRACE_S) -> None:
+        """Stop following the file, the timers and the HTTP API, and stop the gRPC server, giving
+        streams ``grace_s`` seconds."""
+        for task in (self._poller, self._drainer):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+        self._poller = self._drainer = None
+        if self.coalescer is not None:
+            await self.coalescer.close()
+        if self._api is not None:
+            await self._api.stop()
+            self._api = None
+        if self._server is not None:
+            await self._server.stop(grace_s)
+            self._server = None
+
+    async def wait_for_termination(self) -> None:
+        """Wait until the gRPC server stops."""
+        if self._server is not None:
+            await self._server.wait_for_termination()
+
+    # -- the config file ------------------------------------------------------------------------------
+    async def _accept_file(self, data: bytes) -> ConfigLoaded:
+        """Validate a file's bytes with the current fleet changes on top; on success make it current."""
         digest = hashlib.sha256(data).hexdigest()
         source = str(self.config_path)
         config = parse_config_bytes(data, source)
-        resolved: Mapping[str, str] = await resolve_endpoint_hosts(config, source)
-        resources = build_resources(config, source, resolved_hosts=resolved)
-        snapshot = self.cache.set_resources(resources, group=DEFAULT_GROUP)
-        self.config, self.resolved_hosts, self._digest = config, resolved, digest
-        return ConfigLoaded(config=config, snapshot=snapshot, digest=digest)
+        fleet = self.fleet.forget_hidden(config)
+        effective = effective_config(config, fleet, source)
+        resolved: Mapping[str, str] = await resolve_endpoint_hosts(effective, source)
+        # build once to refuse anything Envoy could not take before it replaces the last good file
+        build_resources(effective, source, resolved_hosts=resolved)
+        self.config, self.effective, self.fleet = config, effective, fleet
+        self.resolved_hosts, self._digest = resolved, digest
+        return ConfigLoaded(config=config, digest=digest)
 
     async def reload_if_changed(self) -> ConfigLoaded | None:
-        """Check the config file once; publish it when its bytes changed and it is good.
+        """Check the config file once; when its bytes changed and it is good, make it current and push.
 
         Returns:
-            what was published, or None when the file is unchanged, unreadable or refused (all logged;
+            what was accepted, or None when the file is unchanged, unreadable or refused (all logged;
             the last good snapshot keeps serving).
         """
         try:
@@ -207,8 +295,8 @@ class XdsServer:
         if digest == self._digest:
             return None
         try:
-            loaded = await self._publish(data)
-        except (ConfigError, SnapshotInconsistentError) as exc:
+            loaded = await self._accept_file(data)
+        except ConfigError as exc:
             self._digest = digest  # report a bad file once, not every poll
             self.reload_errors += 1
             log.error("config change refused, the last good config keeps serving: %s", exc)
@@ -219,8 +307,8 @@ class XdsServer:
             and loaded.config.xds.listen != self._started_listen
         ):
             log.warning("xds.listen changed to %s: takes effect on restart", loaded.config.xds.listen)
-        versions = ", ".join(f"{t.rsplit('.', 1)[-1]}={v}" for t, v in loaded.snapshot.versions.items())
-        log.info("config %s reloaded: %s", self.config_path, versions)
+        log.info("config %s accepted", self.config_path)
+        self._changed()
         return loaded
 
     async def _follow_config(self) -> None:
@@ -228,18 +316,119 @@ class XdsServer:
             await asyncio.sleep(self._poll_interval_s)
             await self.reload_if_changed()
 
-    async def stop(self, grace_s: float = DEFAULT_GRACE_S) -> None:
-        """Stop following the file and stop the gRPC server, giving streams ``grace_s`` seconds."""
-        if self._poller is not None:
-            self._poller.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._poller
-            self._poller = None
-        if self._server is not None:
-            await self._server.stop(grace_s)
-            self._server = None
+    # -- publishing -----------------------------------------------------------------------------------
+    def _changed(self) -> None:
+        if self.coalescer is None:
+            self._publish_now(time.monotonic())
+        else:
+            self.coalescer.changed()
 
-    async def wait_for_termination(self) -> None:
-        """Wait until the gRPC server stops."""
-        if self._server is not None:
-            await self._server.wait_for_termination()
+    def _publish_now(self, changed_at: float, *, raise_errors: bool = False) -> None:
+        """Build the snapshot of the current inputs and publish it (the coalescer's publish callback)."""
+        assert self.effective is not None
+        source = str(self.config_path)
+        overrides = effective_overrides(self.fleet, self.telemetry_weights)
+        try:
+            resources = build_resources(
+                self.effective, source, resolved_hosts=self.resolved_hosts, overrides=overrides
+            )
+            snapshot = self.cache.set_resources(resources, group=DEFAULT_GROUP, changed_at=changed_at)
+        except (ConfigError, SnapshotInconsistentError) as exc:
+            if raise_errors:
+                raise
+            self.publish_errors += 1
+            log.error("snapshot refused, the last good one keeps serving: %s", exc)
+            return
+        versions = ", ".join(f"{t.rsplit('.', 1)[-1]}={v}" for t, v in snapshot.versions.items())
+        log.info("snapshot published: %s", versions)
+
+    # -- telemetry weights ----------------------------------------------------------------------------
+    def set_telemetry_weights(self, weights: Mapping[str, int]) -> None:
+        """Replace the telemetry weights: ``{endpoint_key: Envoy weight}`` (``host:port`` as in the config;
+        weights below 1 are sent as 1). Endpoints not named get their capacity weight; a fleet API weight
+        pin wins over a telemetry weight. The push is coalesced with every other change."""
+        clean = {k: max(1, int(w)) for k, w in weights.items()}
+        if clean == self.telemetry_weights:
+            return
+        self.telemetry_weights = clean
+        self._changed()
+
+    # -- the fleet API --------------------------------------------------------------------------------
+    def _require_known(self, key: str) -> None:
+        assert self.config is not None
+        if key not in known_keys(self.config, self.fleet):
+            raise UnknownEndpointError(key)
+
+    def _apply_fleet(self, fleet: FleetState) -> None:
+        """Adopt a fleet state that adds no new host name (removals, drains, pins): no resolution."""
+        assert self.config is not None
+        self.effective = effective_config(self.config, fleet, "<fleet api>")
+        self.fleet = fleet
+        self._drain_wake.set()
+        self._changed()
+
+    async def register_endpoint(self, endpoint: EndpointConfig) -> None:
+        """Add an endpoint (or replace the one at its address) and push.
+
+        Raises:
+            ConfigError: the fleet with it is invalid (unknown model, version or GPU type, an address
+                already taken by another socket, a host name that does not resolve); nothing changes.
+        """
+        assert self.config is not None
+        fleet = self.fleet.register(endpoint)
+        effective = effective_config(self.config, fleet, "<fleet api>")
+        resolved = await resolve_endpoint_hosts(effective, "<fleet api>")
+        self.resolved_hosts = resolved
+        self._apply_fleet(fleet)
+
+    def drain_endpoint(self, key: str, drain_ms: int | None = None) -> float:
+        """Send an endpoint as DRAINING now and remove it after ``drain_ms`` (``xds.drain_period_ms`` by
+        default). Returns the monotonic time of its removal.
+
+        Raises:
+            UnknownEndpointError: no such endpoint.
+        """
+        assert self.config is not None
+        self._require_known(key)
+        period = self.config.xds.drain_period_ms if drain_ms is None else drain_ms
+        remove_at = time.monotonic() + period / 1000
+        fleet = self.fleet.drain(key, remove_at)
+        self._apply_fleet(fleet)
+        return fleet.draining[key]
+
+    def deregister_endpoint(self, key: str) -> None:
+        """Remove an endpoint now (no drain).
+
+        Raises:
+            UnknownEndpointError: no such endpoint.
+        """
+        self._require_known(key)
+        self._apply_fleet(self.fleet.deregister(key))
+
+    def override_weight(self, key: str, weight: int | None) -> None:
+        """Pin an endpoint's Envoy weight (>= 1), or clear the pin with None.
+
+        Raises:
+            UnknownEndpointError: no such endpoint.
+            ValueError: weight below 1.
+        """
+        self._require_known(key)
+        self._apply_fleet(self.fleet.override_weight(key, weight))
+
+    async def _expire_drains(self) -> None:
+        while True:
+            self._drain_wake.clear()
+            due = self.fleet.next_expiry()
+            if due is None:
+                await self._drain_wake.wait()
+                continue
+            delay = due - time.monotonic()
+            if delay > 0:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._drain_wake.wait(), delay)
+                continue
+            expired = self.fleet.expire(time.monotonic())
+            log.info(
+                "drain period over, removing %s", sorted(set(self.fleet.draining) - set(expired.draining))
+            )
+            self._apply_fleet(expired)

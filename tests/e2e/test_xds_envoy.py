@@ -135,7 +135,7 @@ async def stack(tmp_path: Path) -> AsyncIterator[Stack]:
         endpoint["address"] = f"127.0.0.1:{port}"  # nothing listens: /clusters shows them all the same
     config_file = tmp_path / "inferlb.yaml"
     config_file.write_text(yaml.safe_dump(doc), encoding="utf-8")
-    server = XdsServer(config_file, poll_interval_s=0.1)
+    server = XdsServer(config_file, poll_interval_s=0.1, api_bind=("127.0.0.1", 0))
     await server.start()
     bootstrap = tmp_path / "bootstrap.yaml"
     bootstrap.write_text(yaml.safe_dump(render_bootstrap(load_config(config_file), node_id="e2e-envoy")))

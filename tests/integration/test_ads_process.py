@@ -35,7 +35,7 @@ def _free_port() -> int:
 def _config(tmp_path: Path, **xds: Any) -> tuple[Path, int]:
     doc = yaml.safe_load(default_config_path().read_text(encoding="utf-8"))
     port = _free_port()
-    doc["xds"] = {"listen": f"127.0.0.1:{port}", **xds}
+    doc["xds"] = {"listen": f"127.0.0.1:{port}", "api_listen": f"127.0.0.1:{_free_port()}", **xds}
     path = tmp_path / "inferlb.yaml"
     path.write_text(yaml.safe_dump(doc), encoding="utf-8")
     return path, port

@@ -1,0 +1,263 @@
+"""Delta (incremental) xDS protocol state of one ADS stream, with no I/O.
+
+The twin of :mod:`xds_server.sotw` for ``DeltaAggregatedResources`` (envoy/api/xds_protocol,
+"Incremental xDS"). Each resource carries its own version (:attr:`SnapshotResource.version`, a digest of its
+bytes), so a push sends only the resources whose bytes changed and names the ones that went away. Rules:
+
+- the first request of a type opens its subscription: ``initial_resource_versions`` says what the client
+  already holds (a reconnecting Envoy), an empty ``resource_names_subscribe`` on a cluster or listener
+  subscription (or ``"*"``) means wildcard, names subscribe to those resources; it is answered at once,
+  with an empty response when the client is already up to date (new subscriptions are always answered);
+- a later request may subscribe (answered with what the client lacks) and unsubscribe (the client forgets
+  those resources; a later subscribe resends them);
+- ``response_nonce`` names the response being ACKed or NACKed; each response is its own unit in Delta, so
+  any nonce still pending counts, and an unknown one is stale and ignored;
+- a NACK (``error_detail``) is reported and not answered: the rejected versions count as sent, so they are
+  never resent; the next change to those resources is;
+- a snapshot push sends, per subscribed type in :data:`PUSH_ORDER`, the resources whose version differs
+  from what the client holds, resending a cluster's assignment whenever the cluster itself was sent
+  (warming, envoy#31535) and the routes whenever a listener was; removals go in a second pass, in reverse
+  order (routes, listeners, endpoints, clusters), after every update (make before break).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass, field
+
+from envoy.config.core.v3 import base_pb2
+from envoy.service.discovery.v3 import discovery_pb2
+
+from xds_server.cache import Snapshot
+from xds_server.resources import CLUSTER_TYPE, ENDPOINT_TYPE, LISTENER_TYPE, PUSH_ORDER, ROUTE_TYPE
+from xds_server.sotw import (
+    AckReceived,
+    NackReceived,
+    ResponseSent,
+    StaleNonceIgnored,
+    StreamEvent,
+    SubscriptionOpened,
+    UnknownTypeIgnored,
+)
+
+#: Types a subscription with no names subscribes to in full (legacy wildcard, xds_protocol).
+WILDCARD_TYPES = frozenset({CLUSTER_TYPE, LISTENER_TYPE})
+WILDCARD = "*"
+#: The type whose resources are resent (by the same name) after the key type's were in one push.
+_RESEND_AFTER = {ENDPOINT_TYPE: CLUSTER_TYPE, ROUTE_TYPE: LISTENER_TYPE}
+
+
+@dataclass(frozen=True, kw_only=True)
+class DeltaStep:
+    """The outcome of one input: Delta responses to write in order, and what happened."""
+
+    responses: tuple[discovery_pb2.DeltaDiscoveryResponse, ...] = ()
+    events: tuple[StreamEvent, ...] = ()
+
+
+@dataclass
+class DeltaTypeState:
+    """Per-type state of a Delta stream (mutable, owned by one :class:`DeltaStream`).
+
+    Attributes:
+        wildcard: subscribed to every resource of the type.
+        names: resources subscribed to by name.
+        client_versions: ``{name: version}`` the client holds (or was last sent, ACKed or not).
+        pending: ``{nonce: (system_version, {name: version or None for a removal})}`` not yet answered.
+        sent_version / acked_version: ``system_version_info`` of the last response sent / ACKed.
+        nacked_version: ``system_version_info`` of the last NACKed response, or None.
+    """
+
+    wildcard: bool = False
+    names: set[str] = field(default_factory=set)
+    client_versions: dict[str, str] = field(default_factory=dict)
+    pending: dict[str, tuple[str, dict[str, str | None]]] = field(default_factory=dict)
+    sent_version: str | None = None
+    acked_version: str | None = None
+    nacked_version: str | None = None
+
+    def wants(self, name: str) -> bool:
+        """True when the client subscribed to this resource (by name or wildcard)."""
+        return self.wildcard or name in self.names
+
+
+@dataclass
+class DeltaStream:
+    """The Delta protocol state of one ADS stream. Not thread-safe; one per stream.
+
+    Args:
+        control_plane_id: sent as ``control_plane.identifier`` in every response.
+    """
+
+    control_plane_id: str = ""
+    node: base_pb2.Node | None = None
+    types: dict[str, DeltaTypeState] = field(default_factory=dict)
+    _nonces: itertools.count[int] = field(default_factory=lambda: itertools.count(1))
+
+    @property
+    def node_id(self) -> str:
+        """The node id from the stream's first request ("" until known)."""
+        return self.node.id if self.node is not None else ""
+
+    @property
+    def node_cluster(self) -> str:
+        """The node cluster from the stream's first request: picks the snapshot group."""
+        return self.node.cluster if self.node is not None else ""
+
+    def handle_request(
+        self, request: discovery_pb2.DeltaDiscoveryRequest, snapshot: Snapshot | None
+    ) -> DeltaStep:
+        """Apply one DeltaDiscoveryRequest; ``snapshot`` is the current one for this node (None if none yet).
+
+        Returns:
+            the responses to send (zero or one) and the events (module docstring for the rules).
+        """
+        if self.node is None and request.HasField("node"):
+            self.node = request.node
+        t = request.type_url
+        if t not in PUSH_ORDER:
+            return DeltaStep(events=(UnknownTypeIgnored(type_url=t),))
+        events: list[StreamEvent] = []
+        state = self.types.get(t)
+        opened = state is None
+        if state is None:
+            state = DeltaTypeState(client_versions=dict(request.initial_resource_versions))
+            self.types[t] = state
+            if not request.resource_names_subscribe and t in WILDCARD_TYPES:
+                state.wildcard = True
+        if request.response_nonce:
+            events.append(self._ack_or_nack(t, state, request))
+        for name in request.resource_names_unsubscribe:
+            if name == WILDCARD:
+                state.wildcard = False
+            else:
+                state.names.discard(name)
+            if not state.wants(name):
+                state.client_versions.pop(name, None)
+        added = False
+        for name in request.resource_names_subscribe:
+            if name == WILDCARD:
+                added = added or not state.wildcard
+                state.wildcard = True
+            elif name not in state.names:
+                state.names.add(name)
+                added = True
+        if opened:
+            names = (WILDCARD,) if state.wildcard else tuple(sorted(state.names))
+            events.append(SubscriptionOpened(type_url=t, resource_names=names))
+        if snapshot is None or not (opened or added):
+            return DeltaStep(events=tuple(events))
+        response = self._diff(t, state, snapshot, updates=True, removals=True, answer_empty=opened)
+        if response is None:
+            return DeltaStep(events=tuple(events))
+        return DeltaStep(responses=(response,), events=(*events, self._sent(response)))
+
+    def _ack_or_nack(
+        self, t: str, state: DeltaTypeState, request: discovery_pb2.DeltaDiscoveryRequest
+    ) -> StreamEvent:
+        nonce = request.response_nonce
+        sent = state.pending.pop(nonce, None)
+        if sent is None:
+            latest = max(state.pending, key=int, default="")
+            return StaleNonceIgnored(type_url=t, nonce=nonce, latest_nonce=latest)
+        version, _resources = sent
+        if request.HasField("error_detail"):
+            state.nacked_version = version
+            return NackReceived(
+                type_url=t,
+                rejected_version=version,
+                kept_version=state.acked_version or "",
+                nonce=nonce,
+                node_id=self.node_id,
+                error_code=request.error_detail.code,
+                error_message=request.error_detail.message,
+            )
+        state.acked_version = version
+        return AckReceived(type_url=t, version=version, nonce=nonce)
+
+    def handle_snapshot(self, snapshot: Snapshot) -> DeltaStep:
+        """Push a newly published snapshot: updates per type in :data:`PUSH_ORDER` (a cluster's assignment
+        after the cluster, routes after a listener), then removals in reverse order."""
+        responses: list[discovery_pb2.DeltaDiscoveryResponse] = []
+        sent_names: dict[str, set[str]] = {}
+        for t in PUSH_ORDER:
+            state = self.types.get(t)
+            if state is None:
+                continue
+            key = _RESEND_AFTER.get(t)
+            force: Collection[str] = ()
+            if key == CLUSTER_TYPE:
+                force = sent_names.get(CLUSTER_TYPE, set())
+            elif key == LISTENER_TYPE and sent_names.get(LISTENER_TYPE):
+                force = snapshot.resources.get(t, {}).keys()
+            response = self._diff(t, state, snapshot, updates=True, removals=False, force=force)
+            if response is not None:
+                responses.append(response)
+                sent_names[t] = {r.name for r in response.resources}
+        for t in reversed(PUSH_ORDER):
+            state = self.types.get(t)
+            if state is None:
+                continue
+            response = self._diff(t, state, snapshot, updates=False, removals=True)
+            if response is not None:
+                responses.append(response)
+        return DeltaStep(responses=tuple(responses), events=tuple(self._sent(r) for r in responses))
+
+    def _diff(
+        self,
+        t: str,
+        state: DeltaTypeState,
+        snapshot: Snapshot,
+        *,
+        updates: bool,
+        removals: bool,
+        force: Collection[str] = (),
+        answer_empty: bool = False,
+    ) -> discovery_pb2.DeltaDiscoveryResponse | None:
+        table = snapshot.resources.get(t, {})
+        changed: list[discovery_pb2.Resource] = []
+        if updates:
+            names: Collection[str] = table.keys() if state.wildcard else sorted(state.names)
+            held = state.client_versions
+            for name in names:
+                r = table.get(name)
+                if r is not None and (held.get(name) != r.version or name in force):
+                    changed.append(r.delta)
+        removed: list[str] = []
+        if removals:
+            removed = sorted(n for n in state.client_versions if n not in table)
+        if not changed and not removed and not answer_empty:
+            return None
+        nonce = str(next(self._nonces))
+        version = snapshot.version(t)
+        record: dict[str, str | None] = {r.name: r.version for r in changed}
+        for r in changed:
+            state.client_versions[r.name] = r.version
+        for name in removed:
+            state.client_versions.pop(name, None)
+            record[name] = None
+        state.pending[nonce] = (version, record)
+        state.sent_version = version
+        return discovery_pb2.DeltaDiscoveryResponse(
+            system_version_info=version,
+            type_url=t,
+            nonce=nonce,
+            resources=changed,
+            removed_resources=removed,
+            control_plane=base_pb2.ControlPlane(identifier=self.control_plane_id),
+        )
+
+    @staticmethod
+    def _sent(response: discovery_pb2.DeltaDiscoveryResponse) -> ResponseSent:
+        return ResponseSent(
+            type_url=response.type_url,
+            version=response.system_version_info,
+            nonce=response.nonce,
+            resource_count=len(response.resources),
+        )
+
+
+def held_versions(stream: DeltaStream) -> Mapping[str, Mapping[str, str]]:
+    """``{type_url: {name: version}}`` the client holds per the stream's records (for tests and tools)."""
+    return {t: dict(s.client_versions) for t, s in stream.types.items()}

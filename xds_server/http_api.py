@@ -1,0 +1,211 @@
+"""The xDS server's HTTP API (aiohttp): fleet changes, connected Envoys, Prometheus metrics.
+
+Routes (JSON in and out; errors are OpenAI-style ``{"error": {"message", "type", "param", "code"}}``):
+
+- ``GET /healthz``: 200 ``ok`` (no auth).
+- ``GET /metrics``: Prometheus text exposition (no auth, as scrapers expect).
+- ``GET /v1/endpoints``: the served fleet: every endpoint with its source (``config``/``api``), weight pin
+  and drain state.
+- ``POST /v1/endpoints``: register an endpoint (the config file's endpoint shape); 201.
+- ``POST /v1/endpoints/{key}/drain``: send it as DRAINING, remove it after ``drain_ms`` (body, optional;
+  ``xds.drain_period_ms`` by default); 202.
+- ``DELETE /v1/endpoints/{key}``: remove it now; 200.
+- ``PUT /v1/endpoints/{key}/weight``: ``{"weight": N}`` pins Envoy's weight (N >= 1), ``{"weight": null}``
+  clears the pin; 200.
+- ``GET /v1/clients``: each connected Envoy (node id, cluster, mode, ACKed version per type, last NACK).
+
+Every ``/v1`` route needs ``Authorization: Bearer <token>`` (compared in constant time); with no token
+configured, every ``/v1`` route answers 503 so an unconfigured server is never open. ``{key}`` is the
+endpoint's ``host:port`` as written in the config (:func:`xds_server.resources.endpoint_key`).
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import time
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any
+
+from aiohttp import web
+
+from inferlb.errors import ConfigError, RequestError
+from xds_server.fleet import UnknownEndpointError, parse_endpoint
+from xds_server.metrics import render_metrics
+from xds_server.resources import endpoint_key
+
+if TYPE_CHECKING:
+    from xds_server.server import XdsServer
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def _error(status: int, message: str, code: str, param: str | None = None) -> web.Response:
+    err = RequestError(status, message, type="invalid_request_error", code=code, param=param)
+    return web.json_response(err.to_openai_json(), status=status)
+
+
+def _config_error(exc: ConfigError) -> web.Response:
+    field = exc.problems[0][0] if exc.problems else None
+    detail = "; ".join(f"{f}: {m}" if f else m for f, m in exc.problems)
+    return _error(400, detail, "invalid_endpoint", param=field)
+
+
+class HttpApi:
+    """The aiohttp application over one :class:`~xds_server.server.XdsServer`.
+
+    Args:
+        server: the xDS server whose fleet it changes and whose streams it reports.
+        token: the bearer token ``/v1`` routes require; None refuses them all (503).
+    """
+
+    def __init__(self, server: XdsServer, *, token: str | None) -> None:
+        self._server = server
+        self._token = token.encode() if token else None
+        self._runner: web.AppRunner | None = None
+        app = web.Application(middlewares=[self._auth])
+        app.router.add_get("/healthz", self._healthz)
+        app.router.add_get("/metrics", self._metrics)
+        app.router.add_get("/v1/endpoints", self._list_endpoints)
+        app.router.add_post("/v1/endpoints", self._register)
+        app.router.add_post("/v1/endpoints/{key}/drain", self._drain)
+        app.router.add_delete("/v1/endpoints/{key}", self._deregister)
+        app.router.add_put("/v1/endpoints/{key}/weight", self._weight)
+        app.router.add_get("/v1/clients", self._clients)
+        self.app = app
+
+    async def start(self, host: str, port: int) -> int:
+        """Listen on ``host:port`` (0: a free port); returns the bound port.
+
+        Raises:
+            RuntimeError: the address cannot be bound.
+        """
+        runner = web.AppRunner(self.app, access_log=None)
+        await runner.setup()
+        site = web.TCPSite(runner, host, port)
+        try:
+            await site.start()
+        except OSError as exc:
+            await runner.cleanup()
+            raise RuntimeError(f"cannot listen on {host}:{port} (xds.api_listen): {exc}") from None
+        self._runner = runner
+        server = site._server  # aiohttp exposes the bound socket only here
+        sockets = getattr(server, "sockets", None) or []
+        return int(sockets[0].getsockname()[1]) if sockets else port
+
+    async def stop(self) -> None:
+        """Close the listener and open connections."""
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+
+    @web.middleware
+    async def _auth(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        if not request.path.startswith("/v1/"):
+            return await handler(request)
+        if self._token is None:
+            return _error(503, "the fleet API has no token configured (xds.api_token)", "api_disabled")
+        given = request.headers.get("Authorization", "")
+        scheme, _, token = given.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self._token):
+            return _error(401, "missing or wrong bearer token", "invalid_api_key")
+        return await handler(request)
+
+    async def _json_body(self, request: web.Request) -> Any:
+        if not request.can_read_body:
+            return {}
+        try:
+            return json.loads(await request.read())
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise web.HTTPBadRequest(
+                text=json.dumps(
+                    RequestError(
+                        400, f"body is not JSON: {exc}", type="invalid_request_error"
+                    ).to_openai_json()
+                ),
+                content_type="application/json",
+            ) from None
+
+    # -- routes ---------------------------------------------------------------------------------------
+    async def _healthz(self, _request: web.Request) -> web.Response:
+        return web.Response(text="ok\n")
+
+    async def _metrics(self, _request: web.Request) -> web.Response:
+        body, content_type = render_metrics(self._server)
+        return web.Response(body=body, headers={"Content-Type": content_type})
+
+    async def _list_endpoints(self, _request: web.Request) -> web.Response:
+        srv = self._server
+        assert srv.effective is not None
+        fleet = srv.fleet
+        now = time.monotonic()
+        rows = []
+        for e in srv.effective.endpoints:
+            key = endpoint_key(e)
+            until = fleet.draining.get(key)
+            rows.append(
+                {
+                    "key": key,
+                    "name": e.display_name,
+                    "model": e.model,
+                    "version": srv.effective.endpoint_version(e),
+                    "gpu": e.gpu,
+                    "region": e.region,
+                    "zone": e.zone,
+                    "source": "api" if key in fleet.registered else "config",
+                    "weight_override": fleet.weight_overrides.get(key),
+                    "telemetry_weight": srv.telemetry_weights.get(key),
+                    "draining": until is not None,
+                    "removed_in_ms": None if until is None else max(0, round((until - now) * 1000)),
+                }
+            )
+        return web.json_response({"endpoints": rows})
+
+    async def _register(self, request: web.Request) -> web.Response:
+        data = await self._json_body(request)
+        try:
+            endpoint = parse_endpoint(data)
+            await self._server.register_endpoint(endpoint)
+        except ConfigError as exc:
+            return _config_error(exc)
+        return web.json_response({"endpoint": endpoint_key(endpoint)}, status=201)
+
+    async def _drain(self, request: web.Request) -> web.Response:
+        key = request.match_info["key"]
+        data = await self._json_body(request)
+        drain_ms = data.get("drain_ms") if isinstance(data, dict) else None
+        if drain_ms is not None and (
+            not isinstance(drain_ms, int) or isinstance(drain_ms, bool) or drain_ms < 0
+        ):
+            return _error(400, "drain_ms must be a non-negative integer (ms)", "invalid_drain_ms", "drain_ms")
+        try:
+            remove_at = self._server.drain_endpoint(key, drain_ms)
+        except UnknownEndpointError as exc:
+            return _error(404, str(exc), "unknown_endpoint")
+        left = max(0, round((remove_at - time.monotonic()) * 1000))
+        return web.json_response({"endpoint": key, "draining": True, "removed_in_ms": left}, status=202)
+
+    async def _deregister(self, request: web.Request) -> web.Response:
+        key = request.match_info["key"]
+        try:
+            self._server.deregister_endpoint(key)
+        except UnknownEndpointError as exc:
+            return _error(404, str(exc), "unknown_endpoint")
+        return web.json_response({"endpoint": key, "removed": True})
+
+    async def _weight(self, request: web.Request) -> web.Response:
+        key = request.match_info["key"]
+        data = await self._json_body(request)
+        if not isinstance(data, dict) or "weight" not in data:
+            return _error(400, 'expected {"weight": N} or {"weight": null}', "invalid_weight", "weight")
+        weight = data["weight"]
+        if weight is not None and (type(weight) is not int or weight < 1):
+            return _error(400, "weight must be an integer >= 1 (Envoy rejects 0)", "invalid_weight", "weight")
+        try:
+            self._server.override_weight(key, weight)
+        except UnknownEndpointError as exc:
+            return _error(404, str(exc), "unknown_endpoint")
+        return web.json_response({"endpoint": key, "weight_override": weight})
+
+    async def _clients(self, _request: web.Request) -> web.Response:
+        return web.json_response({"clients": self._server.servicer.clients_json()})

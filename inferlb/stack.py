@@ -256,6 +256,13 @@ class Stack:
         say = progress or (lambda _msg: None)
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         cfg = self.config
+        busy = [f"{addr} ({field})" for field, addr in self.sockets() if port_open(addr)]
+        if busy:
+            raise StackError(
+                "stack",
+                f"already in use: {', '.join(busy)}. Is another inferlb stack running? Stop it, or move "
+                "these addresses in the config.",
+            )
         try:
             sim_count = sum(1 for e in cfg.endpoints if e.simulated)
             if sim_count:
@@ -289,8 +296,20 @@ class Stack:
                 timeout_s,
             )
         except BaseException:
-            self.stop()
+            self.stop(keep_workdir=True)
             raise
+
+    def sockets(self) -> list[tuple[str, HostPort]]:
+        """(config field, address) of every socket the stack's processes listen on."""
+        cfg = self.config
+        out = [
+            ("gateway.listen", cfg.gateway.listen),
+            ("gateway.admin", cfg.gateway.admin),
+            ("xds.listen", cfg.xds.listen),
+            ("ext_proc.listen", cfg.ext_proc.listen),
+        ]
+        out += [(f"endpoints[{i}].address", e.address) for i, e in enumerate(cfg.endpoints) if e.simulated]
+        return out
 
     # -- run-time --------------------------------------------------------------------------------
     def child(self, name: str) -> Child:
@@ -308,11 +327,17 @@ class Stack:
         """A child that has exited, if any (the stack is then broken)."""
         return next((c for c in self.children if c.exited() is not None), None)
 
-    def stop(self) -> None:
-        """Stop every child, Envoy first, then in reverse start order."""
+    def stop(self, *, keep_workdir: bool = False) -> None:
+        """Stop every child, Envoy first, then in reverse start order.
+
+        A work directory the stack made itself (no ``workdir`` given) is removed, unless ``keep_workdir``
+        (kept when its logs explain a failure).
+        """
         for c in reversed(self.children):
             c.stop()
         self.children.clear()
+        if self._own_tmp and not keep_workdir:
+            shutil.rmtree(self.workdir, ignore_errors=True)
 
     def __enter__(self) -> Stack:
         self.start()

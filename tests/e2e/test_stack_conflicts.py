@@ -1,0 +1,44 @@
+"""A second stack on the same addresses is refused up front with the addresses named; the running one is
+left alone."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from inferlb.stack import Stack, StackError
+from tests.conftest import make_config_doc, write_config
+from tests.e2e.conftest import http_request
+
+pytestmark = pytest.mark.e2e
+
+
+def test_a_second_stack_on_the_same_ports_is_refused(tmp_path: Path) -> None:
+    path = write_config(tmp_path / "c.yaml", make_config_doc())
+    first = Stack(path, workdir=tmp_path / "first")
+    first.start(timeout_s=60)
+    try:
+        second = Stack(path, workdir=tmp_path / "second")
+        with pytest.raises(StackError, match="already in use") as info:
+            second.start(timeout_s=20)
+        assert "gateway.admin" in str(info.value) and "xds.listen" in str(info.value)
+        assert second.children == []
+        r = http_request(
+            str(first.config.gateway.listen),
+            "GET",
+            "/v1/models",
+            headers={"Authorization": "Bearer sk-demo-a"},
+        )
+        assert r.status == 200
+    finally:
+        first.stop()
+
+
+def test_a_stack_removes_its_own_temp_dir_on_a_clean_stop(tmp_path: Path) -> None:
+    stack = Stack(write_config(tmp_path / "c.yaml", make_config_doc()))
+    stack.start(timeout_s=60)
+    work = stack.workdir
+    assert (work / "envoy.log").exists()
+    stack.stop()
+    assert not work.exists()

@@ -1,0 +1,424 @@
+"""``inferlb agent``: one per GPU node. Reads NVML (nvidia-ml-py, ``import pynvml``), exposes the values as
+Prometheus metrics and reports them to the control plane.
+
+Every period (``telemetry.agent_interval_ms``, 1 s) the agent reads, for each GPU:
+
+=====================================  =================================================================
+NVML call (pynvml)                     value
+=====================================  =================================================================
+``nvmlDeviceGetUtilizationRates``      ``.gpu``: percent of the last sample period a kernel ran
+``nvmlDeviceGetMemoryInfo``            ``.used`` / ``.total`` (bytes)
+``nvmlDeviceGetTemperature``           GPU core temperature (C), sensor ``NVML_TEMPERATURE_GPU``
+``nvmlDeviceGetCurrentClocksEvent``    clock throttle reason bit mask (thermal, power; see
+``Reasons``                            :mod:`inferlb.telemetry`); older drivers:
+                                       ``nvmlDeviceGetCurrentClocksThrottleReasons``
+``nvmlDeviceGetPowerUsage``            board power (mW, reported in W)
+``nvmlDeviceGetClockInfo`` /           current and maximum SM clock (MHz), ``NVML_CLOCK_SM``
+``nvmlDeviceGetMaxClockInfo``
+=====================================  =================================================================
+
+Utilization, memory and temperature are required (a GPU whose read fails is left out of that report and
+counted in ``inferlb_agent_nvml_errors_total``); power, clocks and throttle reasons are optional (None when
+the GPU does not support them, as NVML answers ``NVML_ERROR_NOT_SUPPORTED`` on some boards).
+
+**Report.** ``POST {url}/v1/telemetry/gpu`` with the JSON body of :class:`inferlb.telemetry.GpuReport`::
+
+    {"node": "gpu-node-7", "sent_at": 1767000000.0,
+     "gpus": [{"index": 0, "uuid": "GPU-...", "name": "NVIDIA H100 80GB HBM3", "utilization_percent": 97.0,
+               "memory_used_bytes": ..., "memory_total_bytes": ..., "temperature_c": 64.0,
+               "throttle_reasons": 0, "thermal_throttled": false, "power_throttled": false,
+               "sm_clock_mhz": 1980.0, "max_sm_clock_mhz": 1980.0, "clock_ratio": 1.0, "power_w": 512.3}]}
+
+A failed POST (refused, timed out, non-2xx) is logged and counted (``inferlb_agent_reports_total{outcome=
+"error"}``); the next period tries again with fresh values (no backlog: old telemetry is worthless).
+
+**Metrics.** ``GET /metrics`` on ``--listen`` serves the last reading under DCGM exporter names
+(``DCGM_FI_DEV_GPU_UTIL``, ``DCGM_FI_DEV_FB_USED``/``_FREE`` in MiB, ``DCGM_FI_DEV_GPU_TEMP``,
+``DCGM_FI_DEV_POWER_USAGE``, ``DCGM_FI_DEV_SM_CLOCK``, ``DCGM_FI_DEV_MAX_SM_CLOCK``,
+``DCGM_FI_DEV_CLOCK_THROTTLE_REASONS``, labels ``gpu``, ``UUID``, ``modelName``, ``Hostname``), so dashboards
+and :func:`inferlb.telemetry.parse_dcgm_metrics` read an agent and a dcgm-exporter alike.
+
+**No GPU.** When pynvml is missing, NVML cannot be initialised (no driver, no library) or there is no device,
+:func:`open_nvml` raises :class:`NoGpuError` with the reason; the CLI prints it and exits 1.
+
+**The seam.** Everything here calls NVML through :class:`Pynvml`, a :class:`typing.Protocol` of exactly the
+pynvml functions used; :func:`load_pynvml` returns the real module, tests pass a fake implementing the same
+functions (raising ``pynvml.NVMLError``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import aiohttp
+from aiohttp import web
+from prometheus_client import CollectorRegistry, Counter, generate_latest
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from inferlb.errors import InferlbError
+from inferlb.telemetry import MIB, GpuReport, GpuTelemetry, ThrottleReasons
+
+log = logging.getLogger("inferlb.agent")
+
+#: Path the control plane receives GPU reports on (``POST``, JSON :class:`GpuReport`).
+REPORT_PATH = "/v1/telemetry/gpu"
+#: pynvml constants, repeated so that this module imports without pynvml (values from nvml.h).
+NVML_TEMPERATURE_GPU = 0
+NVML_CLOCK_SM = 1
+NVML_ERROR_NOT_SUPPORTED = 3
+NVML_ERROR_FUNCTION_NOT_FOUND = 13
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+
+class NoGpuError(InferlbError):
+    """There is no GPU to read: pynvml is not installed, NVML cannot be initialised, or it sees no device."""
+
+
+class _Utilization(Protocol):
+    gpu: int
+
+
+class _Memory(Protocol):
+    used: int
+    total: int
+
+
+class Pynvml(Protocol):
+    """The pynvml functions the agent calls (nvidia-ml-py's signatures), and its error class.
+
+    ``NVMLError`` instances carry the NVML return code in ``.value``.
+    """
+
+    NVMLError: type[Exception]
+
+    # pynvml's camelCase names, kept so that the real module satisfies this protocol as it is
+    def nvmlInit(self) -> None: ...
+    def nvmlShutdown(self) -> None: ...
+    def nvmlDeviceGetCount(self) -> int: ...
+    def nvmlDeviceGetHandleByIndex(self, index: int) -> Any: ...
+    def nvmlDeviceGetName(self, handle: Any) -> str | bytes: ...
+    def nvmlDeviceGetUUID(self, handle: Any) -> str | bytes: ...
+    def nvmlDeviceGetUtilizationRates(self, handle: Any) -> _Utilization: ...
+    def nvmlDeviceGetMemoryInfo(self, handle: Any) -> _Memory: ...
+    def nvmlDeviceGetTemperature(self, handle: Any, sensor: int) -> int: ...
+    def nvmlDeviceGetCurrentClocksEventReasons(self, handle: Any) -> int: ...
+    def nvmlDeviceGetCurrentClocksThrottleReasons(self, handle: Any) -> int: ...
+    def nvmlDeviceGetPowerUsage(self, handle: Any) -> int: ...
+    def nvmlDeviceGetClockInfo(self, handle: Any, clock_type: int) -> int: ...
+    def nvmlDeviceGetMaxClockInfo(self, handle: Any, clock_type: int) -> int: ...
+
+
+def load_pynvml() -> Pynvml:
+    """The real ``pynvml`` module (nvidia-ml-py).
+
+    Raises:
+        NoGpuError: nvidia-ml-py is not installed.
+    """
+    try:
+        import pynvml  # noqa: PLC0415 - NVML is touched only by the agent, only when it runs
+    except ImportError as exc:
+        raise NoGpuError(f"nvidia-ml-py (pynvml) is not installed: {exc}") from None
+    nvml: Pynvml = pynvml
+    return nvml
+
+
+def open_nvml(nvml: Pynvml) -> int:
+    """Initialise NVML and return the number of GPUs (>= 1).
+
+    Raises:
+        NoGpuError: ``nvmlInit`` failed (no NVIDIA driver or library: the message gives NVML's reason) or no
+            device is visible; NVML is shut down again in the latter case.
+    """
+    try:
+        nvml.nvmlInit()
+    except nvml.NVMLError as exc:
+        raise NoGpuError(f"no NVIDIA GPU: NVML cannot be initialised ({exc})") from None
+    try:
+        count = nvml.nvmlDeviceGetCount()
+    except nvml.NVMLError as exc:
+        _shutdown(nvml)
+        raise NoGpuError(f"no NVIDIA GPU: NVML cannot count devices ({exc})") from None
+    if count < 1:
+        _shutdown(nvml)
+        raise NoGpuError("no NVIDIA GPU: NVML sees 0 devices")
+    return count
+
+
+def _shutdown(nvml: Pynvml) -> None:
+    with contextlib.suppress(Exception):
+        nvml.nvmlShutdown()
+
+
+def _text(value: str | bytes) -> str:
+    # pynvml returned bytes before nvidia-ml-py 11.515; str since
+    return value.decode(errors="replace") if isinstance(value, bytes) else value
+
+
+@dataclass(frozen=True, kw_only=True)
+class GpuReadFailed:
+    """Reading GPU ``index`` failed at ``call`` with NVML's message ``reason``."""
+
+    index: int
+    call: str
+    reason: str
+
+
+def read_gpu(nvml: Pynvml, index: int) -> GpuTelemetry:
+    """Read one GPU (NVML must be initialised).
+
+    Raises:
+        Exception: ``nvml.NVMLError`` from a required call (handle, name, UUID, utilization, memory,
+            temperature); optional values become None instead.
+    """
+    h = nvml.nvmlDeviceGetHandleByIndex(index)
+    util = nvml.nvmlDeviceGetUtilizationRates(h)
+    mem = nvml.nvmlDeviceGetMemoryInfo(h)
+    temperature = nvml.nvmlDeviceGetTemperature(h, NVML_TEMPERATURE_GPU)
+    reasons_mask = _optional(nvml, lambda: _reasons(nvml, h))
+    reasons = ThrottleReasons.from_mask(reasons_mask or 0)
+    power_mw = _optional(nvml, lambda: nvml.nvmlDeviceGetPowerUsage(h))
+    sm = _optional(nvml, lambda: nvml.nvmlDeviceGetClockInfo(h, NVML_CLOCK_SM))
+    sm_max = _optional(nvml, lambda: nvml.nvmlDeviceGetMaxClockInfo(h, NVML_CLOCK_SM))
+    return GpuTelemetry(
+        index=index,
+        uuid=_text(nvml.nvmlDeviceGetUUID(h)),
+        name=_text(nvml.nvmlDeviceGetName(h)),
+        utilization_percent=float(util.gpu),
+        memory_used_bytes=int(mem.used),
+        memory_total_bytes=int(mem.total),
+        temperature_c=float(temperature),
+        throttle_reasons=reasons.mask,
+        thermal_throttled=reasons.thermal,
+        power_throttled=reasons.power,
+        sm_clock_mhz=float(sm) if sm is not None else None,
+        max_sm_clock_mhz=float(sm_max) if sm_max is not None else None,
+        power_w=power_mw / 1000.0 if power_mw is not None else None,
+    )
+
+
+def _reasons(nvml: Pynvml, handle: Any) -> int:
+    """Clock event reasons; the older name on drivers/bindings without the new one (renamed in CUDA 12.2)."""
+    try:
+        return nvml.nvmlDeviceGetCurrentClocksEventReasons(handle)
+    except AttributeError:
+        return nvml.nvmlDeviceGetCurrentClocksThrottleReasons(handle)
+    except nvml.NVMLError as exc:
+        if getattr(exc, "value", None) != NVML_ERROR_FUNCTION_NOT_FOUND:
+            raise
+        return nvml.nvmlDeviceGetCurrentClocksThrottleReasons(handle)
+
+
+def _optional(nvml: Pynvml, call: Callable[[], int]) -> int | None:
+    """The value of an NVML call a board may not support, or None when NVML refuses it."""
+    try:
+        return call()
+    except nvml.NVMLError:
+        return None
+
+
+def read_all(nvml: Pynvml, count: int) -> tuple[list[GpuTelemetry], list[GpuReadFailed]]:
+    """Read GPUs ``0..count-1``; a GPU whose required read fails is returned as a :class:`GpuReadFailed`."""
+    gpus: list[GpuTelemetry] = []
+    failed: list[GpuReadFailed] = []
+    for i in range(count):
+        try:
+            gpus.append(read_gpu(nvml, i))
+        except nvml.NVMLError as exc:
+            failed.append(GpuReadFailed(index=i, call="read_gpu", reason=str(exc)))
+    return gpus, failed
+
+
+class _GpuCollector(Collector):
+    """Serves the last reading under DCGM exporter names (see the module doc)."""
+
+    def __init__(self, node: str) -> None:
+        self.node = node
+        self.gpus: list[GpuTelemetry] = []
+
+    def collect(self) -> Iterable[Metric]:
+        labels = ["gpu", "UUID", "modelName", "Hostname"]
+        fields: list[tuple[str, str, Any]] = [
+            ("DCGM_FI_DEV_GPU_UTIL", "GPU utilization (in %).", lambda g: g.utilization_percent),
+            ("DCGM_FI_DEV_FB_USED", "Framebuffer memory used (in MiB).", lambda g: g.memory_used_bytes / MIB),
+            (
+                "DCGM_FI_DEV_FB_FREE",
+                "Framebuffer memory free (in MiB).",
+                lambda g: (g.memory_total_bytes - g.memory_used_bytes) / MIB,
+            ),
+            ("DCGM_FI_DEV_GPU_TEMP", "GPU temperature (in C).", lambda g: g.temperature_c),
+            ("DCGM_FI_DEV_POWER_USAGE", "Power draw (in W).", lambda g: g.power_w),
+            ("DCGM_FI_DEV_SM_CLOCK", "SM clock frequency (in MHz).", lambda g: g.sm_clock_mhz),
+            (
+                "DCGM_FI_DEV_MAX_SM_CLOCK",
+                "Maximum SM clock frequency (in MHz).",
+                lambda g: g.max_sm_clock_mhz,
+            ),
+            (
+                "DCGM_FI_DEV_CLOCK_THROTTLE_REASONS",
+                "Current clock throttle reasons (NVML bit mask).",
+                lambda g: g.throttle_reasons,
+            ),
+        ]
+        for name, doc, get in fields:
+            family = GaugeMetricFamily(name, doc, labels=labels)
+            for g in self.gpus:
+                value = get(g)
+                if value is not None:
+                    family.add_metric([str(g.index), g.uuid, g.name, self.node], float(value))
+            yield family
+
+
+class AgentMetrics:
+    """The agent's Prometheus registry: the GPUs (DCGM names) and the agent's own counters."""
+
+    def __init__(self, node: str) -> None:
+        self.registry = CollectorRegistry(auto_describe=False)
+        self._gpus = _GpuCollector(node)
+        self.registry.register(self._gpus)
+        self.reports = Counter(
+            "inferlb_agent_reports", "GPU reports POSTed to the control plane, by outcome.", ["outcome"],
+            registry=self.registry,
+        )  # fmt: skip
+        self.nvml_errors = Counter(
+            "inferlb_agent_nvml_errors", "GPU reads that failed in NVML.", registry=self.registry
+        )
+        for outcome in ("ok", "error"):
+            self.reports.labels(outcome)
+
+    def update(self, gpus: list[GpuTelemetry]) -> None:
+        """Serve ``gpus`` from now on."""
+        self._gpus.gpus = gpus
+
+    def exposition(self) -> bytes:
+        """Prometheus text format."""
+        return generate_latest(self.registry)
+
+
+async def post_report(
+    session: aiohttp.ClientSession, url: str, report: GpuReport, *, timeout_s: float
+) -> str | None:
+    """``POST {url}/v1/telemetry/gpu`` with the report; returns None on a 2xx answer, else why it failed."""
+    target = url.rstrip("/") + REPORT_PATH
+    try:
+        async with session.post(
+            target, json=report.to_json(), timeout=aiohttp.ClientTimeout(total=timeout_s)
+        ) as resp:
+            if 200 <= resp.status < 300:
+                return None
+            body = (await resp.text())[:200]
+            return f"{target} answered {resp.status}: {body}"
+    except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+        return f"{target}: {type(exc).__name__}: {exc}"
+
+
+@dataclass(frozen=True, kw_only=True)
+class AgentSettings:
+    """How the agent runs.
+
+    Attributes:
+        node: node name in reports and the ``Hostname`` label (default: the host name).
+        url: control-plane base URL to POST reports to; None = metrics only.
+        metrics_host / metrics_port: where ``/metrics`` listens (port 0: a free one); None = no listener.
+        interval_s: seconds between readings.
+        post_timeout_s: timeout of one POST (s).
+    """
+
+    node: str
+    url: str | None
+    metrics_host: str | None = "127.0.0.1"
+    metrics_port: int = 9402
+    interval_s: float = 1.0
+    post_timeout_s: float = 2.0
+
+
+def default_node_name() -> str:
+    """The host name (what the agent reports as ``node`` unless told otherwise)."""
+    return socket.gethostname()
+
+
+class Agent:
+    """The agent's loop over an open NVML (see :func:`open_nvml`), its ``/metrics`` listener and its POSTs.
+
+    Args:
+        nvml: the pynvml seam, already initialised.
+        gpu_count: from :func:`open_nvml`.
+        settings: see :class:`AgentSettings`.
+    """
+
+    def __init__(self, nvml: Pynvml, gpu_count: int, settings: AgentSettings) -> None:
+        self.nvml = nvml
+        self.gpu_count = gpu_count
+        self.settings = settings
+        self.metrics = AgentMetrics(settings.node)
+        self.last_report: GpuReport | None = None
+        self._runner: web.AppRunner | None = None
+
+    def read(self) -> GpuReport:
+        """Read every GPU now, update ``/metrics``, and return the report."""
+        gpus, failed = read_all(self.nvml, self.gpu_count)
+        for f in failed:
+            self.metrics.nvml_errors.inc()
+            log.warning("GPU %d: NVML read failed: %s", f.index, f.reason)
+        self.metrics.update(gpus)
+        report = GpuReport(node=self.settings.node, gpus=tuple(gpus), sent_at=time.time())
+        self.last_report = report
+        return report
+
+    async def start_metrics(self) -> tuple[str, int] | None:
+        """Listen for ``GET /metrics``; returns the bound address, or None when disabled.
+
+        Raises:
+            OSError: the address cannot be bound.
+        """
+        if self.settings.metrics_host is None:
+            return None
+        app = web.Application()
+        app.router.add_get("/metrics", self._metrics)
+        runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        site = web.TCPSite(runner, self.settings.metrics_host, self.settings.metrics_port)
+        try:
+            await site.start()
+        except BaseException:
+            await runner.cleanup()
+            raise
+        self._runner = runner
+        host, port = runner.addresses[0][:2]
+        return str(host), int(port)
+
+    async def _metrics(self, _request: web.Request) -> web.Response:
+        return web.Response(body=self.metrics.exposition(), headers={"Content-Type": CONTENT_TYPE})
+
+    async def run(self, stop: asyncio.Event, *, iterations: int | None = None) -> None:
+        """Read and report every ``interval_s`` until ``stop`` is set (or ``iterations`` readings)."""
+        done = 0
+        async with aiohttp.ClientSession() as session:
+            while not stop.is_set() and (iterations is None or done < iterations):
+                report = self.read()
+                if self.settings.url is not None:
+                    failure = await post_report(
+                        session, self.settings.url, report, timeout_s=self.settings.post_timeout_s
+                    )
+                    self.metrics.reports.labels("ok" if failure is None else "error").inc()
+                    if failure is not None:
+                        log.warning("report not delivered: %s", failure)
+                done += 1
+                if iterations is not None and done >= iterations:
+                    break
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), timeout=self.settings.interval_s)
+
+    async def close(self) -> None:
+        """Stop ``/metrics`` and shut NVML down. Safe to call twice."""
+        if self._runner is not None:
+            runner, self._runner = self._runner, None
+            await runner.cleanup()
+        _shutdown(self.nvml)

@@ -141,7 +141,9 @@ class ExtProcConfig(_Frozen):
     #: Settle each request's quota reservation with the real usage of its response (and hold its
     #: concurrency slot until the response ends). Needs Envoy to send response headers (SEND) and bodies
     #: (STREAMED) to ext_proc; the xDS server derives the filter's ``processing_mode`` from this field.
-    account_responses: bool = True
+    #: False: the reservation (prompt + output cap) is the charge and the concurrency slot is released
+    #: at admission.
+    account_responses: bool = False
     #: Where quota state lives: ``memory`` (this process) or ``redis`` (shared by several replicas).
     quota_backend: Literal["memory", "redis"] = "memory"
     #: redis-py URL of the shared quota state (``quota_backend: redis``).

@@ -24,6 +24,7 @@ from inferlb.tokens import default_counter
 
 TPM = 1_000
 CONFIG: dict[str, Any] = {
+    "ext_proc": {"account_responses": True},
     "models": [{"name": "llama", "default_max_tokens": 100}],
     "tenants": [
         {"name": "metered", "api_keys": ["sk-metered-1"], "tokens_per_minute": TPM},
@@ -288,3 +289,29 @@ async def test_stream_settles_at_done_even_without_an_end_of_stream_message(harn
     await hx.servicer.drain()
     assert hx.metric("inferlb_requests_total", tenant="metered", model="llama", status="200") == 1
     assert hx.metric("inferlb_requests_total", tenant="metered", model="llama", status="aborted") == 0
+
+
+async def test_without_response_accounting_the_reservation_is_the_charge() -> None:
+    cfg = {**CONFIG, "ext_proc": {"account_responses": False}}
+    state = ExtProcState(parse_config(cfg), clock=lambda: 1000.0)
+    server = grpc.aio.server()
+    add_to_server(server, state)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            hx = Harness(
+                ep_grpc.ExternalProcessorStub(channel), add_to_server(grpc.aio.server(), state), state
+            )
+            call, r = await admit(hx, "sk-metered-1", chat(stream=True))
+            assert not r.request_body.response.HasField("body_mutation")  # no include_usage rewrite
+            call.cancel()
+            held = TPM - tokens_left(hx)
+            assert held > 100  # prompt + 100: kept, not credited back at the stream's end
+            # the concurrency slot is released at admission: nothing holds "narrow" slots
+            calls = [(await admit(hx, "sk-narrow-01", chat()))[0] for _ in range(3)]
+            assert hx.store.book.in_flight("narrow") == 0
+            for c in calls:
+                c.cancel()
+    finally:
+        await server.stop(None)

@@ -254,6 +254,7 @@ async def test_two_ext_proc_processes_sharing_redis_never_over_admit(
             "ext_proc": {
                 "listen": f"127.0.0.1:{ports[2 * i]}",
                 "metrics_listen": f"127.0.0.1:{ports[2 * i + 1]}",
+                "account_responses": True,
                 "quota_backend": "redis",
                 "redis_url": redis_url,
                 "redis_key_prefix": prefix,

@@ -260,12 +260,23 @@ def test_nan_samples_are_ignored() -> None:
     "text",
     [
         'vllm:num_requests_waiting{model_name="m" 3\n',  # broken label set
-        "this is not { prometheus\n",
+        'vllm:num_requests_running{model_name="m"} not-a-number\n',
     ],
 )
 def test_text_that_is_not_prometheus_is_refused(text: str) -> None:
     with pytest.raises(TelemetryParseError, match="not Prometheus text"):
         parse_server_metrics(text)
+
+
+def test_garbage_is_refused() -> None:
+    with pytest.raises(TelemetryParseError):
+        parse_server_metrics("this is not { prometheus\n")
+
+
+def test_other_metrics_are_skipped_whatever_they_hold() -> None:
+    # lines of metrics the parser does not read are dropped before parsing, even malformed ones
+    text = VLLM + 'some_histogram_bucket{le="0.1" 3\n'
+    assert parse_server_metrics(text) == parse_server_metrics(VLLM)
 
 
 def test_text_without_any_known_metric_is_refused() -> None:

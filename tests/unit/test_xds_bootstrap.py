@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import pytest
 import yaml
 from envoy.config.bootstrap.v3 import bootstrap_pb2
 from envoy.config.core.v3 import config_source_pb2
@@ -74,3 +75,16 @@ def test_yaml_has_no_aliases() -> None:
     text = render_bootstrap_yaml(load_config(default_config_path()))
     assert "&id" not in text
     assert "*id" not in text
+
+
+def test_committed_delta_bootstrap_is_the_rendered_default_in_delta_mode() -> None:
+    text = (COMMITTED.parent / "bootstrap-delta.yaml").read_text(encoding="utf-8")
+    config = load_config(default_config_path())
+    assert text == render_bootstrap_yaml(config, mode="delta")
+    b = _parse(yaml.safe_load(text))
+    assert b.dynamic_resources.ads_config.api_type == config_source_pb2.ApiConfigSource.DELTA_GRPC
+    assert _parse(render_bootstrap(config)).dynamic_resources.ads_config.api_type == (
+        config_source_pb2.ApiConfigSource.GRPC
+    )
+    with pytest.raises(ValueError, match="ADS mode"):
+        render_bootstrap(config, mode="rest")  # type: ignore[arg-type]

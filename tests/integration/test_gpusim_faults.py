@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -18,7 +19,14 @@ from gpusim.faults import THROTTLE_TEMPERATURE_C
 from gpusim.server import SimulatedEndpoint
 from inferlb import cli
 from inferlb.config import Config, parse_config
-from inferlb.telemetry import REASON_SW_THERMAL, GpuTelemetry, parse_server_metrics
+from inferlb.telemetry import (
+    REASON_SW_THERMAL,
+    GpuTelemetry,
+    counter_rate,
+    parse_server_metrics,
+    weight_inputs,
+)
+from inferlb.weights import WeightParams, WeightState, step
 
 MODEL = "sim-model"
 
@@ -214,3 +222,57 @@ async def test_the_sim_cli_drives_a_running_endpoint(
         assert await asyncio.to_thread(sim, "fail", "nope") == cli.EXIT_INPUT
     # the endpoint is gone: exit 1
     assert sim("recover", "a100-t") == cli.EXIT_FAIL
+
+
+@pytest.mark.parametrize("action", ["throttle", "slow"])
+async def test_the_weight_policy_fed_by_live_telemetry_halves_a_gpu_at_half_speed(action: str) -> None:
+    """The control loop minus xDS: scrape the endpoint's /metrics and /sim/telemetry under a steady load,
+    step the weight policy, then put the GPU at half speed. Throttle shows in NVML (clock ratio) and in the
+    throughput; slow only in the throughput; both must halve the weight."""
+    config = parse_config(config_doc())
+    params = dataclasses.replace(
+        WeightParams.from_config(config.weights), slow_start_s=0.0, smoothing_tau_s=0.5
+    )
+    period = 0.25
+    reference = config.simulation.decode_tokens_per_s
+    async with running(config) as (srv, base), aiohttp.ClientSession() as http:
+        stop = asyncio.Event()
+
+        async def client() -> None:  # closed loop: keeps one request running per client
+            while not stop.is_set():
+                await chat(http, base, max_tokens=20)
+
+        clients = [asyncio.create_task(client()) for _ in range(srv.timing.max_batch)]
+        state: WeightState | None = None
+        previous: tuple[float, float | None] | None = None
+        weights: list[int] = []
+        try:
+            for i in range(14):
+                if i == 6:
+                    status, _ = await fault(http, base, {"action": action, "factor": 2.0})
+                    assert status == 200
+                await asyncio.sleep(period)
+                now = time.monotonic()
+                async with http.get(f"{base}/metrics") as r:
+                    server = parse_server_metrics(await r.text())
+                telemetry = await gpu(http, base)
+                rate = None
+                if previous is not None:
+                    rate = counter_rate(previous[1], previous[0], server.generation_tokens_total, now)
+                previous = (now, server.generation_tokens_total)
+                inputs = weight_inputs(
+                    profile_capacity=1.0, max_batch=srv.timing.max_batch, server=server, server_age_s=0.0,
+                    gpu=telemetry, gpu_age_s=0.0, stale_after_s=params.stale_after_s,
+                    generation_tokens_per_s=rate, reference_tokens_per_s=reference,
+                )  # fmt: skip
+                state, w = step(state, inputs, now, params)
+                weights.append(w)
+        finally:
+            stop.set()
+            await asyncio.gather(*clients, return_exceptions=True)
+    healthy = max(weights[:6])
+    assert 40 <= healthy <= 110, weights  # 100 x capacity 1.0, less the load factor of a full batch
+    final = weights[-1]
+    assert 0.35 * healthy <= final <= 0.62 * healthy, weights
+    # all within 2 s (8 periods) of the fault
+    assert min(weights[6:]) <= 0.75 * healthy, weights

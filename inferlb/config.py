@@ -109,6 +109,10 @@ class GatewayConfig(_Frozen):
     concurrency: Annotated[int, Field(ge=0, le=256)] = 2
     #: Envoy node cluster name the xDS server groups snapshots by.
     node_cluster: str = "inferlb-gateway"
+    #: Where the gateway's Envoys run: a model's ``cluster.failover`` puts endpoints of this region (and
+    #: zone) at priority 0.
+    region: str = "local"
+    zone: str = "a"
 
 
 class XdsConfig(_Frozen):
@@ -242,6 +246,13 @@ class OutlierDetection(_Frozen):
     interval_ms: Annotated[int, Field(ge=100)] = 5_000
     base_ejection_time_ms: Annotated[int, Field(ge=100)] = 15_000
     max_ejection_percent: Annotated[int, Field(ge=0, le=100)] = 50
+    #: Failure-percentage ejection: a host whose error rate is at least this (%) over an interval is
+    #: ejected, when the cluster has ``failure_percentage_minimum_hosts`` hosts and the host served
+    #: ``failure_percentage_request_volume`` requests. Enforcement defaults to 0 (off), as in Envoy.
+    failure_percentage_threshold: Annotated[int, Field(ge=0, le=100)] = 85
+    enforcing_failure_percentage: Annotated[int, Field(ge=0, le=100)] = 0
+    failure_percentage_minimum_hosts: Annotated[int, Field(ge=0)] = 5
+    failure_percentage_request_volume: Annotated[int, Field(ge=0)] = 50
 
 
 class CircuitBreaker(_Frozen):
@@ -251,6 +262,25 @@ class CircuitBreaker(_Frozen):
     max_pending_requests: Annotated[int, Field(ge=1)] = 1024
     max_requests: Annotated[int, Field(ge=1)] = 4096
     max_retries: Annotated[int, Field(ge=0)] = 16
+
+
+class HealthCheck(_Frozen):
+    """Envoy active HTTP health checking of a model's endpoints (``GET path`` must answer 200).
+
+    An endpoint failing ``unhealthy_threshold`` checks in a row is taken out of balancing until it passes
+    ``healthy_threshold`` in a row; Envoy checks every ``interval_ms`` (with ``interval_jitter_ms`` added).
+    """
+
+    #: The model server's health path (vLLM, SGLang, TGI and gpusim serve ``/health``).
+    path: Annotated[str, Field(pattern=r"^/")] = "/health"
+    interval_ms: Annotated[int, Field(ge=100, le=600_000)] = 5_000
+    interval_jitter_ms: Annotated[int, Field(ge=0, le=600_000)] = 500
+    timeout_ms: Annotated[int, Field(ge=10, le=60_000)] = 1_000
+    unhealthy_threshold: Annotated[int, Field(ge=1, le=100)] = 2
+    healthy_threshold: Annotated[int, Field(ge=1, le=100)] = 1
+    #: Check interval while the cluster has had no traffic (ms): Envoy's ``no_traffic_interval``, whose
+    #: default (60 s) would make an idle model's recovered GPU wait a minute to come back.
+    no_traffic_interval_ms: Annotated[int, Field(ge=100, le=600_000)] = 5_000
 
 
 class ClusterPolicy(_Frozen):
@@ -267,6 +297,36 @@ class ClusterPolicy(_Frozen):
     circuit_breaker_high: CircuitBreaker = CircuitBreaker(
         max_connections=8192, max_pending_requests=2048, max_requests=8192, max_retries=32
     )
+    #: Active HTTP health checks against each endpoint; None (default): outlier detection only.
+    health_check: HealthCheck | None = None
+    #: Envoy ``slow_start_config``: a new endpoint's share ramps up over this window (ms); 0 = off.
+    #: Needs ``least_request`` or ``round_robin``.
+    slow_start_window_ms: Annotated[int, Field(ge=0, le=3_600_000)] = 0
+    #: Slow-start curve: weight factor ``time_fraction ** (1 / aggression)`` (1.0 = linear).
+    slow_start_aggression: Annotated[float, Field(gt=0, le=100)] = 1.0
+    #: Slow-start floor: a new endpoint gets at least this share of its weight (%).
+    slow_start_min_weight_percent: Annotated[float, Field(ge=0, le=100)] = 10.0
+    #: Envoy ``locality_weighted_lb_config``: pick a locality (region/zone) by its weight first, then an
+    #: endpoint in it. A locality's weight is ``locality_weights["region/zone"]``, else the sum of its
+    #: endpoints' weights.
+    locality_weighted: bool = False
+    locality_weights: dict[str, Annotated[int, Field(ge=1)]] = {}
+    #: Priorities relative to the gateway's locality (``gateway.region``/``gateway.zone``): ``zone``: its own
+    #: zone is priority 0, the region's other zones 1, other regions 2; ``region``: its own region 0, other
+    #: regions 1; ``off``: every endpoint priority 0. Envoy spills to the next priority as the healthy
+    #: share of one drops below 100% / ``overprovisioning_factor``.
+    failover: Literal["off", "zone", "region"] = "off"
+    #: Envoy ``ClusterLoadAssignment.policy.overprovisioning_factor`` (%; Envoy's default 140).
+    overprovisioning_factor: Annotated[int, Field(ge=100, le=1000)] = 140
+
+    @model_validator(mode="after")
+    def _check_slow_start(self) -> Self:
+        if self.slow_start_window_ms and self.lb_policy not in ("least_request", "round_robin"):
+            raise ValueError(
+                f"slow_start_window_ms: slow start needs lb_policy least_request or round_robin, "
+                f"not {self.lb_policy}"
+            )
+        return self
 
 
 class ModelVersion(_Frozen):

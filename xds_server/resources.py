@@ -414,6 +414,14 @@ def build_model_cluster(name: str, policy: ClusterPolicy) -> cluster_pb2.Cluster
             interval=_duration_ms(od.interval_ms),
             base_ejection_time=_duration_ms(od.base_ejection_time_ms),
             max_ejection_percent=wrappers_pb2.UInt32Value(value=od.max_ejection_percent),
+            failure_percentage_threshold=wrappers_pb2.UInt32Value(value=od.failure_percentage_threshold),
+            enforcing_failure_percentage=wrappers_pb2.UInt32Value(value=od.enforcing_failure_percentage),
+            failure_percentage_minimum_hosts=wrappers_pb2.UInt32Value(
+                value=od.failure_percentage_minimum_hosts
+            ),
+            failure_percentage_request_volume=wrappers_pb2.UInt32Value(
+                value=od.failure_percentage_request_volume
+            ),
         ),
         circuit_breakers=circuit_breaker_pb2.CircuitBreakers(
             thresholds=[
@@ -426,6 +434,35 @@ def build_model_cluster(name: str, policy: ClusterPolicy) -> cluster_pb2.Cluster
         cluster.least_request_lb_config.active_request_bias.CopyFrom(
             base_pb2.RuntimeDouble(
                 default_value=policy.active_request_bias, runtime_key=f"inferlb.{name}.active_request_bias"
+            )
+        )
+    if policy.slow_start_window_ms:
+        slow = cluster_pb2.Cluster.SlowStartConfig(
+            slow_start_window=_duration_ms(policy.slow_start_window_ms),
+            aggression=base_pb2.RuntimeDouble(
+                default_value=policy.slow_start_aggression,
+                runtime_key=f"inferlb.{name}.slow_start_aggression",
+            ),
+            min_weight_percent=percent_pb2.Percent(value=policy.slow_start_min_weight_percent),
+        )
+        # the config validator allows slow start with these two policies only
+        if policy.lb_policy == "least_request":
+            cluster.least_request_lb_config.slow_start_config.CopyFrom(slow)
+        else:
+            cluster.round_robin_lb_config.slow_start_config.CopyFrom(slow)
+    if policy.locality_weighted:
+        cluster.common_lb_config.locality_weighted_lb_config.SetInParent()
+    hc = policy.health_check
+    if hc is not None:
+        cluster.health_checks.append(
+            health_check_pb2.HealthCheck(
+                timeout=_duration_ms(hc.timeout_ms),
+                interval=_duration_ms(hc.interval_ms),
+                interval_jitter=_duration_ms(hc.interval_jitter_ms),
+                no_traffic_interval=_duration_ms(hc.no_traffic_interval_ms),
+                unhealthy_threshold=wrappers_pb2.UInt32Value(value=hc.unhealthy_threshold),
+                healthy_threshold=wrappers_pb2.UInt32Value(value=hc.healthy_threshold),
+                http_health_check=health_check_pb2.HealthCheck.HttpHealthCheck(path=hc.path),
             )
         )
     return cluster
@@ -537,20 +574,58 @@ def build_load_assignment(
     """
     hosts = resolved_hosts or {}
     ovr = overrides or {}
+    policy = model.cluster
     by_locality: dict[tuple[str, str], list[endpoint_components_pb2.LbEndpoint]] = {}
     for e in config.endpoints:
         if e.model == model.name and config.endpoint_version(e) == version:
             lb = _lb_endpoint(config, e, _endpoint_ip(e, hosts), ovr.get(endpoint_key(e), _NO_OVERRIDE))
             by_locality.setdefault((e.region, e.zone), []).append(lb)
+    localities = []
+    for (region, zone), lbs in sorted(by_locality.items()):
+        loc = endpoint_components_pb2.LocalityLbEndpoints(
+            locality=base_pb2.Locality(region=region, zone=zone),
+            lb_endpoints=lbs,
+            priority=locality_priority(config, policy.failover, region, zone),
+        )
+        if policy.locality_weighted:
+            weight = policy.locality_weights.get(
+                f"{region}/{zone}", sum(lb.load_balancing_weight.value for lb in lbs)
+            )
+            loc.load_balancing_weight.value = max(1, min(weight, MAX_LOCALITY_WEIGHT))
+        localities.append(loc)
+    # Envoy wants priorities contiguous from 0: when the gateway's own zone has no endpoints of this
+    # model, the nearest level that has some becomes priority 0
+    dense = {p: i for i, p in enumerate(sorted({loc.priority for loc in localities}))}
+    for loc in localities:
+        loc.priority = dense[loc.priority]
     return endpoint_pb2.ClusterLoadAssignment(
         cluster_name=cluster_name(model.name, version),
-        endpoints=[
-            endpoint_components_pb2.LocalityLbEndpoints(
-                locality=base_pb2.Locality(region=region, zone=zone), lb_endpoints=lbs
-            )
-            for (region, zone), lbs in sorted(by_locality.items())
-        ],
+        endpoints=localities,
+        policy=endpoint_pb2.ClusterLoadAssignment.Policy(
+            overprovisioning_factor=wrappers_pb2.UInt32Value(value=policy.overprovisioning_factor)
+        ),
     )
+
+
+#: Envoy caps the sum of locality weights of one priority at 2^32 - 1; keep each well below it.
+MAX_LOCALITY_WEIGHT: Final = 1_000_000_000
+
+
+def locality_priority(config: Config, failover: str, region: str, zone: str) -> int:
+    """The EDS priority of endpoints in ``region``/``zone`` for a gateway at ``gateway.region``/``zone``.
+
+    ``off``: 0 everywhere. ``region``: 0 in the gateway's region, 1 elsewhere. ``zone``: 0 in its zone, 1 in
+    its region's other zones, 2 in other regions. Envoy uses priority 0 while it is healthy enough and
+    spills the rest of the traffic to 1, then 2 (Envoy docs, "Priority levels").
+    """
+    same_region = region == config.gateway.region
+    if failover == "region":
+        return 0 if same_region else 1
+    if failover == "zone":
+        if same_region and zone == config.gateway.zone:
+            return 0
+        return 1 if same_region else 2
+    return 0
 
 
 def build_load_assignments(

@@ -322,3 +322,80 @@ def test_resources_by_type_cover_the_push_order(config: Config) -> None:
     assert list(res.by_type[r.LISTENER_TYPE]) == [r.LISTENER_NAME]
     assert list(res.by_type[r.ROUTE_TYPE]) == [r.ROUTE_CONFIG_NAME]
     assert isinstance(res.by_type[r.ROUTE_TYPE][r.ROUTE_CONFIG_NAME], route_pb2.RouteConfiguration)
+
+
+def _fleet_doc(**cluster: Any) -> dict[str, Any]:
+    doc = _default_doc()
+    doc["gateway"].update(region="eu", zone="a")
+    doc["models"][1]["cluster"] = cluster
+    qwen = [e for e in doc["endpoints"] if e["model"] == "qwen2.5-7b-instruct"]
+    for e, (region, zone) in zip(qwen, [("eu", "a"), ("eu", "b"), ("us", "a")], strict=True):
+        e.update(region=region, zone=zone)
+    return doc
+
+
+def _qwen(doc: dict[str, Any]) -> tuple[cluster_pb2.Cluster, endpoint_pb2.ClusterLoadAssignment]:
+    res = r.build_resources(parse_config(doc))
+    c, cla = (
+        res.by_type[r.CLUSTER_TYPE]["qwen2.5-7b-instruct--v1"],
+        res.by_type[r.ENDPOINT_TYPE]["qwen2.5-7b-instruct--v1"],
+    )
+    assert isinstance(c, cluster_pb2.Cluster) and isinstance(cla, endpoint_pb2.ClusterLoadAssignment)
+    return c, cla
+
+
+def test_zone_failover_priorities_and_locality_weights() -> None:
+    doc = _fleet_doc(
+        failover="zone", locality_weighted=True, locality_weights={"eu/b": 7}, overprovisioning_factor=120
+    )
+    cluster, cla = _qwen(doc)
+    assert cluster.common_lb_config.HasField("locality_weighted_lb_config")
+    got = {
+        (loc.locality.region, loc.locality.zone): (loc.priority, loc.load_balancing_weight.value)
+        for loc in cla.endpoints
+    }
+    # own zone first (H100: 34), the region's other zone next (pinned to 7), then the other region
+    assert got == {("eu", "a"): (0, 34), ("eu", "b"): (1, 7), ("us", "a"): (2, 10)}
+    assert cla.policy.overprovisioning_factor.value == 120
+    # region failover: both eu zones are priority 0
+    _, by_region = _qwen(_fleet_doc(failover="region"))
+    assert sorted((loc.locality.region, loc.priority) for loc in by_region.endpoints) == [
+        ("eu", 0),
+        ("eu", 0),
+        ("us", 1),
+    ]
+    assert all(not loc.HasField("load_balancing_weight") for loc in by_region.endpoints)
+
+
+def test_priorities_stay_contiguous_when_the_own_zone_has_no_gpus() -> None:
+    doc = _fleet_doc(failover="zone")
+    doc["gateway"].update(region="eu", zone="c")  # no qwen GPU in eu/c
+    _, cla = _qwen(doc)
+    assert sorted(loc.priority for loc in cla.endpoints) == [0, 0, 1]
+
+
+def test_health_check_slow_start_and_failure_percentage() -> None:
+    doc = _fleet_doc(
+        health_check={"path": "/health", "interval_ms": 2000, "unhealthy_threshold": 3},
+        slow_start_window_ms=30_000,
+        slow_start_aggression=2.0,
+        outlier_detection={"enforcing_failure_percentage": 100, "failure_percentage_threshold": 60},
+    )
+    cluster, _ = _qwen(doc)
+    (hc,) = cluster.health_checks
+    assert hc.http_health_check.path == "/health"
+    assert hc.interval.ToMilliseconds() == 2000 and hc.unhealthy_threshold.value == 3
+    slow = cluster.least_request_lb_config.slow_start_config
+    assert slow.slow_start_window.ToMilliseconds() == 30_000 and slow.aggression.default_value == 2.0
+    assert cluster.outlier_detection.enforcing_failure_percentage.value == 100
+    assert cluster.outlier_detection.failure_percentage_threshold.value == 60
+    # the defaults: no active health check, no slow start, failure percentage not enforced (but sent)
+    default, _ = _qwen(_fleet_doc())
+    assert list(default.health_checks) == []
+    assert not default.least_request_lb_config.HasField("slow_start_config")
+    assert default.outlier_detection.HasField("enforcing_failure_percentage")
+    # slow start with a hashing policy is refused, field named
+    bad = _fleet_doc(lb_policy="ring_hash", slow_start_window_ms=1000)
+    with pytest.raises(ConfigError) as err:
+        parse_config(bad)
+    assert [f for f, _ in err.value.problems] == ["models[1].cluster.slow_start_window_ms"]

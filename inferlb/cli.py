@@ -1,5 +1,5 @@
 """The ``inferlb`` command line: ``up``, ``status``, ``replay``, ``validate``, ``bootstrap``, ``sim``,
-``agent``.
+``agent``, ``xds clients``.
 
 Every verb that takes a config defaults to the embedded one (``inferlb/data/local.yaml``, also at
 ``examples/local.yaml``). Exit codes: 0 success, 1 a run-time failure, 2 bad input (config, trace, usage).
@@ -62,7 +62,7 @@ def cmd_validate(args: argparse.Namespace, out: Console) -> int:
 def cmd_bootstrap(args: argparse.Namespace, out: Console) -> int:
     """``inferlb bootstrap [CONFIG]``: print the Envoy bootstrap (YAML) for a config."""
     cfg = _load(args.config)
-    doc = render_bootstrap(cfg, node_id=args.node_id)
+    doc = render_bootstrap(cfg, node_id=args.node_id, mode=args.ads_mode)
     sys.stdout.write(yaml.safe_dump(doc, sort_keys=False))
     return EXIT_OK
 
@@ -264,6 +264,69 @@ def print_replay(out: Console, s: ReplaySummary, shares: Sequence[EndpointShare]
     out.print(tot)
 
 
+#: Environment variable holding the xDS server's API bearer token (the xDS server reads the same one).
+XDS_API_TOKEN_ENV = "INFERLB_XDS_API_TOKEN"
+#: Short xDS type names in ``inferlb xds clients`` columns.
+XDS_TYPE_COLUMNS = (
+    ("Cluster", "CDS"),
+    ("ClusterLoadAssignment", "EDS"),
+    ("Listener", "LDS"),
+    ("RouteConfiguration", "RDS"),
+)
+
+
+def cmd_xds(args: argparse.Namespace, out: Console) -> int:
+    """``inferlb xds clients``: every Envoy connected to the xDS server, with the version it ACKed per type
+    and its last NACK, from the xDS server's ``GET /v1/clients`` (``xds.api_listen``)."""
+    import urllib.request  # noqa: PLC0415 - CLI-only import
+
+    cfg = _load(args.config)
+    if args.url:
+        base = args.url.rstrip("/")
+    elif cfg.xds.api_listen is not None:
+        base = f"http://{cfg.xds.api_listen}"
+    else:
+        raise ValueError("xds.api_listen is off in this config: pass --url")
+    token = args.token or os.environ.get(XDS_API_TOKEN_ENV) or cfg.xds.api_token
+    if not token:
+        raise ValueError(f"no API token: pass --token, set {XDS_API_TOKEN_ENV} or xds.api_token")
+    req = urllib.request.Request(base + "/v1/clients", headers={"Authorization": f"Bearer {token}"})
+    try:
+        with urllib.request.urlopen(req, timeout=args.timeout) as resp:
+            clients = json.loads(resp.read())["clients"]
+    except urllib.error.HTTPError as exc:
+        detail = exc.read().decode(errors="replace")
+        out.print(f"xds server {base}: HTTP {exc.code}: {detail}", markup=False)
+        return EXIT_FAIL
+    except (urllib.error.URLError, OSError) as exc:
+        out.print(f"xds server {base} unreachable: {exc}", markup=False)
+        return EXIT_FAIL
+    if args.json:
+        sys.stdout.write(json.dumps(clients, indent=2) + "\n")
+        return EXIT_OK
+    t = Table(title=f"Envoys connected to {base} ({len(clients)})")
+    for col in ("node", "node cluster", "mode", "peer"):
+        t.add_column(col)
+    for _, short in XDS_TYPE_COLUMNS:
+        t.add_column(f"{short} ACKed")
+    t.add_column("last NACK")
+    for c in clients:
+        types = c.get("types", {})
+        acked = [str(types.get(name, {}).get("acked_version") or "-") for name, _ in XDS_TYPE_COLUMNS]
+        nack = c.get("last_nack")
+        last = "-" if not nack else f"{nack['type']} {nack['rejected_version']}: {nack['error_message'][:80]}"
+        t.add_row(
+            *(
+                escape(str(x))
+                for x in (c.get("node_id"), c.get("node_cluster"), c.get("mode"), c.get("peer"))
+            ),
+            *acked,
+            escape(last),
+        )
+    out.print(t)
+    return EXIT_OK
+
+
 SIM_ACTIONS = ("throttle", "slow", "fail", "recover", "telemetry")
 
 
@@ -390,6 +453,12 @@ def build_parser() -> argparse.ArgumentParser:
     b = sub.add_parser("bootstrap", help="print the Envoy bootstrap for a config")
     _config_arg(b, positional=True)
     b.add_argument("--node-id", default="inferlb-gateway-0")
+    b.add_argument(
+        "--ads-mode",
+        choices=["sotw", "delta"],
+        default="sotw",
+        help="state-of-the-world or Delta (incremental) ADS",
+    )
     b.set_defaults(fn=cmd_bootstrap)
 
     u = sub.add_parser("up", help="run the local stack (xDS, ext_proc, simulated GPUs, Envoy)")
@@ -419,6 +488,17 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--progress", action="store_true", help="show the progress bar even when not a terminal")
     r.add_argument("--json", default=None, help="also write summary and outcomes to this JSON file")
     r.set_defaults(fn=cmd_replay)
+
+    x = sub.add_parser("xds", help="ask the xDS server: `inferlb xds clients` lists the connected Envoys")
+    x.add_argument("what", choices=["clients"])
+    _config_arg(x, positional=False)
+    x.add_argument("--url", default=None, help="xDS server API base URL (default: http://<xds.api_listen>)")
+    x.add_argument(
+        "--token", default=None, help=f"API bearer token (default: ${XDS_API_TOKEN_ENV}, xds.api_token)"
+    )
+    x.add_argument("--timeout", type=float, default=5.0, help="HTTP timeout (s)")
+    x.add_argument("--json", action="store_true", help="print the server's JSON")
+    x.set_defaults(fn=cmd_xds)
 
     m = sub.add_parser("sim", help="throttle, slow, fail or recover a simulated GPU, or show its telemetry")
     m.add_argument("action", choices=SIM_ACTIONS)

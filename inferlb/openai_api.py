@@ -10,9 +10,11 @@ Covers the request shapes of OpenAI's API reference (https://platform.openai.com
 - ``POST /v1/embeddings``: ``input`` as a string, a list of strings, a token array, or a list of token
   arrays.
 
-Only what the gateway needs is kept: the model, the texts whose tokens are counted, the lengths of
-pre-tokenized prompts, the requested output cap, ``n``, ``stream`` and ``user``. Fields the gateway does not
-use are not validated (the model server does that). Every refusal raises
+Kept: the model, the texts whose tokens are counted, the prompts in request order (texts and token arrays),
+the requested output cap, ``n``, ``stream``, ``stream_options.include_usage``, ``user``, and the embeddings
+options ``dimensions`` and ``encoding_format``. The gateway and the simulated model server (:mod:`gpusim`)
+both parse with this module, so the prompt they count is the same. Fields neither uses are not validated (a
+real model server does that). Every refusal raises
 :class:`inferlb.errors.RequestError` with status 400 and OpenAI's ``invalid_request_error`` type, naming the
 parameter at fault; no client input can make this module raise anything else.
 """
@@ -32,6 +34,9 @@ from inferlb.errors import RequestError
 MAX_N: Final = 128
 
 _INVALID: Final = "invalid_request_error"
+
+#: One prompt of a completions request or one input of an embeddings request: a text, or token ids.
+Prompt = str | tuple[int, ...]
 
 
 class EndpointKind(StrEnum):
@@ -53,6 +58,15 @@ INFERENCE_PATHS: Final[Mapping[str, EndpointKind]] = {
     "/v1/completions": EndpointKind.COMPLETIONS,
     "/v1/embeddings": EndpointKind.EMBEDDINGS,
 }
+
+
+class EmbeddingEncoding(StrEnum):
+    """``encoding_format`` of an embeddings request (OpenAI API reference, "Create embeddings")."""
+
+    #: JSON arrays of numbers (the API's default).
+    FLOAT = "float"
+    #: base64 of the little-endian float32 array.
+    BASE64 = "base64"
 
 
 class ImageDetail(StrEnum):
@@ -99,6 +113,12 @@ class InferenceRequest:
             completions yields ``n`` choices per prompt), >= 1.
         stream: the ``stream`` flag.
         user: the ``user`` field (end-user id), used for sticky version choice.
+        prompts: every prompt (completions) or input (embeddings) in request order, each a text or a tuple of
+            token ids; :attr:`texts` and :attr:`token_array_lengths` are the same prompts split by shape.
+            Empty for chat.
+        include_usage: ``stream_options.include_usage`` (only ever True when :attr:`stream` is).
+        dimensions: embeddings only: the ``dimensions`` asked for, or None for the model's own.
+        encoding_format: embeddings only: how the vectors are returned.
     """
 
     kind: EndpointKind
@@ -112,6 +132,10 @@ class InferenceRequest:
     prompt_count: int = 1
     stream: bool = False
     user: str | None = None
+    prompts: tuple[Prompt, ...] = ()
+    include_usage: bool = False
+    dimensions: int | None = None
+    encoding_format: EmbeddingEncoding = EmbeddingEncoding.FLOAT
 
     def output_token_cap(self, default_max_tokens: int) -> int:
         """Most completion tokens this request may produce: cap x ``n`` x prompts (tokens).
@@ -182,7 +206,9 @@ def parse_request(kind: EndpointKind, body: bytes) -> InferenceRequest:
 
     Raises:
         RequestError: 400 ``invalid_request_error`` naming ``param`` (``model``, ``messages[2].content``,
-            ``max_tokens``...) for malformed JSON, a missing or empty model, or a field of the wrong type.
+            ``max_tokens``...) for malformed JSON, a missing or empty model, or a field of the wrong type;
+            ``stream_options`` sent without ``stream: true`` (OpenAI and vLLM refuse it too); an
+            ``encoding_format`` other than ``float``/``base64`` or a ``dimensions`` below 1 (embeddings).
     """
     data = parse_json_body(body)
     model = data.get("model")
@@ -192,6 +218,7 @@ def parse_request(kind: EndpointKind, body: bytes) -> InferenceRequest:
         raise _bad(f"'model' must be a string, got {_type_name(model)}.", "model")
 
     stream = _optional_bool(data, "stream")
+    include_usage = _include_usage(data, stream)
     user = _optional_str(data, "user")
     n = _optional_int(data, "n", minimum=1, maximum=MAX_N)
     n = 1 if n is None else n
@@ -209,11 +236,14 @@ def parse_request(kind: EndpointKind, body: bytes) -> InferenceRequest:
             max_output_tokens=max_out,
             n=n,
             stream=stream,
+            include_usage=include_usage,
             user=user,
         )
 
     field = "prompt" if kind is EndpointKind.COMPLETIONS else "input"
-    texts, arrays = _parse_prompts(data, field)
+    prompts = _parse_prompts(data, field)
+    texts = tuple(p for p in prompts if isinstance(p, str))
+    arrays = tuple(len(p) for p in prompts if not isinstance(p, str))
     if kind is EndpointKind.COMPLETIONS:
         best_of = _optional_int(data, "best_of", minimum=1, maximum=MAX_N)
         if best_of is not None:
@@ -223,10 +253,12 @@ def parse_request(kind: EndpointKind, body: bytes) -> InferenceRequest:
             model=model,
             texts=texts,
             token_array_lengths=arrays,
+            prompts=prompts,
             max_output_tokens=_optional_int(data, "max_tokens", minimum=0),
             n=n,
-            prompt_count=max(1, len(texts) + len(arrays)),
+            prompt_count=len(prompts),
             stream=stream,
+            include_usage=include_usage,
             user=user,
         )
     return InferenceRequest(
@@ -234,17 +266,45 @@ def parse_request(kind: EndpointKind, body: bytes) -> InferenceRequest:
         model=model,
         texts=texts,
         token_array_lengths=arrays,
-        prompt_count=max(1, len(texts) + len(arrays)),
+        prompts=prompts,
+        prompt_count=len(prompts),
         user=user,
+        dimensions=_optional_int(data, "dimensions", minimum=1),
+        encoding_format=_encoding_format(data),
     )
 
 
-def _optional_bool(data: Mapping[str, Any], key: str) -> bool:
+def _include_usage(data: Mapping[str, Any], stream: bool) -> bool:
+    options = data.get("stream_options")
+    if options is None:
+        return False
+    if not stream:
+        raise _bad("'stream_options' is only allowed when 'stream' is true.", "stream_options")
+    if not isinstance(options, dict):
+        raise _bad(f"'stream_options' must be an object, got {_type_name(options)}.", "stream_options")
+    return _optional_bool(options, "include_usage", where="stream_options.")
+
+
+def _encoding_format(data: Mapping[str, Any]) -> EmbeddingEncoding:
+    value = data.get("encoding_format")
+    if value is None:
+        return EmbeddingEncoding.FLOAT
+    try:
+        return EmbeddingEncoding(value)
+    except ValueError:
+        raise _bad(
+            f"'encoding_format' must be 'float' or 'base64', got {value!r}.",
+            "encoding_format",
+            "invalid_value",
+        ) from None
+
+
+def _optional_bool(data: Mapping[str, Any], key: str, *, where: str = "") -> bool:
     value = data.get(key)
     if value is None:
         return False
     if not isinstance(value, bool):
-        raise _bad(f"'{key}' must be a boolean, got {_type_name(value)}.", key)
+        raise _bad(f"'{where}{key}' must be a boolean, got {_type_name(value)}.", f"{where}{key}")
     return value
 
 
@@ -274,32 +334,31 @@ def _optional_int(
     return int(value)
 
 
-def _parse_prompts(data: Mapping[str, Any], field: str) -> tuple[tuple[str, ...], tuple[int, ...]]:
+def _parse_prompts(data: Mapping[str, Any], field: str) -> tuple[Prompt, ...]:
     value = data.get(field)
     if value is None:
         raise _bad(f"you must provide the '{field}' parameter", field)
     if isinstance(value, str):
-        return (value,), ()
+        return (value,)
     if isinstance(value, list):
         if not value:
             raise _bad(f"'{field}' must not be an empty array.", field)
         if all(_is_int(t) for t in value):
             if not _is_token_array(value):
                 raise _bad(f"'{field}' token ids must be non-negative integers.", field)
-            return (), (len(value),)
-        texts: list[str] = []
-        arrays: list[int] = []
+            return (tuple(value),)
+        prompts: list[Prompt] = []
         for i, item in enumerate(value):
             if isinstance(item, str):
-                texts.append(item)
+                prompts.append(item)
             elif _is_token_array(item):
-                arrays.append(len(item))
+                prompts.append(tuple(item))
             else:
                 raise _bad(
                     f"'{field}[{i}]' must be a string or an array of token ids, got {_type_name(item)}.",
                     f"{field}[{i}]",
                 )
-        return tuple(texts), tuple(arrays)
+        return tuple(prompts)
     raise _bad(
         f"'{field}' must be a string, an array of strings, or token arrays, got {_type_name(value)}.", field
     )

@@ -114,3 +114,14 @@ def count_prompt_tokens(request: InferenceRequest, counter: TextTokenCounter | N
             total += c.count(request.tools_json)
         return total
     return sum(request.token_array_lengths) + sum(c.count(t) for t in request.texts)
+
+
+def count_each_prompt(request: InferenceRequest, counter: TextTokenCounter | None = None) -> tuple[int, ...]:
+    """Tokens of each prompt (completions) or input (embeddings) of a parsed request, in request order.
+
+    A model server checks each prompt against its context length and prefills each as its own sequence;
+    for a request from :func:`inferlb.openai_api.parse_request` the sum equals :func:`count_prompt_tokens`.
+    Chat requests have no separate prompts: ``()``.
+    """
+    c = counter or default_counter()
+    return tuple(len(p) if isinstance(p, tuple) else c.count(p) for p in request.prompts)

@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from inferlb.errors import RequestError
 from inferlb.openai_api import (
     MAX_N,
+    EmbeddingEncoding,
     EndpointKind,
     ImageDetail,
     parse_request,
@@ -266,6 +267,94 @@ def test_embedding_missing_input() -> None:
     assert refused(EMBEDDINGS, body({"model": "m"})).param == "input"
 
 
+@pytest.mark.parametrize(
+    ("field", "value", "prompts"),
+    [
+        ("prompt", "hi", ("hi",)),
+        ("prompt", [4, 5], ((4, 5),)),
+        ("prompt", ["a", [1, 2], "b"], ("a", (1, 2), "b")),
+        ("input", [[7], [8, 9]], ((7,), (8, 9))),
+    ],
+)
+def test_prompts_keep_request_order_and_token_ids(field: str, value: Any, prompts: tuple[Any, ...]) -> None:
+    kind = COMPLETIONS if field == "prompt" else EMBEDDINGS
+    r = parse_request(kind, body({"model": "m", field: value}))
+    assert r.prompts == prompts
+    assert r.prompt_count == len(prompts)
+    assert r.texts == tuple(p for p in prompts if isinstance(p, str))
+    assert r.token_array_lengths == tuple(len(p) for p in prompts if isinstance(p, tuple))
+
+
+def test_chat_has_no_prompts() -> None:
+    r = parse_request(CHAT, body({"model": "m", "messages": [{"role": "user", "content": "x"}]}))
+    assert r.prompts == ()
+
+
+@pytest.mark.parametrize("kind", [CHAT, COMPLETIONS])
+@pytest.mark.parametrize(
+    ("extra", "include_usage"),
+    [
+        ({}, False),
+        ({"stream": True}, False),
+        ({"stream": True, "stream_options": None}, False),
+        ({"stream": True, "stream_options": {}}, False),
+        ({"stream": True, "stream_options": {"include_usage": False}}, False),
+        ({"stream": True, "stream_options": {"include_usage": True}}, True),
+        ({"stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}, True),
+    ],
+)
+def test_include_usage_from_stream_options(
+    kind: EndpointKind, extra: dict[str, Any], include_usage: bool
+) -> None:
+    payload: dict[str, Any] = {"model": "m", **extra}
+    payload["messages" if kind is CHAT else "prompt"] = (
+        [{"role": "user", "content": "x"}] if kind is CHAT else "x"
+    )
+    assert parse_request(kind, body(payload)).include_usage is include_usage
+
+
+@pytest.mark.parametrize(
+    ("extra", "param"),
+    [
+        ({"stream_options": {"include_usage": True}}, "stream_options"),
+        ({"stream": False, "stream_options": {}}, "stream_options"),
+        ({"stream": True, "stream_options": "yes"}, "stream_options"),
+        ({"stream": True, "stream_options": [True]}, "stream_options"),
+        ({"stream": True, "stream_options": {"include_usage": "true"}}, "stream_options.include_usage"),
+    ],
+)
+def test_bad_stream_options(extra: dict[str, Any], param: str) -> None:
+    err = refused(CHAT, body({"model": "m", "messages": [{"role": "user", "content": "x"}], **extra}))
+    assert (err.status, err.type, err.param) == (400, "invalid_request_error", param)
+
+
+def test_embedding_options() -> None:
+    plain = parse_request(EMBEDDINGS, body({"model": "m", "input": "x"}))
+    assert (plain.dimensions, plain.encoding_format) == (None, EmbeddingEncoding.FLOAT)
+    r = parse_request(
+        EMBEDDINGS, body({"model": "m", "input": "x", "dimensions": 256, "encoding_format": "base64"})
+    )
+    assert (r.dimensions, r.encoding_format) == (256, EmbeddingEncoding.BASE64)
+    r = parse_request(EMBEDDINGS, body({"model": "m", "input": "x", "encoding_format": "float"}))
+    assert r.encoding_format is EmbeddingEncoding.FLOAT
+
+
+@pytest.mark.parametrize(
+    ("extra", "param"),
+    [
+        ({"dimensions": 0}, "dimensions"),
+        ({"dimensions": "256"}, "dimensions"),
+        ({"dimensions": True}, "dimensions"),
+        ({"encoding_format": "int8"}, "encoding_format"),
+        ({"encoding_format": 1}, "encoding_format"),
+        ({"encoding_format": ["float"]}, "encoding_format"),
+    ],
+)
+def test_bad_embedding_options(extra: dict[str, Any], param: str) -> None:
+    err = refused(EMBEDDINGS, body({"model": "m", "input": "x", **extra}))
+    assert (err.status, err.param) == (400, param)
+
+
 # -- properties -----------------------------------------------------------------------------------
 text = st.text(max_size=40)
 token_array = st.lists(st.integers(min_value=0, max_value=100_255), min_size=1, max_size=20)
@@ -349,6 +438,9 @@ request_like = st.dictionaries(
             "user",
             "tools",
             "functions",
+            "stream_options",
+            "dimensions",
+            "encoding_format",
         ]
     ),
     json_value,

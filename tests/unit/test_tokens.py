@@ -18,6 +18,7 @@ from inferlb.tokens import (
     REPLY_PRIMING_TOKENS,
     TOKENS_PER_MESSAGE,
     TOKENS_PER_NAME,
+    count_each_prompt,
     count_prompt_tokens,
     default_counter,
     offline_encoding,
@@ -170,6 +171,30 @@ def test_token_array_prompts_count_exactly(prompt: list[Any]) -> None:
 def test_text_prompts_count_with_the_encoding(prompts: list[str]) -> None:
     r = parse_request(EndpointKind.COMPLETIONS, json.dumps({"model": "m", "prompt": prompts}).encode())
     assert count_prompt_tokens(r) == sum(len(ENC.encode_ordinary(p)) for p in prompts)
+
+
+prompt_item = st.one_of(st.text(max_size=40), token_array)
+
+
+@given(
+    st.sampled_from([EndpointKind.COMPLETIONS, EndpointKind.EMBEDDINGS]),
+    st.lists(prompt_item, min_size=1, max_size=6),
+)
+def test_each_prompt_counts_in_order_and_sums_to_the_request_count(
+    kind: EndpointKind, prompts: list[Any]
+) -> None:
+    field = "prompt" if kind is EndpointKind.COMPLETIONS else "input"
+    r = parse_request(kind, json.dumps({"model": "m", field: prompts}).encode())
+    each = count_each_prompt(r)
+    assert each == tuple(len(p) if isinstance(p, list) else len(ENC.encode_ordinary(p)) for p in prompts)
+    assert sum(each) == count_prompt_tokens(r)
+
+
+def test_chat_has_no_separate_prompts() -> None:
+    r = parse_request(
+        EndpointKind.CHAT_COMPLETIONS, b'{"model": "m", "messages": [{"role": "user", "content": "hi"}]}'
+    )
+    assert count_each_prompt(r) == ()
 
 
 def test_counting_never_downloads(monkeypatch: Any) -> None:

@@ -24,6 +24,9 @@ The model (all times in seconds, all rates in tokens/s, for one model replica on
   sequences already running, one after the other (``step = prefill_seconds(sum of new prompts) +
   decode_step_seconds(already running)``): prefill stalls decode, as it does in vLLM without chunked prefill.
   New sequences are admitted only at step boundaries (vLLM's scheduler runs once per step).
+* **Prefill only.** A request with zero completion tokens (an embedding: vLLM runs pooling models as a
+  prefill whose hidden states are pooled, with no decode) joins the batch like any other, takes part in one
+  mixed step (its prefill), emits no token and leaves the batch at the end of that step.
 * **Bounds.** At most ``max_batch`` batch slots run (vLLM ``--max-num-seqs``); a request with ``n`` parallel
   samples (OpenAI ``n``) takes ``n`` slots, shares one prefill, and is admitted whole. Other requests wait in
   FIFO order (head-of-line: a wide request is not overtaken). When more than ``max_queue`` requests would have
@@ -228,17 +231,18 @@ class TimingModel:
         """Timing of one request alone on an idle server (no queueing, no other sequence in the batch).
 
         TTFT = ``prefill_seconds(P)``; end to end = TTFT + ``(C - 1) * decode_step_seconds(width)``: the
-        prefill emits token 1, then one step per further token.
+        prefill emits token 1, then one step per further token. With ``C = 0`` (an embedding) both are the
+        prefill time.
 
         Raises:
-            ValueError: ``completion_tokens < 1``, ``width < 1``, or as :func:`prefill_seconds`.
+            ValueError: ``completion_tokens < 0``, ``width < 1``, or as :func:`prefill_seconds`.
         """
-        if completion_tokens < 1:
-            raise ValueError(f"completion_tokens must be >= 1, got {completion_tokens}")
+        if completion_tokens < 0:
+            raise ValueError(f"completion_tokens must be >= 0, got {completion_tokens}")
         if width < 1:
             raise ValueError(f"width must be >= 1, got {width}")
         ttft = self.prefill_seconds(prompt_tokens, slowdown=slowdown)
-        e2e = ttft + (completion_tokens - 1) * self.decode_step_seconds(width, slowdown=slowdown)
+        e2e = ttft + max(completion_tokens - 1, 0) * self.decode_step_seconds(width, slowdown=slowdown)
         return RequestTiming(queue_seconds=0.0, ttft_seconds=ttft, e2e_seconds=e2e)
 
 
@@ -265,7 +269,8 @@ class SequenceScheduled:
 
 @dataclass(frozen=True, kw_only=True)
 class FirstTokenEmitted:
-    """A request's prefill step ended at ``at``: its first token (per sample) is out."""
+    """A request's prefill step ended at ``at``: its first token (per sample) is out. Not sent for a request
+    of zero completion tokens (it emits none; its :class:`SequenceFinished` comes at the same time)."""
 
     request_id: str
     at: float
@@ -399,19 +404,20 @@ class BatchEngine:
         self, now: float, *, request_id: str, prompt_tokens: int, completion_tokens: int, width: int = 1
     ) -> Admission:
         """A request arrives at ``now``: ``prompt_tokens`` to prefill, ``completion_tokens`` per sample to
-        emit, ``width`` samples (OpenAI ``n``, one batch slot each).
+        emit (0 for a prefill-only request such as an embedding), ``width`` samples (OpenAI ``n``, one batch
+        slot each).
 
         Returns :class:`Admitted` (running at once when the server was idle, else queued until the next step
         boundary) or :class:`Refused` when more than ``max_queue`` requests would wait beyond that boundary.
 
         Raises:
-            ValueError: ``prompt_tokens < 0``, ``completion_tokens < 1``, ``width`` outside
+            ValueError: ``prompt_tokens < 0``, ``completion_tokens < 0``, ``width`` outside
                 ``[1, max_batch]``, or a ``request_id`` already in the engine.
         """
         if prompt_tokens < 0:
             raise ValueError(f"prompt_tokens must be >= 0, got {prompt_tokens}")
-        if completion_tokens < 1:
-            raise ValueError(f"completion_tokens must be >= 1, got {completion_tokens}")
+        if completion_tokens < 0:
+            raise ValueError(f"completion_tokens must be >= 0, got {completion_tokens}")
         if not 1 <= width <= self.model.max_batch:
             raise ValueError(f"width must be in [1, max_batch={self.model.max_batch}], got {width}")
         if request_id in self._running or request_id in self._waiting_ids:
@@ -561,7 +567,8 @@ class BatchEngine:
         self._steps_done += 1
         for seq in self._step_admitted:
             self._prompt_tokens_total += seq.prompt_tokens
-            self._outbox.append(FirstTokenEmitted(request_id=seq.request_id, at=t))
+            if seq.completion_tokens > 0:
+                self._outbox.append(FirstTokenEmitted(request_id=seq.request_id, at=t))
         self._step_admitted = []
         done = [s for s in self._running.values() if s.last_step <= self._steps_done]
         for seq in done:

@@ -182,6 +182,48 @@ def test_a_lone_request_follows_the_formulas_exactly() -> None:
     assert eng.next_transition_time() is None
 
 
+def test_a_prefill_only_request_takes_its_prefill_step_and_emits_nothing() -> None:
+    m = model(relative_capacity=2.0)
+    eng = BatchEngine(model=m)
+    assert eng.submit(1.0, request_id="e", prompt_tokens=300, completion_tokens=0) == Admitted(
+        request_id="e", running=True
+    )
+    assert eng.next_step_end() == pytest.approx(1.0 + 300 / 2000)
+    events = eng.advance(100.0)
+    assert [type(e) for e in events] == [SequenceScheduled, SequenceFinished]  # no first token
+    fin = events[1]
+    assert isinstance(fin, SequenceFinished) and fin.completion_tokens == 0
+    timing = m.uncontended_latency(300, 0)
+    assert fin.at - 1.0 == pytest.approx(timing.e2e_seconds) == pytest.approx(timing.ttft_seconds)
+    stats = eng.stats()
+    assert (stats.prompt_tokens_total, stats.generation_tokens_total, stats.requests_finished_total) == (
+        300,
+        0,
+        1,
+    )
+    assert (stats.running_slots, eng.next_step_end()) == (0, None)
+
+
+def test_a_prefill_only_request_shares_a_mixed_step_with_decoding_sequences() -> None:
+    m = model(prefill_tokens_per_s=1000.0, decode_tokens_per_s=10.0)
+    eng = BatchEngine(model=m)
+    eng.submit(0.0, request_id="gen", prompt_tokens=100, completion_tokens=5)
+    eng.advance(0.1)  # gen's prefill step ends: token 1 out
+    eng.submit(0.15, request_id="emb", prompt_tokens=200, completion_tokens=0)
+    # joins at the next boundary (0.2): one step = its prefill (0.2 s) + one decode step of gen (0.1 s)
+    events = eng.advance(0.2)
+    assert [(type(e), e.request_id) for e in events] == [(SequenceScheduled, "emb")]
+    assert eng.next_step_end() == pytest.approx(0.5)
+    events = eng.advance(0.5)
+    assert [(type(e), e.request_id) for e in events] == [(SequenceFinished, "emb")]
+    assert eng.tokens_emitted("gen") == 3
+    assert eng.stats().running_slots == 1
+    with pytest.raises(ValueError, match="completion_tokens"):
+        eng.submit(0.5, request_id="bad", prompt_tokens=1, completion_tokens=-1)
+    with pytest.raises(ValueError, match="completion_tokens"):
+        m.uncontended_latency(1, -1)
+
+
 def test_tokens_stream_one_per_step() -> None:
     m = model(prefill_tokens_per_s=1000.0, decode_tokens_per_s=10.0)
     eng = BatchEngine(model=m)
@@ -284,7 +326,7 @@ arrivals = st.lists(
         Arrival,
         gap=st.floats(0, 0.5),
         prompt=st.integers(0, 3000),
-        completion=st.integers(1, 40),
+        completion=st.integers(0, 40),  # 0: a prefill-only request (an embedding)
         width=st.integers(1, 3),
         cancel_after=st.none() | st.floats(0, 1.0),
     ),

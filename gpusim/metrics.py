@@ -10,15 +10,16 @@ vLLM names (docs.vllm.ai "Production Metrics"; vLLM design doc ``docs/design/met
 ``vllm:prompt_tokens_total``                counter    prompt tokens prefilled
 ``vllm:generation_tokens_total``            counter    tokens generated (all choices)
 ``vllm:request_success_total``              counter    requests finished, label ``finished_reason``
+                                                       (``length`` for generation, ``stop`` for embeddings)
 ``vllm:time_to_first_token_seconds``        histogram  arrival to first token (simulated time)
 ``vllm:e2e_request_latency_seconds``        histogram  arrival to last token (simulated time)
 ``vllm:request_queue_time_seconds``         histogram  time spent waiting for a batch slot
 ==========================================  =========  ======================================================
 
 The simulator's own counters (``gpusim:`` prefix) let tests prove what reached a backend:
-``gpusim:requests_received_total`` counts every POST to a generation route, valid or not;
-``gpusim:requests_refused_total{reason}`` the ones answered with an error; ``gpusim:requests_aborted_total``
-the ones whose client went away; ``gpusim:gpu_busy_seconds_total`` the time a step was running (utilization =
+``gpusim:requests_received_total`` counts every POST to an inference route (chat, completions, embeddings),
+valid or not; ``gpusim:requests_refused_total{reason}`` the ones answered with an error;
+``gpusim:requests_aborted_total`` the ones whose client went away; ``gpusim:gpu_busy_seconds_total`` the time a step was running (utilization =
 its rate); ``gpusim:slowdown_factor`` the current throttle factor.
 """
 
@@ -123,18 +124,20 @@ class EndpointMetrics:
             ["model_name"], registry=self.registry,
         )  # fmt: skip
         # Create the label sets up front so every series shows (at 0) from the first scrape.
-        self._success.labels(model_name, "length")
+        for reason in ("length", "stop"):  # generation stops at max_tokens; embeddings stop after prefill
+            self._success.labels(model_name, reason)
         self._received.labels(model_name)
         self._aborted.labels(model_name)
         for h in (self._ttft, self._e2e, self._queue):
             h.labels(model_name)
 
     def request_received(self) -> None:
-        """A POST reached a generation route."""
+        """A POST reached an inference route."""
         self._received.labels(self.model_name).inc()
 
     def request_refused(self, reason: str) -> None:
-        """A generation request got an error (``reason``: bad_request, model_not_found, queue_full)."""
+        """An inference request got an error (``reason``: bad_request, model_not_found, queue_full,
+        gpu_failed)."""
         self._refused.labels(self.model_name, reason).inc()
 
     def request_aborted(self) -> None:
@@ -144,7 +147,8 @@ class EndpointMetrics:
     def request_finished(
         self, *, queue_s: float, ttft_s: float, e2e_s: float, finished_reason: str = "length"
     ) -> None:
-        """A request completed; durations in seconds of simulated time from its arrival."""
+        """A request completed; durations in seconds of simulated time from its arrival (an embedding's
+        time to first token is its prefill end, the same as its end to end latency)."""
         self._success.labels(self.model_name, finished_reason).inc()
         self._queue.labels(self.model_name).observe(queue_s)
         self._ttft.labels(self.model_name).observe(ttft_s)

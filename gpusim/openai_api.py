@@ -1,25 +1,38 @@
-"""OpenAI wire format of the simulated servers: request parsing and response bodies. Pure: no I/O.
+"""OpenAI response bodies of the simulated servers. Pure: no I/O.
 
-Covers ``POST /v1/chat/completions`` and ``POST /v1/completions`` (OpenAI API reference, "Chat" and
-"Completions (legacy)"): non-streamed bodies with ``usage``, and server-sent-event streams of
-``chat.completion.chunk`` / ``text_completion`` objects ending with ``data: [DONE]``, with a last chunk
-carrying ``usage`` (and empty ``choices``) when ``stream_options.include_usage`` is true. Refusals are
-:class:`inferlb.errors.RequestError` in OpenAI's error vocabulary; the server maps them to HTTP.
+Requests are parsed by :func:`inferlb.openai_api.parse_request` and their prompts counted by
+:mod:`inferlb.tokens`, exactly as the gateway does, so the ``usage.prompt_tokens`` a simulated server reports
+is the count the gateway reserved quota for. This module builds what goes back (OpenAI API reference, "Chat",
+"Completions (legacy)" and "Embeddings"):
+
+* non-streamed ``chat.completion`` / ``text_completion`` bodies with ``usage``, and server-sent-event streams
+  of ``chat.completion.chunk`` / ``text_completion`` objects ending with ``data: [DONE]``, with a last chunk
+  carrying ``usage`` (and empty ``choices``) when ``stream_options.include_usage`` is true. A completions
+  request with several prompts gets ``n`` choices per prompt, indexed prompt by prompt (OpenAI's order).
+* ``list`` bodies of ``embedding`` objects: deterministic pseudo-embeddings (:func:`pseudo_embedding`) as
+  JSON floats or as base64 of little-endian float32 (``encoding_format``), with ``usage`` of prompt tokens.
+
+Refusals are :class:`inferlb.errors.RequestError` in OpenAI's error vocabulary; the server maps them to HTTP.
 """
 
 from __future__ import annotations
 
+import base64
+import hashlib
 import json
-from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
-from typing import Any, Literal
+import math
+import struct
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any, Final
 
 from inferlb.errors import RequestError
+from inferlb.openai_api import EmbeddingEncoding, EndpointKind, InferenceRequest, Prompt
 
-Kind = Literal["chat", "completion"]
-
-#: OpenAI accepts ``n`` up to 128.
-MAX_N = 128
+#: Length of an embedding when the request sets no ``dimensions``: that of OpenAI's text-embedding-3-small
+#: and text-embedding-ada-002 (OpenAI embeddings guide).
+EMBEDDING_DIMENSIONS: Final = 1536
+#: Largest ``dimensions`` served (text-embedding-3-large has 3072): bounds the size of a response.
+MAX_EMBEDDING_DIMENSIONS: Final = 8192
 
 #: The simulated completion text: words that are each exactly one cl100k_base token when preceded by a
 #: space, so ``completion_tokens`` tokens of text re-tokenize to ``completion_tokens`` tokens.
@@ -42,175 +55,9 @@ def completion_text(tokens: int) -> str:
     return "".join(token_text(i) for i in range(tokens))
 
 
-@dataclass(frozen=True, kw_only=True)
-class GenerationRequest:
-    """A parsed chat or text completion request.
-
-    Attributes:
-        kind: ``chat`` (``/v1/chat/completions``) or ``completion`` (``/v1/completions``).
-        model: the model name the client asked for (a name or an alias).
-        prompt_texts: the texts whose tokens are the prompt (message contents, or the prompt string).
-        prompt_token_ids: prompt tokens given directly as token ids (completions only), else 0.
-        max_tokens: completion tokens requested per choice, or None for the model's default.
-        n: choices to generate (1..128).
-        stream: answer as a server-sent-event stream.
-        include_usage: with ``stream``, end with a usage chunk (``stream_options.include_usage``).
-    """
-
-    kind: Kind
-    model: str
-    prompt_texts: tuple[str, ...]
-    prompt_token_ids: int
-    max_tokens: int | None
-    n: int
-    stream: bool
-    include_usage: bool
-
-    def prompt_tokens(self, count_text: Callable[[str], int]) -> int:
-        """Prompt tokens: ``count_text`` over :attr:`prompt_texts` plus the token ids given directly."""
-        return sum(count_text(t) for t in self.prompt_texts) + self.prompt_token_ids
-
-
 def bad_request(message: str, *, param: str | None = None, code: str | None = None) -> RequestError:
     """A 400 ``invalid_request_error``."""
     return RequestError(400, message, type="invalid_request_error", param=param, code=code)
-
-
-def parse_generation_request(body: bytes, kind: Kind) -> GenerationRequest:
-    """Parse and check a request body.
-
-    Raises:
-        RequestError: 400 when the body is not a JSON object, or a field is missing or has the wrong type or
-            range (``model``, ``messages``/``prompt``, ``max_tokens``, ``max_completion_tokens``, ``n``,
-            ``stream``, ``stream_options``), naming the field in ``param``.
-    """
-    try:
-        doc = json.loads(body)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise bad_request(f"request body is not valid JSON: {exc}") from None
-    if not isinstance(doc, dict):
-        raise bad_request(f"request body must be a JSON object, got {type(doc).__name__}")
-    model = doc.get("model")
-    if not isinstance(model, str) or not model:
-        raise bad_request("'model' is required and must be a non-empty string", param="model")
-    if kind == "chat":
-        texts, ids = _chat_prompt(doc.get("messages")), 0
-    else:
-        texts, ids = _completion_prompt(doc.get("prompt"))
-    if kind == "chat" and doc.get("max_completion_tokens") is not None:
-        max_tokens = _positive_int(doc, "max_completion_tokens")
-    else:
-        max_tokens = _positive_int(doc, "max_tokens")
-    n = _positive_int(doc, "n")
-    if n is None:
-        n = 1
-    if n > MAX_N:
-        raise bad_request(f"'n' must be at most {MAX_N}, got {n}", param="n")
-    stream = doc.get("stream", False)
-    if stream is None:
-        stream = False
-    if not isinstance(stream, bool):
-        raise bad_request("'stream' must be a boolean", param="stream")
-    include_usage = False
-    options = doc.get("stream_options")
-    if options is not None:
-        if not stream:
-            raise bad_request(
-                "'stream_options' is only allowed when 'stream' is true", param="stream_options"
-            )
-        if not isinstance(options, dict):
-            raise bad_request("'stream_options' must be an object", param="stream_options")
-        flag = options.get("include_usage", False)
-        if not isinstance(flag, bool):
-            raise bad_request("'stream_options.include_usage' must be a boolean", param="stream_options")
-        include_usage = flag
-    return GenerationRequest(
-        kind=kind,
-        model=model,
-        prompt_texts=texts,
-        prompt_token_ids=ids,
-        max_tokens=max_tokens,
-        n=n,
-        stream=stream,
-        include_usage=include_usage,
-    )
-
-
-def _positive_int(doc: Mapping[str, Any], name: str) -> int | None:
-    value = doc.get(name)
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise bad_request(f"'{name}' must be an integer >= 1, got {value!r}", param=name)
-    return value
-
-
-def _chat_prompt(messages: Any) -> tuple[str, ...]:
-    if not isinstance(messages, list) or not messages:
-        raise bad_request("'messages' is required and must be a non-empty array", param="messages")
-    texts: list[str] = []
-    for i, msg in enumerate(messages):
-        if not isinstance(msg, dict) or not isinstance(msg.get("role"), str):
-            raise bad_request(f"messages[{i}] must be an object with a string 'role'", param=f"messages[{i}]")
-        content = msg.get("content")
-        if content is None:
-            continue  # an assistant message with only tool calls
-        if isinstance(content, str):
-            texts.append(content)
-        elif isinstance(content, list):
-            for j, part in enumerate(content):
-                if not isinstance(part, dict) or not isinstance(part.get("type"), str):
-                    raise bad_request(
-                        f"messages[{i}].content[{j}] must be an object with a 'type'",
-                        param=f"messages[{i}].content",
-                    )
-                if part["type"] == "text":
-                    text = part.get("text")
-                    if not isinstance(text, str):
-                        raise bad_request(
-                            f"messages[{i}].content[{j}].text must be a string",
-                            param=f"messages[{i}].content",
-                        )
-                    texts.append(text)
-                # other parts (images, audio) carry no text tokens
-        else:
-            raise bad_request(
-                f"messages[{i}].content must be a string, an array of parts or null",
-                param=f"messages[{i}].content",
-            )
-    return tuple(texts)
-
-
-def _is_token_ids(value: Any) -> bool:
-    return isinstance(value, list) and all(
-        isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value
-    )
-
-
-def _completion_prompt(prompt: Any) -> tuple[tuple[str, ...], int]:
-    if isinstance(prompt, str):
-        return (prompt,), 0
-    if _is_token_ids(prompt) and prompt:
-        return (), len(prompt)
-    if isinstance(prompt, list) and len(prompt) == 1:
-        # a batch of one prompt, as a string or as token ids
-        (only,) = prompt
-        if isinstance(only, str):
-            return (only,), 0
-        if _is_token_ids(only) and only:
-            return (), len(only)
-    if (
-        isinstance(prompt, list)
-        and len(prompt) > 1
-        and all(isinstance(p, str) or _is_token_ids(p) for p in prompt)
-    ):
-        raise bad_request(
-            "batched prompts (a list of several prompts) are not supported; send one", param="prompt"
-        )
-    raise bad_request(
-        "'prompt' is required: a string, an array of token ids, or an array holding one of those",
-        param="prompt",
-    )
 
 
 # -- responses --------------------------------------------------------------------------------------------
@@ -225,19 +72,26 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
     }
 
 
-def response_id(kind: Kind, request_id: str) -> str:
+def response_id(kind: EndpointKind, request_id: str) -> str:
     """``chatcmpl-...`` for chat, ``cmpl-...`` for completions (OpenAI's prefixes)."""
-    return f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{request_id}"
+    return f"{'chatcmpl' if kind is EndpointKind.CHAT_COMPLETIONS else 'cmpl'}-{request_id}"
+
+
+def choice_count(req: InferenceRequest) -> int:
+    """Choices a generation request gets: ``n`` per prompt (one prompt for chat)."""
+    return req.n * req.prompt_count
 
 
 def full_response(
-    req: GenerationRequest, *, request_id: str, created: int, prompt_tokens: int, tokens_per_choice: int
+    req: InferenceRequest, *, request_id: str, created: int, prompt_tokens: int, tokens_per_choice: int
 ) -> dict[str, Any]:
-    """The non-streamed body: ``n`` choices of ``tokens_per_choice`` tokens each, ``finish_reason`` "length"
-    (generation stops at the token limit, like vLLM with ``ignore_eos``), and ``usage``."""
+    """The non-streamed body: :func:`choice_count` choices of ``tokens_per_choice`` tokens each,
+    ``finish_reason`` "length" (generation stops at the token limit, like vLLM with ``ignore_eos``), and
+    ``usage``."""
     text = completion_text(tokens_per_choice)
+    width = choice_count(req)
     choices: list[dict[str, Any]]
-    if req.kind == "chat":
+    if req.kind is EndpointKind.CHAT_COMPLETIONS:
         choices = [
             {
                 "index": i,
@@ -245,12 +99,12 @@ def full_response(
                 "logprobs": None,
                 "finish_reason": "length",
             }
-            for i in range(req.n)
+            for i in range(width)
         ]
         obj = "chat.completion"
     else:
         choices = [
-            {"index": i, "text": text, "logprobs": None, "finish_reason": "length"} for i in range(req.n)
+            {"index": i, "text": text, "logprobs": None, "finish_reason": "length"} for i in range(width)
         ]
         obj = "text_completion"
     return {
@@ -259,16 +113,16 @@ def full_response(
         "created": created,
         "model": req.model,
         "choices": choices,
-        "usage": usage(prompt_tokens, tokens_per_choice * req.n),
+        "usage": usage(prompt_tokens, tokens_per_choice * width),
     }
 
 
 def _chunk(
-    req: GenerationRequest, request_id: str, created: int, choices: list[dict[str, Any]]
+    req: InferenceRequest, request_id: str, created: int, choices: list[dict[str, Any]]
 ) -> dict[str, Any]:
     chunk: dict[str, Any] = {
         "id": response_id(req.kind, request_id),
-        "object": "chat.completion.chunk" if req.kind == "chat" else "text_completion",
+        "object": "chat.completion.chunk" if req.kind is EndpointKind.CHAT_COMPLETIONS else "text_completion",
         "created": created,
         "model": req.model,
         "choices": choices,
@@ -281,14 +135,15 @@ def _chunk(
 
 
 def token_chunks(
-    req: GenerationRequest, *, request_id: str, created: int, start: int, stop: int
+    req: InferenceRequest, *, request_id: str, created: int, start: int, stop: int
 ) -> Iterable[dict[str, Any]]:
     """Stream chunks for tokens ``start .. stop-1`` of every choice. In chat streams, token 0 of each choice
     carries ``role: assistant`` as OpenAI's first delta does."""
+    width = choice_count(req)
     for t in range(start, stop):
         choices: list[dict[str, Any]] = []
-        for i in range(req.n):
-            if req.kind == "chat":
+        for i in range(width):
+            if req.kind is EndpointKind.CHAT_COMPLETIONS:
                 delta: dict[str, Any] = {"content": token_text(t)}
                 if t == 0:
                     delta = {"role": "assistant", **delta}
@@ -298,22 +153,23 @@ def token_chunks(
         yield _chunk(req, request_id, created, choices)
 
 
-def final_chunk(req: GenerationRequest, *, request_id: str, created: int) -> dict[str, Any]:
+def final_chunk(req: InferenceRequest, *, request_id: str, created: int) -> dict[str, Any]:
     """The chunk that closes every choice with ``finish_reason`` "length"."""
+    width = choice_count(req)
     choices: list[dict[str, Any]]
-    if req.kind == "chat":
+    if req.kind is EndpointKind.CHAT_COMPLETIONS:
         choices = [
-            {"index": i, "delta": {}, "logprobs": None, "finish_reason": "length"} for i in range(req.n)
+            {"index": i, "delta": {}, "logprobs": None, "finish_reason": "length"} for i in range(width)
         ]
     else:
         choices = [
-            {"index": i, "text": "", "logprobs": None, "finish_reason": "length"} for i in range(req.n)
+            {"index": i, "text": "", "logprobs": None, "finish_reason": "length"} for i in range(width)
         ]
     return _chunk(req, request_id, created, choices)
 
 
 def usage_chunk(
-    req: GenerationRequest, *, request_id: str, created: int, prompt_tokens: int, completion_tokens: int
+    req: InferenceRequest, *, request_id: str, created: int, prompt_tokens: int, completion_tokens: int
 ) -> dict[str, Any]:
     """The last chunk of a stream with ``include_usage``: empty ``choices`` and the request's ``usage``."""
     chunk = _chunk(req, request_id, created, [])
@@ -328,3 +184,60 @@ def sse(event: Mapping[str, Any]) -> bytes:
 
 #: The stream terminator OpenAI sends.
 SSE_DONE = b"data: [DONE]\n\n"
+
+
+# -- embeddings -------------------------------------------------------------------------------------------
+
+
+def pseudo_embedding(model: str, prompt: Prompt, dimensions: int) -> tuple[float, ...]:
+    """A deterministic unit vector of ``dimensions`` float32 values standing for ``prompt``'s embedding.
+
+    Component ``i`` comes from bytes ``4i .. 4i+3`` of SHAKE-256 over the model name and the prompt (its
+    UTF-8 text, or its token ids), read as a little-endian uint32 and mapped to (-1, 1); the vector is then
+    scaled to length 1 and rounded to float32 (the precision of OpenAI's base64 format, so both formats
+    carry the same numbers). So the same model and prompt always give the same vector, different prompts
+    give nearly orthogonal ones, and a shorter ``dimensions`` is the longer vector's prefix re-normalised,
+    as OpenAI's shortened text-embedding-3 embeddings are.
+
+    Raises:
+        ValueError: ``dimensions < 1``.
+    """
+    if dimensions < 1:
+        raise ValueError(f"dimensions must be >= 1, got {dimensions}")
+    seed = hashlib.shake_256(model.encode() + b"\0")
+    if isinstance(prompt, str):
+        seed.update(b"text\0" + prompt.encode("utf-8", "surrogatepass"))
+    else:
+        seed.update(b"ids\0" + b",".join(str(t).encode() for t in prompt))
+    raw = struct.unpack(f"<{dimensions}I", seed.digest(4 * dimensions))
+    values = [(x + 0.5) / 2**31 - 1.0 for x in raw]
+    norm = math.sqrt(math.fsum(v * v for v in values))
+    return _float32([v / norm for v in values])
+
+
+def _float32(values: Sequence[float]) -> tuple[float, ...]:
+    return struct.unpack(f"<{len(values)}f", struct.pack(f"<{len(values)}f", *values))
+
+
+def encode_embedding(vector: Sequence[float], encoding: EmbeddingEncoding) -> list[float] | str:
+    """``vector`` as the ``embedding`` field: a JSON array, or base64 of little-endian float32 (what the
+    OpenAI SDKs decode when they ask for ``encoding_format: base64``)."""
+    if encoding is EmbeddingEncoding.BASE64:
+        return base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode("ascii")
+    return list(vector)
+
+
+def embedding_response(
+    req: InferenceRequest, *, vectors: Sequence[Sequence[float]], prompt_tokens: int
+) -> dict[str, Any]:
+    """The embeddings body: one ``embedding`` object per input, in input order, and ``usage`` (prompt tokens
+    only: ``total_tokens`` equals ``prompt_tokens``)."""
+    return {
+        "object": "list",
+        "data": [
+            {"object": "embedding", "index": i, "embedding": encode_embedding(v, req.encoding_format)}
+            for i, v in enumerate(vectors)
+        ],
+        "model": req.model,
+        "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens},
+    }

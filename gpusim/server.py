@@ -4,10 +4,19 @@
 Routes (what vLLM's OpenAI server answers, in its shapes):
 
 * ``POST /v1/chat/completions``, ``POST /v1/completions``: streamed (SSE) or not; exactly ``max_tokens``
-  (``max_completion_tokens``, else the model's ``default_max_tokens``) tokens per choice, ``n`` choices, as
-  vLLM with ``ignore_eos``. Time to first token = queueing + prefill; then one token per engine step.
-  Errors are OpenAI JSON: 400 malformed body, 404 unknown model (vLLM also answers 404), 503 with
+  (``max_completion_tokens``, else the model's ``default_max_tokens``) tokens per choice, ``n`` choices per
+  prompt, as vLLM with ``ignore_eos``. Time to first token = queueing + prefill; then one token per engine
+  step. Errors are OpenAI JSON: 400 malformed body, 404 unknown model (vLLM also answers 404), 503 with
   ``retry-after`` when the queue is full.
+* ``POST /v1/embeddings``: one pseudo-embedding per input (:func:`gpusim.openai_api.pseudo_embedding`,
+  :data:`~gpusim.openai_api.EMBEDDING_DIMENSIONS` long unless the request sets ``dimensions``), as floats or
+  base64. Timed as a prefill with zero completion tokens through the same engine (the inputs of one request
+  are prefilled together in one batch slot), so it queues behind and slows down generation like vLLM's
+  pooling requests, and shows in the same metrics (``finished_reason="stop"``, as vLLM finishes them).
+
+Bodies are parsed with :func:`inferlb.openai_api.parse_request` and prompts counted with
+:func:`inferlb.tokens.count_prompt_tokens`, as the gateway does, so ``usage.prompt_tokens`` is the count the
+gateway reserved.
 * ``GET /v1/models``, ``GET /health`` (``{"status": "ok"}``), ``GET /metrics`` (vLLM names, see
   :mod:`gpusim.metrics`).
 * The simulation's control API (:mod:`gpusim.faults`): ``POST /sim/fault`` with ``{"action": "throttle" |
@@ -58,11 +67,13 @@ from gpusim.faults import (
     utilization_percent,
 )
 from gpusim.metrics import CONTENT_TYPE, EndpointMetrics
-from gpusim.tokens import count_tokens, warm_up
+from gpusim.openai_api import EMBEDDING_DIMENSIONS, MAX_EMBEDDING_DIMENSIONS, bad_request, choice_count
 from inferlb import headers
 from inferlb.config import Config, EndpointConfig, ModelConfig
 from inferlb.errors import RequestError
+from inferlb.openai_api import EndpointKind, InferenceRequest, parse_request
 from inferlb.telemetry import GpuTelemetry
+from inferlb.tokens import count_each_prompt, count_prompt_tokens, default_counter
 
 log = logging.getLogger("gpusim")
 
@@ -74,6 +85,15 @@ SHUTDOWN_TIMEOUT_S = 2.0
 MIN_UTILIZATION_WINDOW_S = 0.2
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Admission:
+    """What a checked request asks of the engine: prompt tokens, tokens per choice, batch slots."""
+
+    prompt_tokens: int
+    tokens_per_choice: int
+    width: int
 
 
 @dataclass(eq=False, kw_only=True)
@@ -142,7 +162,7 @@ class SimulatedEndpoint:
         """
         if self._runner is not None:
             raise RuntimeError(f"endpoint {self.display_name} is already started")
-        warm_up()
+        default_counter().count("warm up")  # load the encoding now, not on the first request
         self._wake = asyncio.Event()
         self._driver = asyncio.create_task(self._drive(), name=f"gpusim-driver-{self.display_name}")
         self._util_sample = (self._now(), self.engine.stats().busy_seconds_total)
@@ -284,6 +304,7 @@ class SimulatedEndpoint:
         app = web.Application(middlewares=[self._errors_as_json], client_max_size=self._client_max_size)
         app.router.add_post("/v1/chat/completions", self._chat)
         app.router.add_post("/v1/completions", self._completions)
+        app.router.add_post("/v1/embeddings", self._embeddings)
         app.router.add_get("/v1/models", self._models)
         app.router.add_get("/health", self._health)
         app.router.add_get("/metrics", self._metrics)
@@ -362,17 +383,24 @@ class SimulatedEndpoint:
         return web.Response(body=self.metrics.exposition(), headers={"Content-Type": CONTENT_TYPE})
 
     async def _chat(self, request: web.Request) -> web.StreamResponse:
-        return await self._generate(request, "chat")
+        return await self._serve(request, EndpointKind.CHAT_COMPLETIONS)
 
     async def _completions(self, request: web.Request) -> web.StreamResponse:
-        return await self._generate(request, "completion")
+        return await self._serve(request, EndpointKind.COMPLETIONS)
 
-    def _admit(self, req: openai_api.GenerationRequest) -> tuple[int, int]:
-        """Check a parsed request against the endpoint; return ``(prompt_tokens, tokens_per_choice)``.
+    async def _embeddings(self, request: web.Request) -> web.StreamResponse:
+        return await self._serve(request, EndpointKind.EMBEDDINGS)
+
+    def _admit(self, req: InferenceRequest) -> _Admission:
+        """Check a parsed request against the endpoint and size it for the engine.
+
+        Prompt tokens are :func:`inferlb.tokens.count_prompt_tokens`, the gateway's count. Each prompt (or
+        embedding input) must fit the context with the completion, as vLLM checks each sequence.
 
         Raises:
-            RequestError: 404 for a model this endpoint does not serve, 400 for a context overflow or an
-                ``n`` wider than the batch.
+            RequestError: 404 for a model this endpoint does not serve; 400 for ``max_tokens`` 0 (vLLM needs
+                at least 1), a context overflow, more choices than batch slots, or ``dimensions`` above
+                :data:`~gpusim.openai_api.MAX_EMBEDDING_DIMENSIONS`.
         """
         if req.model not in self._served_names:
             raise RequestError(
@@ -382,45 +410,68 @@ class SimulatedEndpoint:
                 code="model_not_found",
                 param="model",
             )
-        prompt_tokens = req.prompt_tokens(count_tokens)
-        tokens = req.max_tokens if req.max_tokens is not None else self.model.default_max_tokens
-        if prompt_tokens + tokens > self.model.context_length:
-            raise openai_api.bad_request(
+        prompt_tokens = count_prompt_tokens(req)
+        if req.kind is EndpointKind.EMBEDDINGS:
+            if req.dimensions is not None and req.dimensions > MAX_EMBEDDING_DIMENSIONS:
+                raise bad_request(
+                    f"'dimensions' must be at most {MAX_EMBEDDING_DIMENSIONS}, got {req.dimensions}",
+                    param="dimensions",
+                )
+            self._check_context(max(count_each_prompt(req)), 0, param="input")
+            return _Admission(prompt_tokens=prompt_tokens, tokens_per_choice=0, width=1)
+        tokens = req.max_output_tokens
+        if tokens is None:
+            tokens = self.model.default_max_tokens
+        if tokens < 1:
+            raise bad_request(f"'max_tokens' must be at least 1, got {tokens}", param="max_tokens")
+        if req.kind is EndpointKind.CHAT_COMPLETIONS:
+            self._check_context(prompt_tokens, tokens, param="messages")
+        else:
+            self._check_context(max(count_each_prompt(req)), tokens, param="prompt")
+        width = choice_count(req)
+        if width > self.timing.max_batch:
+            raise bad_request(
+                f"'n' ({req.n}) x {req.prompt_count} prompt(s) = {width} choices exceeds this server's batch "
+                f"size ({self.timing.max_batch})",
+                param="n",
+            )
+        return _Admission(prompt_tokens=prompt_tokens, tokens_per_choice=tokens, width=width)
+
+    def _check_context(self, prompt_tokens: int, completion_tokens: int, *, param: str) -> None:
+        """400 ``context_length_exceeded`` when one sequence outgrows the model's context (vLLM's message)."""
+        if prompt_tokens + completion_tokens > self.model.context_length:
+            raise bad_request(
                 f"This model's maximum context length is {self.model.context_length} tokens. However, you "
-                f"requested {prompt_tokens + tokens} tokens ({prompt_tokens} in the messages, "
-                f"{tokens} in the completion). Please reduce the length of the messages or completion.",
-                param="messages" if req.kind == "chat" else "prompt",
+                f"requested {prompt_tokens + completion_tokens} tokens ({prompt_tokens} in the messages, "
+                f"{completion_tokens} in the completion). Please reduce the length of the messages or "
+                "completion.",
+                param=param,
                 code="context_length_exceeded",
             )
-        if req.n > self.timing.max_batch:
-            raise openai_api.bad_request(
-                f"'n' ({req.n}) exceeds this server's batch size ({self.timing.max_batch})", param="n"
-            )
-        return prompt_tokens, tokens
 
-    async def _generate(self, request: web.Request, kind: openai_api.Kind) -> web.StreamResponse:
+    async def _serve(self, request: web.Request, kind: EndpointKind) -> web.StreamResponse:
         self.metrics.request_received()
         if self.fault.mode == "failed":
             self.metrics.request_refused("gpu_failed")
             return _error_response(self._failed_error())
         body = await request.read()
         try:
-            req = openai_api.parse_generation_request(body, kind)
-            prompt_tokens, tokens = self._admit(req)
+            req = parse_request(kind, body)
+            admission = self._admit(req)
         except RequestError as exc:
             self.metrics.request_refused("model_not_found" if exc.status == 404 else "bad_request")
             return _error_response(exc)
         request_id = uuid.uuid4().hex
-        admission = self.engine.submit(
+        outcome = self.engine.submit(
             self._now(),
             request_id=request_id,
-            prompt_tokens=prompt_tokens,
-            completion_tokens=tokens,
-            width=req.n,
+            prompt_tokens=admission.prompt_tokens,
+            completion_tokens=admission.tokens_per_choice,
+            width=admission.width,
         )
-        if isinstance(admission, Refused):
+        if isinstance(outcome, Refused):
             self.metrics.request_refused("queue_full")
-            retry_after = max(1, math.ceil(admission.retry_after_s))
+            retry_after = max(1, math.ceil(outcome.retry_after_s))
             return _error_response(
                 RequestError(
                     503,
@@ -434,12 +485,19 @@ class SimulatedEndpoint:
         flight = _Flight(request_id=request_id, arrived_at=self.engine.clock)
         self._flights[request_id] = flight
         self._kick()
-        log.debug("%s: request %s admitted (%d prompt, %d x %d tokens)", self.display_name, request_id,
-                  prompt_tokens, req.n, tokens)  # fmt: skip
+        log.debug(
+            "%s: %s request %s admitted (%d prompt, %d x %d tokens)",
+            self.display_name,
+            kind,
+            request_id,
+            admission.prompt_tokens,
+            admission.width,
+            admission.tokens_per_choice,
+        )
         try:
             if req.stream:
-                return await self._respond_streamed(request, req, flight, prompt_tokens)
-            return await self._respond_whole(req, flight, prompt_tokens)
+                return await self._respond_streamed(request, req, flight, admission.prompt_tokens)
+            return await self._respond_whole(req, flight, admission.prompt_tokens)
         finally:
             self._flights.pop(request_id, None)
             if self.engine.holds(request_id):
@@ -449,36 +507,43 @@ class SimulatedEndpoint:
                 self._kick()
                 log.debug("%s: request %s aborted", self.display_name, request_id)
 
-    def _record_finish(self, flight: _Flight) -> None:
+    def _record_finish(self, flight: _Flight, kind: EndpointKind) -> None:
         assert flight.finished_at is not None
         scheduled = flight.scheduled_at if flight.scheduled_at is not None else flight.arrived_at
+        # a prefill-only request (embedding) emits no token: its "first token" is the end of its prefill
         first = flight.first_token_at if flight.first_token_at is not None else flight.finished_at
         self.metrics.request_finished(
             queue_s=scheduled - flight.arrived_at,
             ttft_s=first - flight.arrived_at,
             e2e_s=flight.finished_at - flight.arrived_at,
+            finished_reason="length" if kind.generates_tokens else "stop",
         )
 
     async def _respond_whole(
-        self, req: openai_api.GenerationRequest, flight: _Flight, prompt_tokens: int
+        self, req: InferenceRequest, flight: _Flight, prompt_tokens: int
     ) -> web.StreamResponse:
         while flight.finished_at is None:
             if flight.stopped:
                 return _error_response(RequestError(503, "The server is shutting down.", type="server_error"))
             await flight.progressed.wait()
             flight.progressed.clear()
-        self._record_finish(flight)
-        body = openai_api.full_response(
-            req,
-            request_id=flight.request_id,
-            created=int(time.time()),
-            prompt_tokens=prompt_tokens,
-            tokens_per_choice=flight.tokens_per_choice,
-        )
+        self._record_finish(flight, req.kind)
+        if req.kind is EndpointKind.EMBEDDINGS:
+            dimensions = req.dimensions or EMBEDDING_DIMENSIONS
+            vectors = [openai_api.pseudo_embedding(self.model.name, p, dimensions) for p in req.prompts]
+            body = openai_api.embedding_response(req, vectors=vectors, prompt_tokens=prompt_tokens)
+        else:
+            body = openai_api.full_response(
+                req,
+                request_id=flight.request_id,
+                created=int(time.time()),
+                prompt_tokens=prompt_tokens,
+                tokens_per_choice=flight.tokens_per_choice,
+            )
         return web.json_response(body)
 
     async def _respond_streamed(
-        self, request: web.Request, req: openai_api.GenerationRequest, flight: _Flight, prompt_tokens: int
+        self, request: web.Request, req: InferenceRequest, flight: _Flight, prompt_tokens: int
     ) -> web.StreamResponse:
         response = web.StreamResponse(
             headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
@@ -505,7 +570,7 @@ class SimulatedEndpoint:
                 sent = emitted
             if flight.finished_at is not None:
                 break
-        self._record_finish(flight)
+        self._record_finish(flight, req.kind)
         tail = [openai_api.sse(openai_api.final_chunk(req, request_id=flight.request_id, created=created))]
         if req.include_usage:
             usage = openai_api.usage_chunk(
@@ -513,7 +578,7 @@ class SimulatedEndpoint:
                 request_id=flight.request_id,
                 created=created,
                 prompt_tokens=prompt_tokens,
-                completion_tokens=flight.tokens_per_choice * req.n,
+                completion_tokens=flight.tokens_per_choice * choice_count(req),
             )
             tail.append(openai_api.sse(usage))
         tail.append(openai_api.SSE_DONE)

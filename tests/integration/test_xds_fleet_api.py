@@ -214,3 +214,24 @@ async def test_metrics_expose_streams_pushes_versions(server: XdsServer, http: C
     assert 'inferlb_xds_push_latency_seconds_count{mode="sotw"} 1.0' in text
     assert 'inferlb_xds_nacks_total{mode="delta",type="Cluster"} 0.0' in text
     assert "inferlb_xds_snapshots_published_total 2.0" in text
+
+
+async def test_batch_weights_are_one_change_and_all_or_nothing(
+    server: XdsServer, http: Callable[..., Any]
+) -> None:
+    assert server.coalescer is not None
+    published = server.coalescer.publishes
+    weights = {"127.0.0.1:8006": 101, "127.0.0.1:8007": 102, "127.0.0.1:8008": 103}
+    status, body = await http("PUT", "/v1/weights", {"weights": weights})
+    assert status == 200 and body == {"updated": 3}
+    await _until(lambda: _hosts(server, QWEN)["v100-2"].load_balancing_weight.value == 103, "the batch")
+    assert {n: lb.load_balancing_weight.value for n, lb in _hosts(server, QWEN).items()} == {
+        "h100-1": 101, "v100-1": 102, "v100-2": 103,
+    }  # fmt: skip
+    assert server.coalescer.publishes == published + 1
+    # one unknown key: 404 and nothing changes; a zero weight: 400
+    status, _ = await http("PUT", "/v1/weights", {"weights": {"127.0.0.1:8006": 5, "10.0.0.1:1": 5}})
+    assert status == 404
+    status, _ = await http("PUT", "/v1/weights", {"weights": {"127.0.0.1:8006": 0}})
+    assert status == 400
+    assert server.fleet.weight_overrides["127.0.0.1:8006"] == 101

@@ -7,7 +7,8 @@ A simulated endpoint is told what to do with ``POST /sim/fault`` (:func:`parse_f
   SW-thermal-slowdown reason bit is set. What a real thermally throttled GPU shows.
 * ``slow`` (factor ``f``): ``f`` times slower with nothing to see in NVML (clock, temperature and reasons as
   healthy): a noisy neighbour, a degraded link, a bad driver. Only the model server's throughput shows it.
-* ``fail``: ``/health`` and every generation request answer 503; NVML shows an idle GPU.
+* ``fail``: ``/health`` and every inference request (chat, completions, embeddings) answer 503; NVML shows
+  an idle GPU.
 * ``recover``: back to normal (slowdown 1.0).
 
 :func:`simulated_gpu_telemetry` turns an engine snapshot and the fault into a :class:`GpuTelemetry`:

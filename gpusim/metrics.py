@@ -19,8 +19,8 @@ vLLM names (docs.vllm.ai "Production Metrics"; vLLM design doc ``docs/design/met
 The simulator's own counters (``gpusim:`` prefix) let tests prove what reached a backend:
 ``gpusim:requests_received_total`` counts every POST to an inference route (chat, completions, embeddings),
 valid or not; ``gpusim:requests_refused_total{reason}`` the ones answered with an error;
-``gpusim:requests_aborted_total`` the ones whose client went away; ``gpusim:gpu_busy_seconds_total`` the time a step was running (utilization =
-its rate); ``gpusim:slowdown_factor`` the current throttle factor.
+``gpusim:requests_aborted_total`` the ones whose client went away; ``gpusim:gpu_busy_seconds_total`` the
+time a step was running (utilization = its rate); ``gpusim:slowdown_factor`` the current throttle factor.
 """
 
 from __future__ import annotations
@@ -112,15 +112,15 @@ class EndpointMetrics:
             ["model_name"], buckets=LATENCY_BUCKETS, registry=self.registry,
         )  # fmt: skip
         self._received = Counter(
-            "gpusim:requests_received", "Generation requests received (valid or not).",
+            "gpusim:requests_received", "Inference requests received (valid or not).",
             ["model_name"], registry=self.registry,
         )  # fmt: skip
         self._refused = Counter(
-            "gpusim:requests_refused", "Generation requests answered with an error, by reason.",
+            "gpusim:requests_refused", "Inference requests answered with an error, by reason.",
             ["model_name", "reason"], registry=self.registry,
         )  # fmt: skip
         self._aborted = Counter(
-            "gpusim:requests_aborted", "Generation requests whose client went away before the end.",
+            "gpusim:requests_aborted", "Inference requests whose client went away before the end.",
             ["model_name"], registry=self.registry,
         )  # fmt: skip
         # Create the label sets up front so every series shows (at 0) from the first scrape.

@@ -22,7 +22,7 @@ gateway reserved.
 * The simulation's control API (:mod:`gpusim.faults`): ``POST /sim/fault`` with ``{"action": "throttle" |
   "slow" | "fail" | "recover", "factor": 2.0}`` answers the new fault state; ``GET /sim/fault`` the current
   one; ``GET /sim/telemetry`` the GPU's NVML-like telemetry (:class:`inferlb.telemetry.GpuTelemetry` JSON).
-  A failed endpoint answers 503 to ``/health`` and to every generation request; ``/metrics`` and ``/sim/*``
+  A failed endpoint answers 503 to ``/health`` and to every inference request; ``/metrics`` and ``/sim/*``
   keep answering.
 
 Every response, errors included, carries ``x-inferlb-endpoint: <display name>`` and ``x-inferlb-gpu: <GPU
@@ -215,7 +215,7 @@ class SimulatedEndpoint:
         """Put the GPU in the fault ``command`` leads to (replacing any other); returns the new state.
 
         Throttle and slow change the engine's slowdown from its next step on; fail makes ``/health`` and new
-        generation requests answer 503 (requests in flight finish); recover undoes all.
+        inference requests answer 503 (requests in flight finish); recover undoes all.
         """
         state = command.apply()
         self.set_slowdown(state.slowdown)

@@ -140,9 +140,12 @@ async def test_fail_answers_503_until_recovered(endpoint: Fixture) -> None:
         assert (await r.json())["error"]["code"] == "gpu_failed"
     status, body, _ = await chat(http, base)
     assert status == 503 and body["error"]["code"] == "gpu_failed"
+    async with http.post(f"{base}/v1/embeddings", json={"model": MODEL, "input": "hi"}) as r:
+        assert r.status == 503
+        assert (await r.json())["error"]["code"] == "gpu_failed"
     async with http.get(f"{base}/metrics") as r:
         assert (
-            'gpusim:requests_refused_total{model_name="sim-model",reason="gpu_failed"} 1.0' in await r.text()
+            'gpusim:requests_refused_total{model_name="sim-model",reason="gpu_failed"} 2.0' in await r.text()
         )
     assert (await gpu(http, base)).utilization_percent == 0.0
     await fault(http, base, {"action": "recover"})

@@ -346,7 +346,9 @@ async def test_metrics_use_vllm_names_and_count_what_happened(
     assert metric(after, "vllm:request_queue_time_seconds_count") == 1.0
 
 
-async def test_queue_full_is_503_and_a_client_disconnect_frees_the_slot(http: aiohttp.ClientSession) -> None:
+async def test_queue_full_is_503_for_generation_and_embeddings_and_a_client_disconnect_frees_the_slot(
+    http: aiohttp.ClientSession,
+) -> None:
     config = make_config(decode_tokens_per_s=20, max_batch=1, max_queue=0)
     async with serving(config, "v100-test") as (server, url):
         # 400 tokens at 20 tokens/s would hold the only slot for 20 s
@@ -363,9 +365,12 @@ async def test_queue_full_is_503_and_a_client_disconnect_frees_the_slot(http: ai
             assert int(resp.headers["Retry-After"]) >= 1
             doc = await resp.json()
         assert doc["error"]["type"] == "server_error"
+        # an embedding is a request of the same engine: it needs the slot too
+        async with http.post(f"{url}/v1/embeddings", json={"model": MODEL, "input": "y"}) as resp:
+            assert resp.status == 503
         samples = await scrape(http, url)
         assert metric(samples, "vllm:num_requests_running") == 1.0
-        assert metric(samples, "gpusim:requests_refused_total", reason="queue_full") == 1.0
+        assert metric(samples, "gpusim:requests_refused_total", reason="queue_full") == 2.0
         assert metric(samples, "vllm:kv_cache_usage_perc") > 0.0
 
         long.close()  # the client goes away mid-stream
@@ -376,6 +381,8 @@ async def test_queue_full_is_503_and_a_client_disconnect_frees_the_slot(http: ai
         async with http.post(
             f"{url}/v1/completions", json={"model": MODEL, "prompt": "y", "max_tokens": 1}
         ) as resp:
+            assert resp.status == 200
+        async with http.post(f"{url}/v1/embeddings", json={"model": MODEL, "input": "y"}) as resp:
             assert resp.status == 200
 
 
@@ -609,23 +616,6 @@ async def test_embeddings_are_unit_vectors_timed_as_a_prefill_and_counted_in_the
         assert metric(samples, "vllm:e2e_request_latency_seconds_sum") == pytest.approx(prefills, rel=1e-6)
         assert metric(samples, "vllm:time_to_first_token_seconds_sum") == pytest.approx(prefills, rel=1e-6)
         assert metric(samples, "vllm:e2e_request_latency_seconds_count") == 2
-
-
-async def test_an_embedding_waits_for_a_batch_slot_like_any_request(http: aiohttp.ClientSession) -> None:
-    config = make_config(decode_tokens_per_s=20, max_batch=1, max_queue=0)
-    async with serving(config, "v100-test") as (_, url):
-        payload = {"model": MODEL, "prompt": "x", "max_tokens": 400, "stream": True}
-        long = await http.post(f"{url}/v1/completions", json=payload)
-        assert long.status == 200
-        await long.content.readuntil(b"\n\n")
-        async with http.post(f"{url}/v1/embeddings", json={"model": MODEL, "input": "y"}) as resp:
-            assert resp.status == 503  # the only slot is taken and nothing may queue
-        long.close()
-        await wait_for_metric(http, url, "vllm:num_requests_running", 0.0)
-        async with http.post(f"{url}/v1/embeddings", json={"model": MODEL, "input": "y"}) as resp:
-            assert resp.status == 200
-        samples = await scrape(http, url)
-        assert metric(samples, "gpusim:requests_refused_total", reason="queue_full") == 1
 
 
 async def test_the_openai_sdk_creates_embeddings(v100: tuple[SimulatedEndpoint, str]) -> None:

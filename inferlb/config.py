@@ -484,16 +484,7 @@ class Config(_Frozen):
                 keys[k] = t.name
         # every socket inferlb binds or Envoy dials must be distinct
         taken: dict[str, str] = {}
-        sockets = [
-            ("gateway.listen", self.gateway.listen),
-            ("gateway.admin", self.gateway.admin),
-            ("xds.listen", self.xds.listen),
-            ("ext_proc.listen", self.ext_proc.listen),
-            *((("xds.api_listen", self.xds.api_listen),) if self.xds.api_listen is not None else ()),
-            ("ext_proc.metrics_listen", self.ext_proc.metrics_listen),
-            *((f"endpoints[{i}].address", e.address) for i, e in enumerate(self.endpoints)),
-        ]
-        for field, hp in sockets:
+        for field, hp in self.listen_sockets():
             if str(hp) in taken:
                 problems.append(f"{field}: {hp} is already used by {taken[str(hp)]}")
             else:
@@ -503,6 +494,26 @@ class Config(_Frozen):
         return self
 
     # -- lookups used by the services -------------------------------------------------------------
+    def listen_sockets(self, *, simulated_only: bool = False) -> list[tuple[str, HostPort]]:
+        """``(config field, address)`` of every socket the stack listens on: Envoy's listener and admin,
+        the xDS server's gRPC and HTTP API, ext_proc's gRPC and metrics, and the endpoints (only the
+        simulated ones with ``simulated_only``: the others are not ours to start)."""
+        out = [
+            ("gateway.listen", self.gateway.listen),
+            ("gateway.admin", self.gateway.admin),
+            ("xds.listen", self.xds.listen),
+            ("ext_proc.listen", self.ext_proc.listen),
+            ("ext_proc.metrics_listen", self.ext_proc.metrics_listen),
+        ]
+        if self.xds.api_listen is not None:
+            out.append(("xds.api_listen", self.xds.api_listen))
+        out += [
+            (f"endpoints[{i}].address", e.address)
+            for i, e in enumerate(self.endpoints)
+            if e.simulated or not simulated_only
+        ]
+        return out
+
     def model_by_name(self) -> dict[str, ModelConfig]:
         """Every name and alias -> its model."""
         out: dict[str, ModelConfig] = {}

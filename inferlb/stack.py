@@ -301,15 +301,7 @@ class Stack:
 
     def sockets(self) -> list[tuple[str, HostPort]]:
         """(config field, address) of every socket the stack's processes listen on."""
-        cfg = self.config
-        out = [
-            ("gateway.listen", cfg.gateway.listen),
-            ("gateway.admin", cfg.gateway.admin),
-            ("xds.listen", cfg.xds.listen),
-            ("ext_proc.listen", cfg.ext_proc.listen),
-        ]
-        out += [(f"endpoints[{i}].address", e.address) for i, e in enumerate(cfg.endpoints) if e.simulated]
-        return out
+        return self.config.listen_sockets(simulated_only=True)
 
     # -- run-time --------------------------------------------------------------------------------
     def child(self, name: str) -> Child:

@@ -42,12 +42,14 @@ def make_config_doc(*, fast: bool = True) -> dict[str, Any]:
     requests) while keeping the H100/A100/V100 capacity ratios.
     """
     doc: dict[str, Any] = copy.deepcopy(yaml.safe_load(default_config_path().read_text(encoding="utf-8")))
-    ports = free_ports(4 + len(doc["endpoints"]))
+    ports = free_ports(6 + len(doc["endpoints"]))
     doc["gateway"]["listen"] = f"{LOOPBACK}:{ports[0]}"
     doc["gateway"]["admin"] = f"{LOOPBACK}:{ports[1]}"
     doc["xds"]["listen"] = f"{LOOPBACK}:{ports[2]}"
     doc["ext_proc"]["listen"] = f"{LOOPBACK}:{ports[3]}"
-    for ep, port in zip(doc["endpoints"], ports[4:], strict=True):
+    doc["xds"]["api_listen"] = f"{LOOPBACK}:{ports[4]}"
+    doc["ext_proc"]["metrics_listen"] = f"{LOOPBACK}:{ports[5]}"
+    for ep, port in zip(doc["endpoints"], ports[6:], strict=True):
         ep["address"] = f"{LOOPBACK}:{port}"
     if fast:
         doc["simulation"].update(

@@ -21,7 +21,9 @@ def _norm(doc: dict[str, Any]) -> dict[str, Any]:
     doc["gateway"].pop("listen")
     doc["gateway"].pop("admin")
     doc["xds"].pop("listen")
+    doc["xds"].pop("api_listen")
     doc["ext_proc"].pop("listen")
+    doc["ext_proc"].pop("metrics_listen")
     for e in doc["endpoints"]:
         e.pop("address")
     return doc
@@ -43,8 +45,15 @@ def test_compose_services_are_the_stack_services() -> None:
     # the same modules inferlb.stack.Stack starts with `python -m`
     assert modules == {"gpusim": "gpusim", "xds-server": "xds_server", "ext-proc": "ext_proc"}
     compose = load_config(ROOT / "examples" / "compose.yaml")
-    assert services["xds-server"]["expose"] == [str(compose.xds.listen.port)]
-    assert services["ext-proc"]["expose"] == [str(compose.ext_proc.listen.port)]
+    assert compose.xds.api_listen is not None
+    assert services["xds-server"]["expose"] == [
+        str(compose.xds.listen.port),
+        str(compose.xds.api_listen.port),
+    ]
+    assert services["ext-proc"]["expose"] == [
+        str(compose.ext_proc.listen.port),
+        str(compose.ext_proc.metrics_listen.port),
+    ]
     assert sorted(services["gpusim"]["expose"]) == sorted(str(e.address.port) for e in compose.endpoints)
     assert {compose.xds.listen.host, compose.ext_proc.listen.host} == {"xds-server", "ext-proc"}
     assert services["envoy"]["image"].startswith("envoyproxy/envoy:v1.")

@@ -8,9 +8,11 @@ Not a test: it prints a table. Per ADS mode it
    subscribing to every cluster (CDS wildcard) and every assignment (EDS), ACKing every response;
 3. measures the time until every client holds every assignment (full sync), and the same for Envoy (its
    ``membership_total`` stats add up to the fleet);
-4. ``--rounds`` times, pins new weights on 1% of the endpoints in one fleet-API call (``PUT /v1/weights``)
-   and measures, per client, the time from the call to the EDS update arriving (p50/p99 over all clients
-   and rounds), and for Envoy the time until its per-cluster ``update_success`` counters moved;
+4. ``--rounds`` times, pins new weights on 1% of the endpoints (``--spread random``: anywhere, so about
+   63% of the clusters change; ``--spread cluster``: one cluster's) in one fleet-API call
+   (``PUT /v1/weights``) and measures, per client, the time from the call to the EDS update arriving
+   (p50/p99 over all clients and rounds), and for Envoy the time until its per-cluster ``update_success``
+   counters moved;
 5. reads the server's CPU seconds (``/proc/PID/stat``) and peak RSS (``VmHWM``).
 
 Usage: ``.venv/bin/python bench/xds_scale.py [--endpoints 10000] [--clusters 100] [--clients 100]``
@@ -306,7 +308,12 @@ async def run_mode(mode: str, args: argparse.Namespace, work: Path) -> Result:
             await asyncio.sleep(args.settle_s)
             before = [len(c.arrivals) for c in clients]
             envoy_before = sum(envoy_stats(admin, UPDATE_SUCCESS).values()) if envoy else 0
-            picked = random.sample(keys, max(1, len(keys) // 100))
+            count = max(1, len(keys) // 100)
+            if args.spread == "random":
+                picked = random.sample(keys, count)
+            else:  # the endpoints of as few clusters as possible: one cluster's GPUs re-weighted
+                model = f"model-{rnd % args.clusters:03d}"
+                picked = ([e for e in keys if e.model == model] + keys)[:count]
             weights = {str(e.address): 1000 + rnd * 10 + i % 7 for i, e in enumerate(picked)}
             changed_clusters = len({e.model for e in picked})
             t_send = time.monotonic()
@@ -384,7 +391,8 @@ async def _eds_response_bytes(port: int, names: list[str]) -> int:
 def print_table(results: list[Result], args: argparse.Namespace) -> None:
     print(
         f"\nxds_scale: {args.endpoints} endpoints in {args.clusters} clusters, {args.clients} ADS clients "
-        f"+ {'1 Envoy' if args.envoy else 'no Envoy'}, {args.rounds} rounds of a 1% weight change, "
+        f"+ {'1 Envoy' if args.envoy else 'no Envoy'}, {args.rounds} rounds of a 1% weight change "
+        f"({args.spread} endpoints), "
         f"push_debounce_ms={args.debounce_ms}, {os.cpu_count()} CPUs"
     )
     cols = [
@@ -414,6 +422,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--clients", type=int, default=100)
     p.add_argument("--rounds", type=int, default=5, help="1%% weight changes per mode")
     p.add_argument("--modes", default="sotw,delta")
+    p.add_argument(
+        "--spread",
+        choices=["random", "cluster"],
+        default="random",
+        help="which 1%% changes: random endpoints (touching ~63%% of the clusters) or one cluster's",
+    )
     p.add_argument("--debounce-ms", type=int, default=50, help="xds.push_debounce_ms")
     p.add_argument("--settle-s", type=float, default=0.5, help="pause before each change (s)")
     p.add_argument("--no-envoy", dest="envoy", action="store_false")

@@ -133,15 +133,26 @@ class Snapshot:
     serial: int = 0
 
     @classmethod
-    def from_resources(cls, resources: XdsResources, versions: Mapping[str, str]) -> Snapshot:
+    def from_resources(
+        cls, resources: XdsResources, versions: Mapping[str, str], previous: Snapshot | None = None
+    ) -> Snapshot:
         """Serialize every resource once and freeze the result.
+
+        A resource that is the very same proto object as in ``previous`` (a builder's memo returned it
+        unchanged) reuses its serialization: protos are never mutated once built, so equal identity means
+        equal bytes.
 
         Raises:
             KeyError: ``versions`` lacks a type present in ``resources``.
         """
+
+        def serialized(t: str, n: str, m: Message) -> SnapshotResource:
+            old = previous.resources.get(t, {}).get(n) if previous is not None else None
+            return old if old is not None and old.message is m else _serialize(n, m)
+
         by_type = {
             t: MappingProxyType(
-                {n: _serialize(n, m) for n, m in sorted(resources.by_type.get(t, {}).items())}
+                {n: serialized(t, n, m) for n, m in sorted(resources.by_type.get(t, {}).items())}
             )
             for t in PUSH_ORDER
         }
@@ -268,7 +279,7 @@ class SnapshotCache:
                 published and the current snapshot keeps serving.
         """
         previous = self._snapshots.get(group)
-        draft = Snapshot.from_resources(resources, dict.fromkeys(PUSH_ORDER, ""))
+        draft = Snapshot.from_resources(resources, dict.fromkeys(PUSH_ORDER, ""), previous)
         changed = [t for t in PUSH_ORDER if previous is None or previous.digests(t) != draft.digests(t)]
         draft.check_consistent()
         if previous is not None and not changed:

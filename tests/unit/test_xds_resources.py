@@ -399,3 +399,26 @@ def test_health_check_slow_start_and_failure_percentage() -> None:
     with pytest.raises(ConfigError) as err:
         parse_config(bad)
     assert [f for f, _ in err.value.problems] == ["models[1].cluster.slow_start_window_ms"]
+
+
+def test_memo_rebuilds_only_changed_assignments_and_the_cache_reuses_their_bytes(config: Config) -> None:
+    memo = r.LbEndpointCache()
+    first = r.build_resources(config, lb_cache=memo)
+    cache = SnapshotCache()
+    snap1 = cache.set_resources(first)
+    key = r.endpoint_key(config.endpoints[0])  # h100-0, llama v1
+    second = r.build_resources(config, overrides={key: r.EndpointOverride(weight=55)}, lb_cache=memo)
+    eds1, eds2 = first.by_type[r.ENDPOINT_TYPE], second.by_type[r.ENDPOINT_TYPE]
+    assert eds2["qwen2.5-7b-instruct--v1"] is eds1["qwen2.5-7b-instruct--v1"]
+    assert eds2["llama-3.1-8b-instruct--v1"] is not eds1["llama-3.1-8b-instruct--v1"]
+    # the memo's answer equals a fresh build, byte for byte
+    fresh = r.build_resources(config, overrides={key: r.EndpointOverride(weight=55)})
+    for name, cla in eds2.items():
+        assert cla.SerializeToString(deterministic=True) == fresh.by_type[r.ENDPOINT_TYPE][
+            name
+        ].SerializeToString(deterministic=True)
+    snap2 = cache.set_resources(second)
+    q = "qwen2.5-7b-instruct--v1"
+    assert snap2.resources[r.ENDPOINT_TYPE][q] is snap1.resources[r.ENDPOINT_TYPE][q]
+    assert snap2.version(r.ENDPOINT_TYPE) != snap1.version(r.ENDPOINT_TYPE)
+    assert snap2.version(r.CLUSTER_TYPE) == snap1.version(r.CLUSTER_TYPE)

@@ -4,7 +4,13 @@ Layers, each importing only the ones before it (shared/STYLE.md, item 3):
 
 - :mod:`xds_server.resources`: pure functions from an :class:`inferlb.config.Config` to Envoy v3 protos.
 - :mod:`xds_server.cache`: immutable versioned snapshots, their consistency check, the snapshot cache.
-- :mod:`xds_server.sotw`: the state-of-the-world protocol state of one stream (no I/O).
-- :mod:`xds_server.ads`: the grpcio aio servicer, a thin adapter over the above.
-- :mod:`xds_server.server`: the server lifecycle and the config-file poller; ``__main__`` runs it.
+- :mod:`xds_server.fleet`: fleet API changes (register, drain, deregister, weight pins) as pure values.
+- :mod:`xds_server.sotw` / :mod:`xds_server.delta`: the state-of-the-world and Delta protocol state of one
+  stream (no I/O).
+- :mod:`xds_server.coalesce`: push coalescing (debounce with a staleness bound).
+- :mod:`xds_server.ads`: the grpcio aio ADS servicer (both modes); :mod:`xds_server.per_type`: CDS, EDS,
+  LDS, RDS on the same streams.
+- :mod:`xds_server.metrics` and :mod:`xds_server.http_api`: Prometheus metrics and the HTTP API.
+- :mod:`xds_server.server`: the server lifecycle, the config-file poller and the entry points for
+  fleet and telemetry changes; ``__main__`` runs it.
 """

@@ -205,12 +205,32 @@ class AggregatedDiscoveryServicer(ads_pb2_grpc.AggregatedDiscoveryServiceService
             "delta", DeltaStream(control_plane_id=self._cache.instance_id), request_iterator, context
         )
 
+    async def serve_stream(
+        self,
+        mode: Mode,
+        request_iterator: AsyncIterator[Any],
+        context: grpc.aio.ServicerContext[Any, Any],
+        *,
+        only_type: str | None = None,
+    ) -> None:
+        """Serve one stream of either mode; ``only_type`` restricts it to one resource type (the per-type
+        discovery services of :mod:`xds_server.per_type`: requests for other types are ignored)."""
+        cp = self._cache.instance_id
+        stream: SotwStream | DeltaStream = (
+            SotwStream(control_plane_id=cp, only_type=only_type)
+            if mode == "sotw"
+            else DeltaStream(control_plane_id=cp, only_type=only_type)
+        )
+        await self._serve(mode, stream, request_iterator, context, only_type=only_type)
+
     async def _serve(
         self,
         mode: Mode,
         stream: SotwStream | DeltaStream,
         request_iterator: AsyncIterator[Any],
         context: grpc.aio.ServicerContext[Any, Any],
+        *,
+        only_type: str | None = None,
     ) -> None:
         stream_id = next(self._stream_ids)
         proto: _Protocol = stream
@@ -223,7 +243,9 @@ class AggregatedDiscoveryServicer(ads_pb2_grpc.AggregatedDiscoveryServiceService
                 inputs.put_nowait(_SnapshotPublished(group=group))
 
         unsubscribe = self._cache.subscribe(on_publish)
-        reader = asyncio.create_task(_read_requests(request_iterator, inputs), name=f"ads-reader-{stream_id}")
+        reader = asyncio.create_task(
+            _read_requests(request_iterator, inputs, only_type), name=f"xds-reader-{stream_id}"
+        )
         client = ConnectedClient(
             stream_id=stream_id, mode=mode, peer=context.peer() or "", connected_at=time.time(), state=stream
         )
@@ -309,9 +331,14 @@ class AggregatedDiscoveryServicer(ads_pb2_grpc.AggregatedDiscoveryServiceService
                 )  # fmt: skip
 
 
-async def _read_requests(request_iterator: AsyncIterator[Any], inputs: asyncio.Queue[_StreamInput]) -> None:
+async def _read_requests(
+    request_iterator: AsyncIterator[Any], inputs: asyncio.Queue[_StreamInput], only_type: str | None = None
+) -> None:
     try:
         async for request in request_iterator:
+            # a per-type service (CDS, EDS, ...) serves its own type: requests may leave type_url empty
+            if only_type is not None and not request.type_url:
+                request.type_url = only_type
             inputs.put_nowait(request)
     except asyncio.CancelledError:
         raise

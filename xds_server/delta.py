@@ -91,6 +91,8 @@ class DeltaStream:
     """
 
     control_plane_id: str = ""
+    #: serve this type only (a per-type discovery service); requests for others are ignored
+    only_type: str | None = None
     node: base_pb2.Node | None = None
     types: dict[str, DeltaTypeState] = field(default_factory=dict)
     _nonces: itertools.count[int] = field(default_factory=lambda: itertools.count(1))
@@ -116,7 +118,7 @@ class DeltaStream:
         if self.node is None and request.HasField("node"):
             self.node = request.node
         t = request.type_url
-        if t not in PUSH_ORDER:
+        if t not in PUSH_ORDER or (self.only_type is not None and t != self.only_type):
             return DeltaStep(events=(UnknownTypeIgnored(type_url=t),))
         events: list[StreamEvent] = []
         state = self.types.get(t)

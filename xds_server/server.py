@@ -43,6 +43,7 @@ from xds_server.fleet import (
 )
 from xds_server.http_api import HttpApi
 from xds_server.metrics import XdsMetrics
+from xds_server.per_type import add_per_type_services
 from xds_server.resources import LbEndpointCache, build_resources
 
 log = logging.getLogger("xds_server")
@@ -220,6 +221,7 @@ class XdsServer:
         host, port = self._bind or (config.xds.listen.host, config.xds.listen.port)
         server = grpc.aio.server()
         ads_pb2_grpc.add_AggregatedDiscoveryServiceServicer_to_server(self.servicer, server)
+        add_per_type_services(server, self.servicer, self.cache)
         address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
         try:
             bound = server.add_insecure_port(address)

@@ -137,6 +137,8 @@ class SotwStream:
     """
 
     control_plane_id: str = ""
+    #: serve this type only (a per-type discovery service); requests for others are ignored
+    only_type: str | None = None
     node: base_pb2.Node | None = None
     types: dict[str, TypeState] = field(default_factory=dict)
     _nonces: itertools.count[int] = field(default_factory=lambda: itertools.count(1))
@@ -160,7 +162,7 @@ class SotwStream:
         if self.node is None and request.HasField("node"):
             self.node = request.node
         t = request.type_url
-        if t not in PUSH_ORDER:
+        if t not in PUSH_ORDER or (self.only_type is not None and t != self.only_type):
             return Step(events=(UnknownTypeIgnored(type_url=t),))
         names = frozenset(request.resource_names)
         state = self.types.get(t)

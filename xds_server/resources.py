@@ -234,11 +234,17 @@ def build_listener(config: Config) -> listener_pb2.Listener:
         grpc_service=grpc_service_pb2.GrpcService(
             envoy_grpc=grpc_service_pb2.GrpcService.EnvoyGrpc(cluster_name=EXT_PROC_CLUSTER)
         ),
+        # ext_proc.account_responses: ext_proc meters the response (usage) to settle quota, so Envoy sends
+        # it the response headers and streams it the body chunks as they pass
         processing_mode=processing_mode_pb2.ProcessingMode(
             request_header_mode=processing_mode_pb2.ProcessingMode.SEND,
-            response_header_mode=processing_mode_pb2.ProcessingMode.SKIP,
+            response_header_mode=processing_mode_pb2.ProcessingMode.SEND
+            if config.ext_proc.account_responses
+            else processing_mode_pb2.ProcessingMode.SKIP,
             request_body_mode=processing_mode_pb2.ProcessingMode.BUFFERED,
-            response_body_mode=processing_mode_pb2.ProcessingMode.NONE,
+            response_body_mode=processing_mode_pb2.ProcessingMode.STREAMED
+            if config.ext_proc.account_responses
+            else processing_mode_pb2.ProcessingMode.NONE,
             request_trailer_mode=processing_mode_pb2.ProcessingMode.SKIP,
             response_trailer_mode=processing_mode_pb2.ProcessingMode.SKIP,
         ),

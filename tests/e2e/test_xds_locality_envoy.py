@@ -73,7 +73,8 @@ async def test_failover_priorities_health_checks_and_slow_start_reach_envoy(
     doc = yaml.safe_load(default_config_path().read_text(encoding="utf-8"))
     doc["gateway"].update(listen=f"127.0.0.1:{gw}", admin=f"127.0.0.1:{admin}", region="eu", zone="a")
     doc["xds"].update(listen=f"127.0.0.1:{xds}", push_debounce_ms=20)
-    doc["ext_proc"].update(listen=f"127.0.0.1:{ext_proc}", failure_mode_allow=True)
+    # response metering on: Envoy must take the ext_proc filter with response headers SEND, body STREAMED
+    doc["ext_proc"].update(listen=f"127.0.0.1:{ext_proc}", failure_mode_allow=True, account_responses=True)
     for endpoint, port in zip(doc["endpoints"], eps, strict=True):
         endpoint["address"] = f"127.0.0.1:{port}"
     doc["models"][1]["cluster"] = {
@@ -152,7 +153,7 @@ async def test_failover_priorities_health_checks_and_slow_start_reach_envoy(
         # the own zone recovers: its GPU passes the next check
         health.status[ports["h100-1"]] = 200
         await _poll(hosts, lambda h: not h["h100-1"]["failed_hc"], "the own-zone GPU healthy again")
-        assert server.servicer.stats.nacks == 0
+        assert server.servicer.stats.nacks == 0  # the listener (metering ext_proc) and clusters were taken
         assert envoy.returncode is None, log.read_text(errors="replace")
     finally:
         if envoy.returncode is None:

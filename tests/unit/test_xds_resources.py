@@ -210,6 +210,13 @@ def test_ext_proc_filter_settings() -> None:
     assert ep.message_timeout.ToMilliseconds() == 7000
     assert ep.failure_mode_allow is True
     assert ep.allow_mode_override is False
+    # ext_proc meters responses (quota settled with the real usage): Envoy sends it response headers and
+    # streams the body
+    doc["ext_proc"]["account_responses"] = True
+    metered = ext_proc_pb2.ExternalProcessor()
+    assert _hcm(r.build_listener(parse_config(doc))).http_filters[0].typed_config.Unpack(metered)
+    pm = metered.processing_mode
+    assert (pm.response_header_mode, pm.response_body_mode) == (mode.SEND, mode.STREAMED)
 
 
 def test_routes_per_version_with_high_priority_variant_first(config: Config) -> None:

@@ -26,7 +26,7 @@ from __future__ import annotations
 import hmac
 import json
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
@@ -59,9 +59,10 @@ class HttpApi:
     Args:
         server: the xDS server whose fleet it changes and whose streams it reports.
         token: the bearer token ``/v1`` routes require; None refuses them all (503).
+        routes: extra routes (the ``/v1/`` ones behind the same token check).
     """
 
-    def __init__(self, server: XdsServer, *, token: str | None) -> None:
+    def __init__(self, server: XdsServer, *, token: str | None, routes: Sequence[web.RouteDef] = ()) -> None:
         self._server = server
         self._token = token.encode() if token else None
         self._runner: web.AppRunner | None = None
@@ -75,6 +76,7 @@ class HttpApi:
         app.router.add_put("/v1/endpoints/{key}/weight", self._weight)
         app.router.add_put("/v1/weights", self._weights)
         app.router.add_get("/v1/clients", self._clients)
+        app.router.add_routes(routes)
         self.app = app
 
     async def start(self, host: str, port: int) -> int:

@@ -20,13 +20,14 @@ import hashlib
 import logging
 import socket
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import grpc
 import yaml
+from aiohttp import web
 from envoy.service.discovery.v3 import ads_pb2_grpc
 
 from inferlb.config import Config, EndpointConfig, HostPort, parse_config
@@ -140,6 +141,8 @@ class XdsServer:
         api_bind: ``(host, port)`` for the HTTP API instead of ``xds.api_listen`` (port 0: a free one).
         api_token: the fleet API bearer token, overriding ``xds.api_token`` (``__main__`` passes
             ``INFERLB_XDS_API_TOKEN`` here).
+        api_routes: more aiohttp routes for the HTTP API (e.g. a telemetry intake that calls
+            :meth:`set_telemetry_weights`); routes under ``/v1/`` get the same bearer-token check.
 
     Attributes:
         cache, servicer: the snapshot cache and the ADS servicer (its ``stats`` and ``clients``).
@@ -162,6 +165,7 @@ class XdsServer:
         poll_interval_s: float = DEFAULT_POLL_INTERVAL_S,
         api_bind: tuple[str, int] | None = None,
         api_token: str | None = None,
+        api_routes: Sequence[web.RouteDef] = (),
     ) -> None:
         self.config_path = Path(config_path)
         self.cache = cache or SnapshotCache()
@@ -181,6 +185,7 @@ class XdsServer:
         self._bind = bind
         self._api_bind = api_bind
         self._api_token = api_token
+        self._api_routes = tuple(api_routes)
         self._poll_interval_s = poll_interval_s
         self._digest = ""
         self._server: grpc.aio.Server | None = None
@@ -242,7 +247,7 @@ class XdsServer:
             return
         host, port = self._api_bind or (listen.host, listen.port)  # type: ignore[union-attr]
         token = self._api_token or config.xds.api_token
-        api = HttpApi(self, token=token)
+        api = HttpApi(self, token=token, routes=self._api_routes)
         self.api_port = await api.start(host, port)
         self._api = api
 

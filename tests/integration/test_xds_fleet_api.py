@@ -13,6 +13,7 @@ import aiohttp
 import grpc
 import pytest
 import yaml
+from aiohttp import web
 from envoy.config.core.v3 import health_check_pb2
 from envoy.config.endpoint.v3 import endpoint_pb2
 from envoy.service.discovery.v3 import ads_pb2_grpc, discovery_pb2
@@ -235,3 +236,31 @@ async def test_batch_weights_are_one_change_and_all_or_nothing(
     status, _ = await http("PUT", "/v1/weights", {"weights": {"127.0.0.1:8006": 0}})
     assert status == 400
     assert server.fleet.weight_overrides["127.0.0.1:8006"] == 101
+
+
+async def test_extra_routes_share_the_token_check(config_file: Path) -> None:
+    async def intake(request: web.Request) -> web.Response:
+        body = await request.json()
+        srv.set_telemetry_weights(body["weights"])
+        return web.json_response({"ok": True})
+
+    srv = XdsServer(
+        config_file,
+        bind=("127.0.0.1", 0),
+        api_bind=("127.0.0.1", 0),
+        api_token=TOKEN,
+        api_routes=[web.post("/v1/telemetry/weights", intake)],
+    )
+    await srv.start()
+    try:
+        url = f"http://127.0.0.1:{srv.api_port}/v1/telemetry/weights"
+        async with aiohttp.ClientSession() as s:
+            async with s.post(url, json={"weights": {"127.0.0.1:8006": 61}}) as resp:
+                assert resp.status == 401
+            async with s.post(url, json={"weights": {"127.0.0.1:8006": 61}}, headers=AUTH) as resp:
+                assert resp.status == 200
+        await _until(
+            lambda: _hosts(srv, QWEN)["h100-1"].load_balancing_weight.value == 61, "the intake weight"
+        )
+    finally:
+        await srv.stop(0)

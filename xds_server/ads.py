@@ -65,6 +65,9 @@ def _short(type_url: str) -> str:
     return type_url.rsplit(".", 1)[-1]
 
 
+#: gRPC's default maximum receive message size (bytes).
+GRPC_DEFAULT_MAX_MESSAGE = 4 * 1024 * 1024
+
 Mode = Literal["sotw", "delta"]
 MODES: tuple[Mode, ...] = ("sotw", "delta")
 
@@ -80,6 +83,7 @@ class AdsStats:
         last_nack: the most recent NACK (node id, type, rejected version, detail), or None.
         pushes: ``{(mode, type_url): responses written}``; ``nacks_by``: ``{(mode, type_url): NACKs}``.
         streams_by_mode: ``{mode: streams opened}``.
+        oversized_responses: responses over gRPC's 4 MiB default message size (logged as warnings).
     """
 
     streams_opened: int = 0
@@ -93,6 +97,7 @@ class AdsStats:
     pushes: Counter[tuple[str, str]] = field(default_factory=Counter)
     nacks_by: Counter[tuple[str, str]] = field(default_factory=Counter)
     streams_by_mode: Counter[str] = field(default_factory=Counter)
+    oversized_responses: int = 0
 
 
 class _Protocol(Protocol):
@@ -293,6 +298,14 @@ class AggregatedDiscoveryServicer(ads_pb2_grpc.AggregatedDiscoveryServiceService
             case ResponseSent():
                 s.responses_sent += 1
                 s.pushes[(mode, event.type_url)] += 1
+                if event.byte_size > GRPC_DEFAULT_MAX_MESSAGE:
+                    # a SotW response carries every resource of its type: only Delta can split it
+                    s.oversized_responses += 1
+                    log.warning(
+                        "ads %s stream %d node %r: %s response of %d bytes is over gRPC's 4 MiB default; "
+                        "clients may refuse it (Delta ADS splits large pushes)",
+                        mode, stream_id, node, _short(event.type_url), event.byte_size,
+                    )  # fmt: skip
                 log.debug(
                     "ads %s stream %d node %r: sent %s version %s nonce %s (%d resources)",
                     mode, stream_id, node, _short(event.type_url), event.version, event.nonce,

@@ -14,6 +14,8 @@ bytes), so a push sends only the resources whose bytes changed and names the one
   any nonce still pending counts, and an unknown one is stale and ignored;
 - a NACK (``error_detail``) is reported and not answered: the rejected versions count as sent, so they are
   never resent; the next change to those resources is;
+- responses stay under gRPC's 4 MB default: a bigger push is split into several responses
+  (:attr:`DeltaStream.max_response_bytes`);
 - a snapshot push sends, per subscribed type in :data:`PUSH_ORDER`, the resources whose version differs
   from what the client holds, resending a cluster's assignment whenever the cluster itself was sent
   (warming, envoy#31535) and the routes whenever a listener was; removals go in a second pass, in reverse
@@ -29,7 +31,7 @@ from dataclasses import dataclass, field
 from envoy.config.core.v3 import base_pb2
 from envoy.service.discovery.v3 import discovery_pb2
 
-from xds_server.cache import Snapshot
+from xds_server.cache import Snapshot, SnapshotResource
 from xds_server.resources import CLUSTER_TYPE, ENDPOINT_TYPE, LISTENER_TYPE, PUSH_ORDER, ROUTE_TYPE
 from xds_server.sotw import (
     AckReceived,
@@ -44,6 +46,10 @@ from xds_server.sotw import (
 #: Types a subscription with no names subscribes to in full (legacy wildcard, xds_protocol).
 WILDCARD_TYPES = frozenset({CLUSTER_TYPE, LISTENER_TYPE})
 WILDCARD = "*"
+#: gRPC's default maximum message size is 4 MiB; stay well under it (headers, framing, nonce, names).
+MAX_RESPONSE_BYTES = 4 * 1024 * 1024 - 64 * 1024
+#: Per-resource framing estimate in a response (Resource tags, version, Any type URL) (bytes).
+RESOURCE_OVERHEAD_BYTES = 128
 #: The type whose resources are resent (by the same name) after the key type's were in one push.
 _RESEND_AFTER = {ENDPOINT_TYPE: CLUSTER_TYPE, ROUTE_TYPE: LISTENER_TYPE}
 
@@ -93,6 +99,9 @@ class DeltaStream:
     control_plane_id: str = ""
     #: serve this type only (a per-type discovery service); requests for others are ignored
     only_type: str | None = None
+    #: split a push whose resources add up to more than this into several responses (gRPC clients
+    #: refuse messages over 4 MB by default; a single larger resource still goes alone)
+    max_response_bytes: int = MAX_RESPONSE_BYTES
     node: base_pb2.Node | None = None
     types: dict[str, DeltaTypeState] = field(default_factory=dict)
     _nonces: itertools.count[int] = field(default_factory=lambda: itertools.count(1))
@@ -150,10 +159,8 @@ class DeltaStream:
             events.append(SubscriptionOpened(type_url=t, resource_names=names))
         if snapshot is None or not (opened or added):
             return DeltaStep(events=tuple(events))
-        response = self._diff(t, state, snapshot, updates=True, removals=True, answer_empty=opened)
-        if response is None:
-            return DeltaStep(events=tuple(events))
-        return DeltaStep(responses=(response,), events=(*events, self._sent(response)))
+        responses = self._diff(t, state, snapshot, updates=True, removals=True, answer_empty=opened)
+        return DeltaStep(responses=tuple(responses), events=(*events, *(self._sent(x) for x in responses)))
 
     def _ack_or_nack(
         self, t: str, state: DeltaTypeState, request: discovery_pb2.DeltaDiscoveryRequest
@@ -193,17 +200,15 @@ class DeltaStream:
                 force = sent_names.get(CLUSTER_TYPE, set())
             elif key == LISTENER_TYPE and sent_names.get(LISTENER_TYPE):
                 force = snapshot.resources.get(t, {}).keys()
-            response = self._diff(t, state, snapshot, updates=True, removals=False, force=force)
-            if response is not None:
-                responses.append(response)
-                sent_names[t] = {r.name for r in response.resources}
+            chunks = self._diff(t, state, snapshot, updates=True, removals=False, force=force)
+            responses.extend(chunks)
+            if chunks:
+                sent_names[t] = {r.name for x in chunks for r in x.resources}
         for t in reversed(PUSH_ORDER):
             state = self.types.get(t)
             if state is None:
                 continue
-            response = self._diff(t, state, snapshot, updates=False, removals=True)
-            if response is not None:
-                responses.append(response)
+            responses.extend(self._diff(t, state, snapshot, updates=False, removals=True))
         return DeltaStep(responses=tuple(responses), events=tuple(self._sent(r) for r in responses))
 
     def _diff(
@@ -216,39 +221,58 @@ class DeltaStream:
         removals: bool,
         force: Collection[str] = (),
         answer_empty: bool = False,
-    ) -> discovery_pb2.DeltaDiscoveryResponse | None:
+    ) -> list[discovery_pb2.DeltaDiscoveryResponse]:
+        """The responses that bring the client up to date for one type: none when it is, else one, or
+        several when the resources add up to more than :attr:`max_response_bytes` (each chunk is a
+        complete Delta response with its own nonce; removals ride the last one)."""
         table = snapshot.resources.get(t, {})
-        changed: list[discovery_pb2.Resource] = []
+        changed: list[SnapshotResource] = []
         if updates:
             names: Collection[str] = table.keys() if state.wildcard else sorted(state.names)
             held = state.client_versions
             for name in names:
                 r = table.get(name)
                 if r is not None and (held.get(name) != r.version or name in force):
-                    changed.append(r.delta)
+                    changed.append(r)
         removed: list[str] = []
         if removals:
             removed = sorted(n for n in state.client_versions if n not in table)
         if not changed and not removed and not answer_empty:
-            return None
-        nonce = str(next(self._nonces))
-        version = snapshot.version(t)
-        record: dict[str, str | None] = {r.name: r.version for r in changed}
+            return []
+        chunks: list[list[SnapshotResource]] = [[]]
+        size = 0
         for r in changed:
-            state.client_versions[r.name] = r.version
-        for name in removed:
-            state.client_versions.pop(name, None)
-            record[name] = None
-        state.pending[nonce] = (version, record)
+            cost = len(r.packed.value) + len(r.name) + RESOURCE_OVERHEAD_BYTES
+            if chunks[-1] and size + cost > self.max_response_bytes:
+                chunks.append([])
+                size = 0
+            chunks[-1].append(r)
+            size += cost
+        version = snapshot.version(t)
+        out = []
+        for i, chunk in enumerate(chunks):
+            last = i == len(chunks) - 1
+            nonce = str(next(self._nonces))
+            record: dict[str, str | None] = {r.name: r.version for r in chunk}
+            for r in chunk:
+                state.client_versions[r.name] = r.version
+            if last:
+                for name in removed:
+                    state.client_versions.pop(name, None)
+                    record[name] = None
+            state.pending[nonce] = (version, record)
+            out.append(
+                discovery_pb2.DeltaDiscoveryResponse(
+                    system_version_info=version,
+                    type_url=t,
+                    nonce=nonce,
+                    resources=[r.delta for r in chunk],
+                    removed_resources=removed if last else [],
+                    control_plane=base_pb2.ControlPlane(identifier=self.control_plane_id),
+                )
+            )
         state.sent_version = version
-        return discovery_pb2.DeltaDiscoveryResponse(
-            system_version_info=version,
-            type_url=t,
-            nonce=nonce,
-            resources=changed,
-            removed_resources=removed,
-            control_plane=base_pb2.ControlPlane(identifier=self.control_plane_id),
-        )
+        return out
 
     @staticmethod
     def _sent(response: discovery_pb2.DeltaDiscoveryResponse) -> ResponseSent:
@@ -257,6 +281,7 @@ class DeltaStream:
             version=response.system_version_info,
             nonce=response.nonce,
             resource_count=len(response.resources),
+            byte_size=sum(len(r.resource.value) for r in response.resources),
         )
 
 

@@ -53,6 +53,8 @@ class ResponseSent:
     version: str
     nonce: str
     resource_count: int
+    #: serialized size of the resources carried (bytes): gRPC clients refuse messages over 4 MiB
+    byte_size: int = 0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -245,5 +247,11 @@ class SotwStream:
             control_plane=base_pb2.ControlPlane(identifier=self.control_plane_id),
         )
         state.sent_version, state.sent_nonce, state.sent_names = version, nonce, names
-        sent = ResponseSent(type_url=t, version=version, nonce=nonce, resource_count=len(selected))
+        sent = ResponseSent(
+            type_url=t,
+            version=version,
+            nonce=nonce,
+            resource_count=len(selected),
+            byte_size=sum(len(r.packed.value) for r in selected),
+        )
         return Step(responses=(response,), events=(*events, sent))

@@ -18,6 +18,7 @@ from envoy.service.discovery.v3 import ads_pb2_grpc, discovery_pb2
 from google.rpc import status_pb2
 
 from inferlb.config import default_config_path
+from xds_server import ads
 from xds_server import resources as r
 from xds_server.server import XdsServer
 
@@ -274,3 +275,19 @@ async def test_staleness_is_bounded_while_changes_keep_coming(
     # 2.5 s of changes: pushes at ~1.0 and ~2.0 s (a quiet-period debounce alone would give none)
     assert server.coalescer.publishes - published >= 2
     await _until(lambda: not server.coalescer.pending, "the last burst to be pushed")  # type: ignore[union-attr]
+
+
+async def test_oversized_sotw_responses_are_counted_and_logged(
+    server: XdsServer, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(ads, "GRPC_DEFAULT_MAX_MESSAGE", 100)  # the default config's EDS is ~2 KB
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        call = ads_pb2_grpc.AggregatedDiscoveryServiceStub(channel).StreamAggregatedResources()
+        await call.write(
+            discovery_pb2.DiscoveryRequest(type_url=r.ENDPOINT_TYPE, resource_names=CLUSTERS, node=NODE)
+        )
+        resp = await asyncio.wait_for(call.read(), WAIT_S)
+        assert len(resp.resources) == 3
+        call.cancel()
+    await _until(lambda: server.servicer.stats.oversized_responses == 1, "the oversized response counted")
+    assert any("over gRPC's 4 MiB default" in rec.getMessage() for rec in caplog.records)

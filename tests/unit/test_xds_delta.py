@@ -193,3 +193,22 @@ def test_unknown_nonce_is_stale_and_ignored() -> None:
     step = stream.handle_request(_req(r.CLUSTER_TYPE, nonce="999"), snap)
     assert step.responses == ()
     assert isinstance(step.events[0], StaleNonceIgnored)
+
+
+def test_a_push_larger_than_the_response_limit_is_split_into_chunks() -> None:
+    cache = SnapshotCache()
+    snap = _snapshot(cache)
+    sizes = {n: len(res.packed.value) for n, res in snap.resources[r.ENDPOINT_TYPE].items()}
+    limit = max(sizes.values()) + 200  # room for about one assignment per response
+    stream = DeltaStream(max_response_bytes=limit)
+    step = stream.handle_request(_req(r.ENDPOINT_TYPE, subscribe=CLUSTERS), snap)
+    assert len(step.responses) >= 2
+    got = [res.name for resp in step.responses for res in resp.resources]
+    assert sorted(got) == CLUSTERS  # every assignment once, across the chunks
+    assert len({resp.nonce for resp in step.responses}) == len(step.responses)
+    for resp in step.responses:
+        assert sum(len(res.resource.value) for res in resp.resources) <= limit
+    # each chunk is ACKed on its own nonce
+    for resp in step.responses:
+        ack = stream.handle_request(_req(r.ENDPOINT_TYPE, nonce=resp.nonce), snap)
+        assert isinstance(ack.events[0], AckReceived)

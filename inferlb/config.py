@@ -3,7 +3,8 @@
 Shape (see README "Config reference" and ``examples/local.yaml``)::
 
     gateway:    {listen, admin, max_request_body_bytes, ...}   # the Envoy side
-    xds:        {listen, push_debounce_ms, push_max_delay_ms, api_listen, api_token, drain_period_ms}
+    xds:        {listen, push_debounce_ms, push_max_delay_ms, api_listen, api_token, drain_period_ms,
+                 node_groups}
     ext_proc:   {listen, message_timeout_ms, failure_mode_allow, account_responses, quota_backend, ...}
     gpu_profiles: {H100: {relative_capacity: 3.4, ...}, ...}
     models:     [{name, aliases, context_length, versions: [{name, traffic_percent}], cluster: {...}}]
@@ -115,6 +116,13 @@ class GatewayConfig(_Frozen):
     zone: str = "a"
 
 
+class NodeGroup(_Frozen):
+    """Where the Envoys of one node group (one ``node.cluster``) run."""
+
+    region: str
+    zone: str
+
+
 class XdsConfig(_Frozen):
     """Our xDS control server."""
 
@@ -132,6 +140,10 @@ class XdsConfig(_Frozen):
     #: How long a drained endpoint stays in its cluster as DRAINING (no new requests, in-flight ones
     #: finish) before it is removed (ms).
     drain_period_ms: Annotated[int, Field(ge=0, le=3_600_000)] = 30_000
+    #: Snapshots per node group: Envoys whose ``node.cluster`` is a key here run in that locality and get
+    #: their own snapshot, with each model's ``cluster.failover`` priorities relative to it; other Envoys
+    #: get the default snapshot (relative to ``gateway.region``/``gateway.zone``).
+    node_groups: dict[str, NodeGroup] = {}
 
 
 class ExtProcConfig(_Frozen):

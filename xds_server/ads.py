@@ -265,8 +265,12 @@ class AggregatedDiscoveryServicer(ads_pb2_grpc.AggregatedDiscoveryServiceService
                     if item.error is not None:
                         log.info("ads stream %d (node %r) ended: %s", stream_id, proto.node_id, item.error)
                     return
-                snapshot: Snapshot | None = self._cache.snapshot_for(proto.node_cluster)
                 pushed = isinstance(item, _SnapshotPublished)
+                if not isinstance(item, _SnapshotPublished) and stream.node is None and item.HasField("node"):
+                    # the node (sent on the first request only) picks the snapshot group: take it before
+                    # choosing the snapshot that answers this very request
+                    stream.node = item.node
+                snapshot: Snapshot | None = self._cache.snapshot_for(proto.node_cluster)
                 if pushed:
                     woken[0] = False
                     if snapshot is None:

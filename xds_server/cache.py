@@ -298,6 +298,23 @@ class SnapshotCache:
             watcher(group, snapshot)
         return snapshot
 
+    def groups(self) -> list[str]:
+        """The groups that have a snapshot."""
+        return list(self._snapshots)
+
+    def drop(self, group: str) -> None:
+        """Forget a group's snapshot (its nodes fall back to the default group's) and wake every watcher
+        with the default snapshot, so streams of that group move over at once. The default group cannot be
+        dropped (ValueError)."""
+        if group == DEFAULT_GROUP:
+            raise ValueError("the default snapshot group cannot be dropped")
+        if self._snapshots.pop(group, None) is None:
+            return
+        default = self._snapshots.get(DEFAULT_GROUP)
+        if default is not None:
+            for watcher in list(self._watchers.values()):
+                watcher(DEFAULT_GROUP, default)
+
     def subscribe(self, watcher: SnapshotWatcher) -> Callable[[], None]:
         """Register a watcher; returns the function that unregisters it (idempotent)."""
         key = next(self._watcher_ids)

@@ -194,8 +194,8 @@ class XdsServer:
         self._drain_wake = asyncio.Event()
         self._started_listen: HostPort | None = None
         self._api: Any = None
-        self._lb_cache = LbEndpointCache()
-        self._lb_cache_owner: Config | None = None
+        self._groups: dict[str, tuple[Config, LbEndpointCache]] = {}
+        self._groups_owner: Config | None = None
         self._known_keys: set[str] = set()
         self._known_owner: Config | None = None
 
@@ -334,34 +334,51 @@ class XdsServer:
         else:
             self.coalescer.changed()
 
+    def _group_configs(self) -> dict[str, tuple[Config, LbEndpointCache]]:
+        """Per snapshot group: the config it is built from and its memo. The default group is the effective
+        config; each ``xds.node_groups`` entry is that config with the gateway moved to the group's
+        locality. Rebuilt (memos emptied) when the effective config changes; memos are bounded so a stream
+        of telemetry weights cannot grow them forever."""
+        eff = self.effective
+        assert eff is not None
+        bound = 4 * len(eff.endpoints) + 1024
+        if self._groups_owner is not eff or any(len(m) > bound for _, m in self._groups.values()):
+            groups = {DEFAULT_GROUP: (eff, LbEndpointCache())}
+            for name, g in eff.xds.node_groups.items():
+                # model_copy shares the endpoint objects, so the memo keys (object ids) stay valid
+                gateway = eff.gateway.model_copy(update={"region": g.region, "zone": g.zone})
+                groups[name] = (eff.model_copy(update={"gateway": gateway}), LbEndpointCache())
+            self._groups, self._groups_owner = groups, eff
+        return self._groups
+
     def _publish_now(self, changed_at: float, *, raise_errors: bool = False) -> None:
-        """Build the snapshot of the current inputs and publish it (the coalescer's publish callback)."""
+        """Build the snapshots of the current inputs (the default group and each ``xds.node_groups``
+        group) and publish them (the coalescer's publish callback)."""
         assert self.effective is not None
         source = str(self.config_path)
         overrides = effective_overrides(self.fleet, self.telemetry_weights)
-        # the endpoint memo is keyed by endpoint object ids: valid only for the Config it was built from
-        # (kept referenced here), and bounded so a stream of telemetry weights cannot grow it forever
-        bound = 4 * len(self.effective.endpoints) + 1024
-        if self._lb_cache_owner is not self.effective or len(self._lb_cache) > bound:
-            self._lb_cache = LbEndpointCache()
-            self._lb_cache_owner = self.effective
+        groups = self._group_configs()
         try:
-            resources = build_resources(
-                self.effective,
-                source,
-                resolved_hosts=self.resolved_hosts,
-                overrides=overrides,
-                lb_cache=self._lb_cache,
-            )
-            snapshot = self.cache.set_resources(resources, group=DEFAULT_GROUP, changed_at=changed_at)
+            built = {
+                group: build_resources(
+                    config, source, resolved_hosts=self.resolved_hosts, overrides=overrides, lb_cache=memo
+                )
+                for group, (config, memo) in groups.items()
+            }
+            for group, resources in built.items():
+                self.cache.set_resources(resources, group=group, changed_at=changed_at)
         except (ConfigError, SnapshotInconsistentError) as exc:
             if raise_errors:
                 raise
             self.publish_errors += 1
             log.error("snapshot refused, the last good one keeps serving: %s", exc)
             return
+        for stale in set(self.cache.groups()) - set(groups):
+            self.cache.drop(stale)  # a node group left the config: its Envoys fall back to the default
+        snapshot = self.cache.snapshot()
+        assert snapshot is not None
         versions = ", ".join(f"{t.rsplit('.', 1)[-1]}={v}" for t, v in snapshot.versions.items())
-        log.info("snapshot published: %s", versions)
+        log.info("snapshot published (%d groups): %s", len(groups), versions)
 
     # -- telemetry weights ----------------------------------------------------------------------------
     def set_telemetry_weights(self, weights: Mapping[str, int]) -> None:

@@ -14,7 +14,8 @@ Series (``mode`` is ``sotw`` or ``delta``; ``type`` the short xDS type name, e.g
 - ``inferlb_xds_nacks_total{mode,type}``; ``inferlb_xds_acks_total``; ``inferlb_xds_stale_nonces_total``.
 - ``inferlb_xds_snapshot_serial{type}``: the ``<n>`` of the type's current version ``<instance>-<n>``;
   ``inferlb_xds_snapshots_published_total``; ``inferlb_xds_config_reload_errors_total``;
-  ``inferlb_xds_publish_errors_total``; ``inferlb_xds_fleet_endpoints{state}``.
+  ``inferlb_xds_publish_errors_total``; ``inferlb_xds_fleet_endpoints{state}``;
+  ``inferlb_xds_oversized_responses_total``; ``inferlb_xds_snapshot_groups``.
 """
 
 from __future__ import annotations
@@ -72,6 +73,14 @@ class _StateCollector(Collector):
         yield responses
         yield nacks
         yield CounterMetricFamily("inferlb_xds_acks", "ACKs received", value=stats.acks)
+        yield CounterMetricFamily(
+            "inferlb_xds_oversized_responses",
+            "Responses over gRPC's 4 MiB default message size",
+            value=stats.oversized_responses,
+        )
+        yield GaugeMetricFamily(
+            "inferlb_xds_snapshot_groups", "Node groups with a snapshot", value=len(srv.cache.groups())
+        )
         yield CounterMetricFamily(
             "inferlb_xds_stale_nonces", "Requests with a stale nonce", value=stats.stale_nonces
         )

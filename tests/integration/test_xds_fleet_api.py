@@ -215,6 +215,8 @@ async def test_metrics_expose_streams_pushes_versions(server: XdsServer, http: C
     assert 'inferlb_xds_push_latency_seconds_count{mode="sotw"} 1.0' in text
     assert 'inferlb_xds_nacks_total{mode="delta",type="Cluster"} 0.0' in text
     assert "inferlb_xds_snapshots_published_total 2.0" in text
+    assert "inferlb_xds_oversized_responses_total 0.0" in text
+    assert "inferlb_xds_snapshot_groups 1.0" in text
 
 
 async def test_batch_weights_are_one_change_and_all_or_nothing(

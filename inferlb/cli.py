@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 
 import yaml
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
@@ -74,6 +75,7 @@ def cmd_up(args: argparse.Namespace, out: Console) -> int:
     path = Path(args.config) if args.config else default_config_path()
     stack = Stack(path, workdir=args.workdir, log_level=args.log_level)
     stopping = False
+    failed = False
 
     def on_signal(signum: int, _frame: FrameType | None) -> None:
         nonlocal stopping
@@ -85,7 +87,8 @@ def cmd_up(args: argparse.Namespace, out: Console) -> int:
         try:
             stack.start(timeout_s=args.timeout, progress=lambda m: out.print(f"  {m}"))
         except StackError as exc:
-            out.print(f"[red]failed to start:[/red] {exc}")
+            failed = True
+            out.print("[red]failed to start:[/red] " + escape(str(exc)))
             return EXIT_FAIL
         out.print("[green]ready[/green]: Envoy holds every cluster with its endpoints")
         for line in describe(stack.config):
@@ -97,17 +100,16 @@ def cmd_up(args: argparse.Namespace, out: Console) -> int:
         while not stopping:
             broken = stack.first_exited()
             if broken is not None:
-                out.print(
-                    f"[red]{broken.name} exited[/red] (code {broken.exited()}); stopping the stack\n"
-                    f"{broken.log_tail()}",
-                    markup=False,
-                )
+                out.print(f"[red]{broken.name} exited[/red] (code {broken.exited()}); stopping the stack")
+                out.print(broken.log_tail(), markup=False, highlight=False)
+                out.print(f"logs kept in {stack.workdir}")
+                failed = True
                 return EXIT_FAIL
             time.sleep(0.3)
         out.print("stopping")
         return EXIT_OK
     finally:
-        stack.stop()
+        stack.stop(keep_workdir=failed)
         for s, h in old.items():
             signal.signal(s, h)
 
@@ -231,7 +233,7 @@ def print_replay(out: Console, s: ReplaySummary, shares: Sequence[EndpointShare]
         )
     out.print(t)
     statuses = sorted(s.by_status)
-    tt = Table(title="per tenant (requests by HTTP status; 0 = transport error)")
+    tt = Table(title="per tenant: requests by HTTP status", caption="0 = transport error")
     tt.add_column("tenant")
     for st in statuses:
         tt.add_column(str(st), justify="right")

@@ -600,10 +600,42 @@ def load_config(path: str | Path) -> Config:
     except OSError as exc:
         raise ConfigError(str(p), [("", f"cannot read: {exc.strerror or exc}")]) from None
     try:
+        _refuse_duplicate_keys(yaml.compose(text, Loader=yaml.SafeLoader), "")
         data = yaml.safe_load(text)
+    except DuplicateKeyError as exc:
+        raise ConfigError(str(p), [(exc.field, str(exc))]) from None
     except yaml.YAMLError as exc:
         raise ConfigError(str(p), [("", f"not valid YAML: {exc}")]) from None
     return parse_config(data, str(p))
+
+
+class DuplicateKeyError(yaml.YAMLError):
+    """A mapping names the same key twice. PyYAML keeps the last value silently; a config that says
+    ``num_retries`` twice is a mistake to report, not to guess at.
+
+    Attributes:
+        field: dotted path of the repeated key (``gateway.num_retries``, ``models[0].context_length``).
+    """
+
+    def __init__(self, field: str, line: int) -> None:
+        self.field = field
+        super().__init__(f"duplicate key (again on line {line}); each key may appear once")
+
+
+def _refuse_duplicate_keys(node: yaml.Node | None, path: str) -> None:
+    """Walk a composed YAML node tree; raise :class:`DuplicateKeyError` at the first repeated key."""
+    if isinstance(node, yaml.MappingNode):
+        seen: set[str] = set()
+        for key_node, value_node in node.value:
+            key = str(key_node.value)
+            where = f"{path}.{key}" if path else key
+            if key in seen:
+                raise DuplicateKeyError(where, key_node.start_mark.line + 1)
+            seen.add(key)
+            _refuse_duplicate_keys(value_node, where)
+    elif isinstance(node, yaml.SequenceNode):
+        for i, item in enumerate(node.value):
+            _refuse_duplicate_keys(item, f"{path}[{i}]")
 
 
 def default_config_path() -> Path:

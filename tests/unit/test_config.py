@@ -135,3 +135,25 @@ def test_config_is_frozen() -> None:
     assert isinstance(cfg, Config)
     with pytest.raises(Exception, match="frozen"):
         cfg.gateway.num_retries = 5  # type: ignore[misc]
+
+
+def test_a_key_given_twice_is_refused_with_its_name_and_line(tmp_path: Path) -> None:
+    text = default_config_path().read_text(encoding="utf-8").replace(
+        "  num_retries: 2\n", "  num_retries: 2\n  num_retries: 7\n"
+    )
+    assert text.count("num_retries") == 2
+    bad = tmp_path / "dup.yaml"
+    bad.write_text(text, encoding="utf-8")
+    with pytest.raises(ConfigError) as info:
+        load_config(bad)
+    ((field, message),) = info.value.problems
+    assert field == "gateway.num_retries"
+    assert "duplicate key" in message and f"line {text.splitlines().index('  num_retries: 7') + 1}" in message
+
+
+def test_duplicate_keys_inside_lists_are_named_by_index(tmp_path: Path) -> None:
+    bad = tmp_path / "dup.yaml"
+    bad.write_text("models:\n  - name: m\n    context_length: 10\n    context_length: 20\n", encoding="utf-8")
+    with pytest.raises(ConfigError) as info:
+        load_config(bad)
+    assert info.value.problems[0][0] == "models[0].context_length"

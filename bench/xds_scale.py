@@ -28,6 +28,7 @@ import asyncio
 import json
 import os
 import random
+import re
 import socket
 import statistics
 import subprocess
@@ -233,6 +234,31 @@ def envoy_stats(admin: int, pattern: str) -> dict[str, int]:
     return out
 
 
+NAN = float("nan")
+
+
+def histogram_quantiles(text: str, mode: str) -> tuple[float, float]:
+    """p50 and p99 (s, bucket upper bounds) of the server's ``inferlb_xds_push_latency_seconds{mode}``:
+    from the first change of a burst to each push written, as the server sees it. Covers every push of
+    the run (the initial sync included, when it was a push)."""
+    buckets: list[tuple[float, float]] = []
+    pattern = re.compile(
+        r'^inferlb_xds_push_latency_seconds_bucket\{le="([^"]+)",mode="' + mode + r'"\} ([0-9.e+]+)$'
+    )
+    for line in text.splitlines():
+        m = pattern.match(line)
+        if m:
+            buckets.append((float(m[1]), float(m[2])))
+    if not buckets or buckets[-1][1] == 0:
+        return NAN, NAN
+    total = buckets[-1][1]
+
+    def q(frac: float) -> float:
+        return next(le for le, count in buckets if count >= frac * total)
+
+    return q(0.5), q(0.99)
+
+
 def pct(values: list[float], q: float) -> float:
     if not values:
         return float("nan")
@@ -253,6 +279,8 @@ class Result:
     server_rss_mb: float
     eds_bytes: int
     errors: int
+    server_push_p50_ms: float
+    server_push_p99_ms: float
 
 
 async def run_mode(mode: str, args: argparse.Namespace, work: Path) -> Result:
@@ -340,6 +368,8 @@ async def run_mode(mode: str, args: argparse.Namespace, work: Path) -> Result:
                 )
                 envoy_latencies.append(done - t_send)
         cpu, rss = proc_usage(server.pid)
+        status, metrics = await asyncio.to_thread(http, "GET", f"http://127.0.0.1:{api}/metrics")
+        server_p50, server_p99 = histogram_quantiles(metrics.decode(), mode) if status == 200 else (NAN, NAN)
         stop.set()
         for t in tasks:
             t.cancel()
@@ -356,6 +386,8 @@ async def run_mode(mode: str, args: argparse.Namespace, work: Path) -> Result:
             server_rss_mb=rss,
             eds_bytes=snapshot_eds,
             errors=sum(1 for c in clients if c.error),
+            server_push_p50_ms=server_p50 * 1000,
+            server_push_p99_ms=server_p99 * 1000,
         )
     finally:
         stop.set()
@@ -398,15 +430,17 @@ def print_table(results: list[Result], args: argparse.Namespace) -> None:
     cols = [
         ("mode", "{:<6}"), ("full sync s", "{:>11.2f}"), ("Envoy sync s", "{:>12.2f}"),
         ("1% p50 ms", "{:>9.0f}"), ("1% p99 ms", "{:>9.0f}"), ("Envoy 1% ms", "{:>11.0f}"),
+        ("server push p50/p99 ms", "{:>21}"),
         ("server CPU s", "{:>12.1f}"), ("peak RSS MB", "{:>11.0f}"), ("SotW EDS MB", "{:>11.2f}"),
         ("errors", "{:>6}"),
     ]  # fmt: skip
     print(" | ".join(f"{name:>{len(name)}}" for name, _ in cols))
     print("-+-".join("-" * len(name) for name, _ in cols))
     for r in results:
+        push = f"<={r.server_push_p50_ms:.0f} / <={r.server_push_p99_ms:.0f}"
         values = [
             r.mode, r.full_sync_s, r.envoy_sync_s, r.change_p50_ms, r.change_p99_ms, r.envoy_change_ms,
-            r.server_cpu_s, r.server_rss_mb, r.eds_bytes / 1e6, r.errors,
+            push, r.server_cpu_s, r.server_rss_mb, r.eds_bytes / 1e6, r.errors,
         ]  # fmt: skip
         print(" | ".join(fmt.format(v) for (_, fmt), v in zip(cols, values, strict=True)))
     print(

@@ -27,7 +27,7 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from inferlb.bootstrap import render_bootstrap
+from inferlb.bootstrap import render_bootstrap_yaml
 from inferlb.config import Config, default_config_path, load_config
 from inferlb.errors import ConfigError, InferlbError
 from inferlb.replay import EndpointShare, ReplaySummary
@@ -63,8 +63,8 @@ def cmd_validate(args: argparse.Namespace, out: Console) -> int:
 def cmd_bootstrap(args: argparse.Namespace, out: Console) -> int:
     """``inferlb bootstrap [CONFIG]``: print the Envoy bootstrap (YAML) for a config."""
     cfg = _load(args.config)
-    doc = render_bootstrap(cfg, node_id=args.node_id, mode=args.ads_mode)
-    sys.stdout.write(yaml.safe_dump(doc, sort_keys=False))
+    source = args.config or "inferlb/data/local.yaml"
+    sys.stdout.write(render_bootstrap_yaml(cfg, source=source, node_id=args.node_id, mode=args.ads_mode))
     return EXIT_OK
 
 

@@ -60,7 +60,8 @@ def bootstrap_header(*, source: str, mode: AdsMode = "sotw") -> str:
     return (
         f"# Envoy v3 bootstrap for the inferlb gateway, generated from {source}.\n"
         f"# Do not edit by hand: regenerate it with\n#   {command} > FILE\n"
-        f"# Envoy takes listeners, routes, clusters and endpoints from xds_server over\n# {_MODE_TEXT[mode]}.\n"
+        "# Envoy takes listeners, routes, clusters and endpoints from xds_server over\n"
+        f"# {_MODE_TEXT[mode]}.\n"
     )
 
 

@@ -21,7 +21,6 @@ from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING
 
-import yaml
 from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn

@@ -21,10 +21,8 @@ import signal
 import sys
 from collections.abc import Sequence
 
-import grpc
-
 from ext_proc.reload import ConfigPoller
-from ext_proc.servicer import ExtProcState, add_to_server
+from ext_proc.servicer import MAX_CONFIGURABLE_BODY_BYTES, ExtProcState, add_to_server, make_server
 from ext_proc.stores import make_quota_store, start_metrics_server
 from inferlb.config import Config, HostPort
 from inferlb.errors import ConfigError
@@ -91,7 +89,8 @@ async def serve(
     metrics = ExtProcMetrics()
     quotas = make_quota_store(config, metrics)
     state = ExtProcState(config, quotas=quotas, metrics=metrics)
-    server = grpc.aio.server()
+    # sized for the largest body any config allows, so a reload raising the body limit still fits
+    server = make_server(MAX_CONFIGURABLE_BODY_BYTES)
     servicer = add_to_server(server, state)
     try:
         port = server.add_insecure_port(str(listen))

@@ -34,7 +34,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 from envoy.type.v3 import http_status_pb2
 
 from ext_proc import handlers
-from inferlb.config import Config
+from inferlb.config import Config, GatewayConfig
 from inferlb.metrics import ExtProcMetrics
 from inferlb.quota import Admitted, MemoryQuotaStore, QuotaStore, Refused, limits_from_config
 from inferlb.usage import ResponseMeter, Usage
@@ -46,6 +46,52 @@ log = logging.getLogger("ext_proc")
 OFFLOAD_BODY_BYTES = 128 * 1024
 
 _OVERWRITE = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
+
+#: Room above the body limit for what a ``ProcessingRequest``/``ProcessingResponse`` carries besides the
+#: body: the protobuf envelope, the response's header mutations and the few bytes the include_usage
+#: rewrite adds (bytes). Headers travel in their own message, bounded by Envoy's max_request_headers_kb
+#: (60 KiB by default), well inside this.
+GRPC_ENVELOPE_HEADROOM_BYTES = 1024 * 1024
+
+
+def _config_body_limit_max() -> int:
+    # the schema's own upper bound for gateway.max_request_body_bytes, so the two never drift apart
+    for item in GatewayConfig.model_fields["max_request_body_bytes"].metadata:
+        le = getattr(item, "le", None)
+        if isinstance(le, int):
+            return le
+    raise RuntimeError("gateway.max_request_body_bytes has no upper bound in the config schema")
+
+
+#: The largest ``gateway.max_request_body_bytes`` a config may set (bytes, 64 MiB).
+MAX_CONFIGURABLE_BODY_BYTES = _config_body_limit_max()
+
+
+def grpc_message_limit_bytes(max_body_bytes: int = MAX_CONFIGURABLE_BODY_BYTES) -> int:
+    """gRPC receive/send message limit (bytes) for a server that must carry ``max_body_bytes`` bodies.
+
+    gRPC's default is 4 MiB each way, so a request body just under a 4 MiB ``max_request_body_bytes``
+    plus its ``ProcessingRequest`` envelope was refused by grpc itself ("Received message larger than
+    max") and Envoy answered a bare 500.
+    """
+    return max_body_bytes + GRPC_ENVELOPE_HEADROOM_BYTES
+
+
+def make_server(max_body_bytes: int = MAX_CONFIGURABLE_BODY_BYTES) -> grpc.aio.Server:
+    """A grpc aio server whose message limits fit ``max_body_bytes`` bodies (see
+    :func:`grpc_message_limit_bytes`).
+
+    The default sizes the server for the largest body any config may allow, so a config reload that raises
+    ``gateway.max_request_body_bytes`` never outgrows the running server (the limit is a cap, not a buffer:
+    nothing is allocated up front).
+    """
+    limit = grpc_message_limit_bytes(max_body_bytes)
+    return grpc.aio.server(
+        options=[
+            ("grpc.max_receive_message_length", limit),
+            ("grpc.max_send_message_length", limit),
+        ]
+    )
 
 
 class ExtProcState:

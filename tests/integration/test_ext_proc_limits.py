@@ -1,0 +1,88 @@
+"""ext_proc limits over real gRPC: bodies up to the configured limit fit the server's message size, and the
+per-request processing budget answers before Envoy's message_timeout would."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+import pytest
+from envoy.config.core.v3 import base_pb2
+from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
+
+from ext_proc.servicer import MAX_CONFIGURABLE_BODY_BYTES, ExtProcState, add_to_server, make_server
+from inferlb.config import parse_config
+
+FOUR_MIB = 4 * 1024 * 1024
+CONFIG: dict[str, Any] = {
+    "gateway": {"max_request_body_bytes": FOUR_MIB},
+    "models": [{"name": "llama", "context_length": 32_768}],
+    "tenants": [{"name": "gold", "api_keys": ["sk-gold-0001"]}],
+}
+
+
+def headers_msg(path: str) -> ep.ProcessingRequest:
+    pairs = {":method": "POST", ":path": path, "authorization": "Bearer sk-gold-0001"}
+    hm = base_pb2.HeaderMap(
+        headers=[base_pb2.HeaderValue(key=k, raw_value=v.encode()) for k, v in pairs.items()]
+    )
+    return ep.ProcessingRequest(request_headers=ep.HttpHeaders(headers=hm))
+
+
+def body_msg(body: bytes) -> ep.ProcessingRequest:
+    return ep.ProcessingRequest(request_body=ep.HttpBody(body=body, end_of_stream=True))
+
+
+@pytest.fixture
+async def stub() -> AsyncIterator[ep_grpc.ExternalProcessorStub]:
+    server = make_server()
+    add_to_server(server, ExtProcState(parse_config(CONFIG)))
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    limit = MAX_CONFIGURABLE_BODY_BYTES * 2
+    options = [("grpc.max_send_message_length", limit), ("grpc.max_receive_message_length", limit)]
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=options) as channel:
+            yield ep_grpc.ExternalProcessorStub(channel)
+    finally:
+        await server.stop(None)
+
+
+async def exchange(stub: ep_grpc.ExternalProcessorStub, path: str, body: bytes) -> ep.ProcessingResponse:
+    call = stub.Process()
+    try:
+        await call.write(headers_msg(path))
+        first = await asyncio.wait_for(call.read(), timeout=10)
+        assert first is not grpc.aio.EOF and first.HasField("request_headers")
+        await call.write(body_msg(body))
+        resp = await asyncio.wait_for(call.read(), timeout=20)
+        assert resp is not grpc.aio.EOF
+        return resp  # type: ignore[no-any-return]
+    finally:
+        call.cancel()
+
+
+def token_array_body(size: int) -> bytes:
+    """A completions body of exactly ``size`` bytes whose prompt is a token array."""
+    head = b'{"model":"llama","max_tokens":1,"prompt":[1'
+    tail = b"]}"
+    ones = (size - len(head) - len(tail)) // 2
+    body = head + b",1" * ones + tail
+    return body + b" " * (size - len(body))
+
+
+async def test_a_body_just_under_the_4_mib_limit_reaches_the_handlers(
+    stub: ep_grpc.ExternalProcessorStub,
+) -> None:
+    body = token_array_body(FOUR_MIB - 8)
+    assert len(body) == FOUR_MIB - 8
+    resp = await exchange(stub, "/v1/completions", body)
+    # answered by the handlers (the prompt is ~2 M tokens), not refused by grpc's message size limit
+    assert resp.HasField("immediate_response")
+    error = json.loads(resp.immediate_response.body)["error"]
+    assert resp.immediate_response.status.code == 400
+    assert error["code"] == "context_length_exceeded"

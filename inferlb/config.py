@@ -159,7 +159,7 @@ class ExtProcConfig(_Frozen):
     #: (STREAMED) to ext_proc; the xDS server derives the filter's ``processing_mode`` from this field.
     #: False: the reservation (prompt + output cap) is the charge and the concurrency slot is released
     #: at admission.
-    account_responses: bool = False
+    account_responses: bool = True
     #: Where quota state lives: ``memory`` (this process) or ``redis`` (shared by several replicas).
     quota_backend: Literal["memory", "redis"] = "memory"
     #: redis-py URL of the shared quota state (``quota_backend: redis``).
@@ -208,6 +208,11 @@ class WeightsConfig(_Frozen):
     profile weight (``scale * relative_capacity``).
     """
 
+    #: ``static``: Envoy gets each endpoint's capacity weight (``inferlb.fleet.capacity_weight``, 10 per
+    #: unit of relative capacity). ``telemetry``: the xDS server computes every endpoint's weight from its
+    #: telemetry with this section's policy (``scale`` per unit of capacity) and pushes it. A model whose
+    #: ``cluster.slow_start_window_ms`` is set keeps Envoy's slow start and skips ``slow_start_ms``.
+    mode: Literal["static", "telemetry"] = "static"
     #: Weight units per unit of relative capacity (V100 = 1.0 -> 100). Finer than the static
     #: ``inferlb.fleet.WEIGHT_SCALE`` (10) so that a few percent of load shows in Envoy's integer weights.
     scale: Annotated[float, Field(gt=0, le=10_000)] = 100.0
@@ -400,6 +405,12 @@ class EndpointConfig(_Frozen):
     simulated: bool = False
     #: Optional name shown in status tables and response headers; defaults to ``address``.
     name: str | None = None
+    #: Which GPU's telemetry (``POST /v1/telemetry/gpu`` from ``inferlb agent``) is this endpoint's:
+    #: ``gpu_uuid`` (NVML UUID) when set, else the GPU ``gpu_index`` (default 0) of node ``gpu_node``
+    #: (default: the address's host). See xds_server/telemetry.py.
+    gpu_node: Annotated[str, Field(min_length=1, max_length=253)] | None = None
+    gpu_index: Annotated[int, Field(ge=0, le=1023)] | None = None
+    gpu_uuid: Annotated[str, Field(min_length=1, max_length=128)] | None = None
 
     @property
     def display_name(self) -> str:

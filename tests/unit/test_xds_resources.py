@@ -198,7 +198,12 @@ def test_listener_buffer_limit_and_filter_chain(config: Config) -> None:
 
 def test_ext_proc_filter_settings() -> None:
     doc = _default_doc()
-    doc["ext_proc"] = {"listen": "127.0.0.1:18080", "message_timeout_ms": 7000, "failure_mode_allow": True}
+    doc["ext_proc"] = {
+        "listen": "127.0.0.1:18080",
+        "message_timeout_ms": 7000,
+        "failure_mode_allow": True,
+        "account_responses": False,
+    }
     hcm = _hcm(r.build_listener(parse_config(doc)))
     ep = ext_proc_pb2.ExternalProcessor()
     assert hcm.http_filters[0].typed_config.Unpack(ep)
@@ -211,8 +216,8 @@ def test_ext_proc_filter_settings() -> None:
     assert ep.failure_mode_allow is True
     assert ep.allow_mode_override is False
     # ext_proc meters responses (quota settled with the real usage): Envoy sends it response headers and
-    # streams the body
-    doc["ext_proc"]["account_responses"] = True
+    # streams the body; that is the default
+    del doc["ext_proc"]["account_responses"]
     metered = ext_proc_pb2.ExternalProcessor()
     assert _hcm(r.build_listener(parse_config(doc))).http_filters[0].typed_config.Unpack(metered)
     pm = metered.processing_mode

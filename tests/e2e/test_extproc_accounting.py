@@ -1,0 +1,198 @@
+"""Response accounting through a real Envoy (issue 4, point 3), the official ``openai`` SDK as the client.
+
+With ``ext_proc.account_responses`` on (the default), Envoy sends ext_proc the response headers and
+streams it the response body; ext_proc settles each quota reservation with the response's real usage.
+What is charged is read back from ext_proc's own ``/metrics`` (``inferlb_prompt_tokens_total``,
+``inferlb_completion_tokens_total`` by tenant and model).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from inferlb.config import Config
+from inferlb.stack import Stack
+from tests.conftest import make_config_doc, write_config
+from tests.e2e.conftest import RunningStack, http_request
+
+pytestmark = pytest.mark.e2e
+
+QWEN = "qwen2.5-7b-instruct"
+LLAMA = "llama-3.1-8b-instruct"
+#: Extra tenants, one per test, so each test reads its own counters (labels are per tenant).
+TENANTS = ("acct-json", "acct-sse", "acct-sse-hidden", "acct-abort")
+
+
+def charged(config: Config, tenant: str, model: str) -> tuple[int, int]:
+    """(prompt, completion) tokens ext_proc has charged ``tenant`` on ``model``, from its ``/metrics``."""
+    text = http_request(str(config.ext_proc.metrics_listen), "GET", "/metrics").body.decode()
+    got = {"inferlb_prompt_tokens_total": 0.0, "inferlb_completion_tokens_total": 0.0}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            if s.name in got and s.labels.get("tenant") == tenant and s.labels.get("model") == model:
+                got[s.name] += s.value
+    return int(got["inferlb_prompt_tokens_total"]), int(got["inferlb_completion_tokens_total"])
+
+
+def wait_charged(
+    config: Config, tenant: str, model: str, before: tuple[int, int], timeout_s: float = 10.0
+) -> tuple[int, int]:
+    """The (prompt, completion) charged since ``before``, once something was charged (bounded wait:
+    the settlement of an aborted stream lands when Envoy closes the ext_proc stream)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        now = charged(config, tenant, model)
+        delta = (now[0] - before[0], now[1] - before[1])
+        if delta != (0, 0) or time.monotonic() > deadline:
+            return delta
+        time.sleep(0.05)
+
+
+@pytest.fixture(scope="module")
+def accounting_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningStack]:
+    """The default fleet with the default config's response accounting, decode slowed to 2,000 tokens/s
+    per V100 sequence (an abort mid-stream must come before the end), plus one tenant per test."""
+    work = tmp_path_factory.mktemp("acct")
+    doc = make_config_doc()
+    doc["ext_proc"].pop("account_responses", None)  # the default is what is under test
+    doc["simulation"]["decode_tokens_per_s"] = 2_000
+    doc["tenants"] += [{"name": t, "api_keys": [f"sk-{t}-key"]} for t in TENANTS]
+    path = write_config(work / "inferlb.yaml", doc)
+    stack = Stack(path, workdir=work, log_level="info")
+    stack.start(timeout_s=60)
+    try:
+        assert stack.config.ext_proc.account_responses
+        yield RunningStack(stack, stack.config, path, doc)
+    finally:
+        stack.stop()
+
+
+def client(rs: RunningStack, key: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"http://{rs.gateway}/v1", api_key=key, max_retries=0, timeout=30)
+
+
+def test_a_json_response_is_charged_its_usage(accounting_stack: RunningStack) -> None:
+    rs = accounting_stack
+    before = charged(rs.config, "acct-json", QWEN)
+    with client(rs, "sk-acct-json-key") as c:
+        resp = c.chat.completions.create(
+            model="qwen", messages=[{"role": "user", "content": "count my tokens"}], max_tokens=9
+        )
+    assert resp.usage is not None
+    assert wait_charged(rs.config, "acct-json", QWEN, before) == (
+        resp.usage.prompt_tokens,
+        resp.usage.completion_tokens,
+    )
+
+
+def test_a_stream_that_asked_for_usage_is_charged_it_and_sees_it(accounting_stack: RunningStack) -> None:
+    rs = accounting_stack
+    before = charged(rs.config, "acct-sse", LLAMA)
+    with client(rs, "sk-acct-sse-key") as c:
+        chunks = list(
+            c.chat.completions.create(
+                model=LLAMA,
+                messages=[{"role": "user", "content": "stream with usage"}],
+                max_tokens=11,
+                stream=True,
+                stream_options={"include_usage": True},
+            )
+        )
+    usage = [ch.usage for ch in chunks if ch.usage is not None]
+    assert len(usage) == 1
+    assert wait_charged(rs.config, "acct-sse", LLAMA, before) == (
+        usage[0].prompt_tokens,
+        usage[0].completion_tokens,
+    )
+
+
+def test_a_stream_that_did_not_ask_is_charged_but_never_sees_the_usage_chunk(
+    accounting_stack: RunningStack,
+) -> None:
+    rs = accounting_stack
+    messages: Any = [{"role": "user", "content": "stream without usage"}]
+    with client(rs, "sk-acct-sse-hidden-key") as c:
+        # the same prompt non-streamed tells the prompt count the stream must be charged
+        ref = c.chat.completions.create(model=QWEN, messages=messages, max_tokens=1)
+        assert ref.usage is not None
+        before = wait_charged(rs.config, "acct-sse-hidden", QWEN, (0, 0))
+        chunks = list(c.chat.completions.create(model=QWEN, messages=messages, max_tokens=13, stream=True))
+    assert chunks and all(ch.usage is None for ch in chunks)
+    assert all(ch.choices for ch in chunks)  # the gateway's extra usage-only chunk was removed
+    text = "".join(ch.choices[0].delta.content or "" for ch in chunks)
+    assert text
+    assert wait_charged(rs.config, "acct-sse-hidden", QWEN, before) == (ref.usage.prompt_tokens, 13)
+
+
+def test_an_aborted_stream_is_charged_for_what_was_produced(accounting_stack: RunningStack) -> None:
+    rs = accounting_stack
+    max_tokens = 4_000  # >= 1.2 s of decode on the fastest GPU at 2,000 tokens/s x 3.4
+    before = charged(rs.config, "acct-abort", QWEN)
+    with client(rs, "sk-acct-abort-key") as c:
+        stream = c.chat.completions.create(
+            model=QWEN,
+            messages=[{"role": "user", "content": "a long story please"}],
+            max_tokens=max_tokens,
+            stream=True,
+        )
+        seen = 0
+        for ch in stream:
+            seen += sum(1 for choice in ch.choices if choice.delta.content)
+            if seen >= 20:
+                break
+        stream.close()
+    prompt, completion = wait_charged(rs.config, "acct-abort", QWEN, before)
+    assert prompt > 0
+    # charged what was produced: at least what the client read, well short of the reservation
+    assert seen <= completion < max_tokens
+
+
+def test_a_concurrent_streamed_burst_never_exceeds_the_tokens_per_minute_quota(
+    accounting_stack: RunningStack,
+) -> None:
+    rs = accounting_stack
+    tenant = next(t for t in rs.config.tenants if "sk-demo-c" in t.api_keys)
+    quota = tenant.tokens_per_minute
+    assert quota == 2_000
+    refused_retry_after: list[str | None] = []
+
+    async def one(c: openai.AsyncOpenAI, i: int) -> int:
+        """Admitted tokens of one streamed request (its usage event), or 0 when refused."""
+        try:
+            stream = await c.chat.completions.create(
+                model=QWEN,
+                messages=[{"role": "user", "content": f"burst request number {i}"}],
+                max_tokens=150,
+                stream=True,
+                stream_options={"include_usage": True},
+            )
+            total = 0
+            async for ch in stream:
+                if ch.usage is not None:
+                    total = ch.usage.total_tokens
+            assert total > 0
+            return total
+        except openai.RateLimitError as err:
+            refused_retry_after.append(err.response.headers.get("retry-after"))
+            return 0
+
+    async def burst() -> list[int]:
+        async with openai.AsyncOpenAI(
+            base_url=f"http://{rs.gateway}/v1", api_key="sk-demo-c", max_retries=0, timeout=30
+        ) as c:
+            first = await asyncio.wait_for(asyncio.gather(*(one(c, i) for i in range(24))), 60)
+            # a second wave once the first has settled: settled usage still counts in the minute
+            second = await asyncio.wait_for(asyncio.gather(*(one(c, 100 + i) for i in range(24))), 60)
+            return [*first, *second]
+
+    admitted = asyncio.run(burst())
+    assert sum(admitted) <= quota, admitted
+    assert 0 < sum(1 for a in admitted if a) < len(admitted)
+    assert refused_retry_after and all(r is not None and int(r) >= 1 for r in refused_retry_after)

@@ -106,6 +106,9 @@ class GatewayConfig(_Frozen):
     request_timeout_ms: Annotated[int, Field(ge=0)] = 300_000
     #: Retries Envoy makes on connect-failure/refused-stream/reset/503 to another host (previous_hosts).
     num_retries: Annotated[int, Field(ge=0, le=10)] = 2
+    #: ``retry-after`` (s) on Envoy's 503 when a model cluster's circuit breaker for the request's routing
+    #: priority is full (response flag UO): DEFAULT traffic is shed this way before HIGH.
+    overflow_retry_after_s: Annotated[int, Field(ge=1, le=3600)] = 1
     #: Envoy worker threads (``--concurrency``); 0 lets Envoy use one per core.
     concurrency: Annotated[int, Field(ge=0, le=256)] = 2
     #: Envoy node cluster name the xDS server groups snapshots by.

@@ -175,12 +175,33 @@ def body_too_large_body(limit: int) -> str:
     return json.dumps(err.to_openai_json(), separators=(",", ":"))
 
 
+#: Envoy's response flag for a circuit-breaker overflow (max requests, pending requests or retries of the
+#: request's routing priority reached): the request was shed before any model server saw it.
+OVERFLOW_FLAG: Final = "UO"
+
+
+def overflow_body() -> str:
+    """The JSON body of Envoy's 503 on a circuit-breaker overflow: OpenAI's ``server_error`` with
+    ``code`` ``"overloaded"`` (the client retries after ``retry-after``)."""
+    err = RequestError(
+        503,
+        "The model's servers are at capacity for this request's priority; retry after the number of "
+        "seconds in the retry-after header.",
+        type="server_error",
+        code="overloaded",
+    )
+    return json.dumps(err.to_openai_json(), separators=(",", ":"))
+
+
 def build_local_reply_config(config: Config) -> http_connection_manager_pb2.LocalReplyConfig:
     """Envoy ``local_reply_config`` that turns Envoy's own plain-text replies into OpenAI-style JSON.
 
-    Two mappers: status 413 (Envoy's buffer limit answers before ext_proc sees the body) gets the
-    ``request_too_large`` error; replies carrying an upstream-failure response flag
-    (:data:`UPSTREAM_FAILURE_FLAGS`: 503 no healthy upstream, 504 timeout, ...) keep their status and get
+    Mappers, first match wins: status 413 (Envoy's buffer limit answers before ext_proc sees the body) gets
+    the ``request_too_large`` error; a circuit-breaker overflow (flag UO: the routing priority's budget on
+    the model cluster is full, so DEFAULT traffic is shed while HIGH keeps its own budget) gets 503
+    ``overloaded`` with ``retry-after: gateway.overflow_retry_after_s``; other replies carrying an
+    upstream-failure response flag (:data:`UPSTREAM_FAILURE_FLAGS`: 503 no healthy upstream, 504 timeout,
+    ...) keep their status and get
     ``{"error": {"message": <Envoy's text>, "type": "server_error", "code": <response flags>}}``.
     ext_proc's own immediate responses carry no such flag and are already JSON, so they pass unchanged.
     """
@@ -200,6 +221,22 @@ def build_local_reply_config(config: Config) -> http_connection_manager_pb2.Loca
         body=base_pb2.DataSource(inline_string=body_too_large_body(config.gateway.max_request_body_bytes)),
         body_format_override=json_text,
     )
+    overflow = http_connection_manager_pb2.ResponseMapper(
+        filter=accesslog_pb2.AccessLogFilter(
+            response_flag_filter=accesslog_pb2.ResponseFlagFilter(flags=[OVERFLOW_FLAG])
+        ),
+        status_code=wrappers_pb2.UInt32Value(value=503),
+        body=base_pb2.DataSource(inline_string=overflow_body()),
+        body_format_override=json_text,
+        headers_to_add=[
+            base_pb2.HeaderValueOption(
+                header=base_pb2.HeaderValue(
+                    key="retry-after", value=str(config.gateway.overflow_retry_after_s)
+                ),
+                append_action=base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD,
+            )
+        ],
+    )
     error = struct_pb2.Struct()
     error.update(
         {"error": {"message": "%LOCAL_REPLY_BODY%", "type": "server_error", "code": "%RESPONSE_FLAGS%"}}
@@ -212,7 +249,7 @@ def build_local_reply_config(config: Config) -> http_connection_manager_pb2.Loca
             json_format=error, content_type="application/json"
         ),
     )
-    return http_connection_manager_pb2.LocalReplyConfig(mappers=[too_large, upstream])
+    return http_connection_manager_pb2.LocalReplyConfig(mappers=[too_large, overflow, upstream])
 
 
 # -- listener -------------------------------------------------------------------------------------------

@@ -1,0 +1,95 @@
+"""Priority and shedding through a real Envoy (issue 4, point 5), the official ``openai`` SDK as the client.
+
+A high-priority tenant's requests ride Envoy's HIGH routing priority, which has its own circuit-breaker
+budget on every model cluster. The qwen pool here gets a tiny DEFAULT budget: saturating it with
+low-priority streams makes Envoy shed the overflow (response flag UO) as a 503 OpenAI JSON error with
+``retry-after``, while high-priority requests sent at the same time are all served.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+
+import openai
+import pytest
+
+from inferlb.stack import Stack
+from tests.conftest import make_config_doc, write_config
+from tests.e2e.conftest import RunningStack
+
+pytestmark = pytest.mark.e2e
+
+QWEN = "qwen2.5-7b-instruct"
+#: The DEFAULT-priority budget of the qwen cluster: two requests in flight, one waiting.
+DEFAULT_BUDGET = {"max_connections": 2, "max_pending_requests": 1, "max_requests": 2, "max_retries": 1}
+RETRY_AFTER_S = 2
+
+
+@pytest.fixture(scope="module")
+def small_pool_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningStack]:
+    work = tmp_path_factory.mktemp("priority")
+    doc = make_config_doc()
+    # a V100 decodes 200 tokens/s per sequence: a 300-token completion holds its slot 0.4-1.5 s
+    doc["simulation"]["decode_tokens_per_s"] = 200
+    doc["gateway"]["overflow_retry_after_s"] = RETRY_AFTER_S
+    qwen = next(m for m in doc["models"] if m["name"] == QWEN)
+    qwen["cluster"] = {
+        "circuit_breaker_default": DEFAULT_BUDGET,
+        "circuit_breaker_high": {"max_connections": 256, "max_pending_requests": 256, "max_requests": 256},
+    }
+    path = write_config(work / "inferlb.yaml", doc)
+    stack = Stack(path, workdir=work, log_level="info")
+    stack.start(timeout_s=60)
+    try:
+        yield RunningStack(stack, stack.config, path, doc)
+    finally:
+        stack.stop()
+
+
+async def _low(c: openai.AsyncOpenAI, i: int) -> tuple[int, str | None, str | None]:
+    """One long low-priority stream: (status, retry-after, error code)."""
+    try:
+        stream = await c.chat.completions.create(
+            model=QWEN,
+            messages=[{"role": "user", "content": f"low priority {i}"}],
+            max_tokens=300,
+            stream=True,
+        )
+        async for _ in stream:
+            pass
+        return 200, None, None
+    except openai.APIStatusError as err:
+        body = err.body if isinstance(err.body, dict) else {}
+        return err.status_code, err.response.headers.get("retry-after"), body.get("code")
+
+
+async def _high(c: openai.AsyncOpenAI, i: int) -> int:
+    resp = await c.chat.completions.create(
+        model=QWEN, messages=[{"role": "user", "content": f"high priority {i}"}], max_tokens=5
+    )
+    assert resp.usage is not None and resp.usage.completion_tokens == 5
+    return 200
+
+
+def test_saturated_default_budget_sheds_low_priority_and_serves_high(small_pool_stack: RunningStack) -> None:
+    rs = small_pool_stack
+    base = f"http://{rs.gateway}/v1"
+
+    async def run() -> tuple[list[tuple[int, str | None, str | None]], list[int]]:
+        async with (
+            openai.AsyncOpenAI(base_url=base, api_key="sk-demo-b", max_retries=0, timeout=30) as low,
+            openai.AsyncOpenAI(base_url=base, api_key="sk-demo-a", max_retries=0, timeout=30) as high,
+        ):
+            lows = [asyncio.create_task(_low(low, i)) for i in range(12)]
+            await asyncio.sleep(0.2)  # the low streams now hold the DEFAULT budget
+            highs = await asyncio.wait_for(asyncio.gather(*(_high(high, i) for i in range(8))), 30)
+            return list(await asyncio.wait_for(asyncio.gather(*lows), 30)), list(highs)
+
+    lows, highs = asyncio.run(run())
+    assert highs == [200] * 8
+    served = [x for x in lows if x[0] == 200]
+    shed = [x for x in lows if x[0] != 200]
+    # at most max_requests + max_pending_requests low-priority requests get in at once
+    assert 1 <= len(served) <= DEFAULT_BUDGET["max_requests"] + DEFAULT_BUDGET["max_pending_requests"]
+    assert shed and all(x == (503, str(RETRY_AFTER_S), "overloaded") for x in shed), shed

@@ -15,11 +15,37 @@ costs"): a ``low`` detail image costs :data:`IMAGE_TOKENS_LOW` (85); ``high``/``
 
 Text is encoded with ``encode_ordinary``: special-token strings such as ``<|endoftext|>`` in user text are
 counted as the plain text they are, never refused.
+
+Bounded work per text (:func:`count_text`). tiktoken's BPE is quadratic in the length of one pre-token
+(a 4.19 M-letter word took ~4 s), so a text longer than :data:`SEGMENT_CHARS` is counted in segments:
+
+- *Clean cuts* are made just before a single space that has a non-space character on each side, or just
+  after a newline followed by a non-space character. No pre-token of the cl100k/o200k/GPT-2 patterns spans
+  such a point (letter, digit, punctuation and contraction pieces never take a following space; whitespace
+  pieces never take a following non-space; no piece starts with a newline and continues into a non-space),
+  and the regex restarts there in the whole text as in the segment, so the pieces, and hence the BPE
+  tokens, are the same: a clean cut is exact (property-tested against tiktoken on whole texts).
+- A window of :data:`SEGMENT_CHARS` with no clean cut (one very long word, a run of punctuation or CJK
+  without spaces) is cut every :data:`LONG_RUN_CHUNK_CHARS` characters and each such *unclean cut* adds
+  :data:`UNCLEAN_CUT_MARGIN` tokens. BPE merges never cross a cut, and cutting a run usually adds tokens;
+  for BPE in general it is not a theorem that it never removes one (a merge that wins over the cut-off
+  one could have lost), which is what the margin is for. The property tests check the result is never below
+  tiktoken's on long words, repeated patterns, CJK and punctuation runs. Work is linear in the text length.
+
+:func:`count_text` also takes a monotonic ``deadline``: between segments it raises
+:class:`CountingBudgetExceededError` when the deadline has passed, so a caller can answer an error in time
+instead of letting the proxy time out.
+
+Lower bound (:func:`min_text_tokens`): no token of an encoding is longer than its longest token in bytes
+(:attr:`TiktokenCounter.max_token_bytes`: 128 for cl100k_base), and every character is at least one UTF-8
+byte, so ``ceil(len(text) / max_token_bytes)`` tokens is a floor that costs nothing to compute.
 """
 
 from __future__ import annotations
 
 import functools
+import time
+from collections.abc import Callable, Iterator
 from typing import Final, Protocol
 
 import tiktoken
@@ -40,8 +66,37 @@ IMAGE_TOKENS_LOW: Final = 85
 IMAGE_TOKENS_DEFAULT: Final = 765
 
 
+#: Texts longer than this (characters) are counted in segments (module docstring, "Bounded work").
+SEGMENT_CHARS: Final = 8192
+#: A window with no clean cut is counted in chunks of this many characters; BPE cost per chunk is bounded.
+LONG_RUN_CHUNK_CHARS: Final = 512
+#: Tokens added per unclean cut (a cut inside what may be one pre-token).
+UNCLEAN_CUT_MARGIN: Final = 1
+#: How many spaces the clean-cut search tries per window before treating the window as one long run.
+_CUT_TRIES: Final = 64
+
+
+class CountingBudgetExceededError(Exception):
+    """Counting did not finish before its deadline.
+
+    Attributes:
+        counted_chars: characters counted before the deadline passed.
+    """
+
+    def __init__(self, counted_chars: int) -> None:
+        super().__init__(f"token counting ran out of time after {counted_chars} characters")
+        self.counted_chars = counted_chars
+
+
 class TextTokenCounter(Protocol):
-    """Counts the tokens of one text (the seam for per-model tokenizers, issue 4)."""
+    """Counts the tokens of one text (the seam for per-model tokenizers, issue 4).
+
+    Attributes:
+        max_token_bytes: the most characters one token can cover (an upper bound: the longest token's
+            UTF-8 bytes), for :func:`min_text_tokens`.
+    """
+
+    max_token_bytes: int
 
     def count(self, text: str) -> int:
         """Number of tokens ``text`` encodes to (>= 0)."""
@@ -58,13 +113,21 @@ def offline_encoding() -> tiktoken.Encoding:
     return tiktoken.get_encoding(OFFLINE_ENCODING)
 
 
+@functools.cache
+def _max_token_bytes(encoding: tiktoken.Encoding) -> int:
+    # ~10 ms over cl100k's 100k tokens, once per encoding
+    return max(len(b) for b in encoding.token_byte_values())
+
+
 class TiktokenCounter:
     """:class:`TextTokenCounter` over a tiktoken encoding (default: the bundled cl100k_base)."""
 
-    __slots__ = ("_encode",)
+    __slots__ = ("_encode", "max_token_bytes")
 
     def __init__(self, encoding: tiktoken.Encoding | None = None) -> None:
-        self._encode = (encoding or offline_encoding()).encode_ordinary
+        enc = encoding or offline_encoding()
+        self._encode = enc.encode_ordinary
+        self.max_token_bytes = _max_token_bytes(enc)
 
     def count(self, text: str) -> int:
         """Tokens of ``text`` with special-token strings counted as plain text."""
@@ -79,49 +142,158 @@ def default_counter() -> TiktokenCounter:
     return TiktokenCounter()
 
 
+def min_text_tokens(text: str, counter: TextTokenCounter) -> int:
+    """A floor on ``counter``'s count of ``text``: ``ceil(len(text) / max_token_bytes)`` (tokens; O(1))."""
+    return -(-len(text) // counter.max_token_bytes)
+
+
+def _clean_cut(text: str, start: int, end: int) -> int:
+    """The last clean cut in ``(start, end)``, or -1: before a single space between two non-space
+    characters, or after a newline followed by a non-space character."""
+    sp = text.rfind(" ", start + 1, end)
+    nl = text.rfind("\n", start, end - 1)
+    for _ in range(_CUT_TRIES):
+        if sp <= start and nl < start:
+            return -1
+        if sp > nl:
+            if not text[sp - 1].isspace() and not text[sp + 1].isspace():
+                return sp
+            sp = text.rfind(" ", start + 1, sp)
+        else:
+            if not text[nl + 1].isspace():
+                return nl + 1
+            nl = text.rfind("\n", start, nl)
+    return -1
+
+
+def text_segments(text: str) -> Iterator[tuple[str, int]]:
+    """``text`` cut into pieces of at most :data:`SEGMENT_CHARS` characters, with the unclean cuts at the end
+    of each piece (0 or 1): concatenated, the pieces are ``text``. See the module docstring."""
+    n = len(text)
+    pos = 0
+    while n - pos > SEGMENT_CHARS:
+        end = pos + SEGMENT_CHARS
+        cut = _clean_cut(text, pos, end)
+        if cut > pos:
+            yield text[pos:cut], 0
+            pos = cut
+            continue
+        for i in range(pos, end, LONG_RUN_CHUNK_CHARS):
+            yield text[i : i + LONG_RUN_CHUNK_CHARS], 1
+        pos = end
+    yield text[pos:], 0
+
+
+def count_text(
+    text: str,
+    counter: TextTokenCounter,
+    *,
+    deadline: float | None = None,
+    clock: Callable[[], float] = time.monotonic,
+) -> int:
+    """Tokens of ``text``, with work linear in its length (tokens; see the module docstring).
+
+    Equal to ``counter.count(text)`` for texts up to :data:`SEGMENT_CHARS` characters and texts with clean
+    cuts; otherwise ``counter.count`` per segment plus :data:`UNCLEAN_CUT_MARGIN` per unclean cut.
+
+    Args:
+        deadline: ``clock()`` time after which counting stops, checked between segments; None: no limit.
+
+    Raises:
+        CountingBudgetExceededError: the deadline passed before the last segment was counted.
+    """
+    if len(text) <= SEGMENT_CHARS:
+        if deadline is not None and clock() > deadline:
+            raise CountingBudgetExceededError(0)
+        return counter.count(text)
+    total = 0
+    done = 0
+    for segment, unclean in text_segments(text):
+        if deadline is not None and clock() > deadline:
+            raise CountingBudgetExceededError(done)
+        total += counter.count(segment) + unclean * UNCLEAN_CUT_MARGIN
+        done += len(segment)
+    return total
+
+
 def image_tokens(detail: ImageDetail) -> int:
     """Estimated prompt tokens of one image part (see the module docstring for the source)."""
     return IMAGE_TOKENS_LOW if detail is ImageDetail.LOW else IMAGE_TOKENS_DEFAULT
 
 
-def count_chat_messages(messages: tuple[ChatMessage, ...], counter: TextTokenCounter) -> int:
+def count_chat_messages(
+    messages: tuple[ChatMessage, ...], counter: TextTokenCounter, *, deadline: float | None = None
+) -> int:
     """Prompt tokens of a chat conversation by the OpenAI cookbook formula (tokens).
 
     ``3 + sum(3 + tokens(role) + sum(tokens(text)) + (tokens(name) + 1 if name) + images)``.
+
+    Raises:
+        CountingBudgetExceededError: ``deadline`` (monotonic seconds) passed (see :func:`count_text`).
     """
     total = REPLY_PRIMING_TOKENS
     for m in messages:
-        total += TOKENS_PER_MESSAGE + counter.count(m.role)
+        total += TOKENS_PER_MESSAGE + count_text(m.role, counter, deadline=deadline)
         for text in m.texts:
-            total += counter.count(text)
+            total += count_text(text, counter, deadline=deadline)
         if m.name is not None:
-            total += counter.count(m.name) + TOKENS_PER_NAME
+            total += count_text(m.name, counter, deadline=deadline) + TOKENS_PER_NAME
         for detail in m.images:
             total += image_tokens(detail)
     return total
 
 
-def count_prompt_tokens(request: InferenceRequest, counter: TextTokenCounter | None = None) -> int:
+def count_prompt_tokens(
+    request: InferenceRequest, counter: TextTokenCounter | None = None, *, deadline: float | None = None
+) -> int:
     """Prompt tokens of a parsed request (tokens, >= 0).
 
     Chat: :func:`count_chat_messages` plus the tokens of the tool definitions' JSON. Completions and
     embeddings: the sum over prompts, token-array prompts counting their length exactly.
+
+    Raises:
+        CountingBudgetExceededError: ``deadline`` (monotonic seconds) passed (see :func:`count_text`).
     """
     c = counter or default_counter()
     if request.kind is EndpointKind.CHAT_COMPLETIONS:
-        total = count_chat_messages(request.messages, c)
+        total = count_chat_messages(request.messages, c, deadline=deadline)
         if request.tools_json is not None:
-            total += c.count(request.tools_json)
+            total += count_text(request.tools_json, c, deadline=deadline)
         return total
-    return sum(request.token_array_lengths) + sum(c.count(t) for t in request.texts)
+    return sum(count_each_prompt(request, c, deadline=deadline))
 
 
-def count_each_prompt(request: InferenceRequest, counter: TextTokenCounter | None = None) -> tuple[int, ...]:
+def count_each_prompt(
+    request: InferenceRequest, counter: TextTokenCounter | None = None, *, deadline: float | None = None
+) -> tuple[int, ...]:
     """Tokens of each prompt (completions) or input (embeddings) of a parsed request, in request order.
 
     A model server checks each prompt against its context length and prefills each as its own sequence;
     for a request from :func:`inferlb.openai_api.parse_request` the sum equals :func:`count_prompt_tokens`.
     Chat requests have no separate prompts: ``()``.
+
+    Raises:
+        CountingBudgetExceededError: ``deadline`` (monotonic seconds) passed (see :func:`count_text`).
     """
     c = counter or default_counter()
-    return tuple(len(p) if isinstance(p, tuple) else c.count(p) for p in request.prompts)
+    return tuple(
+        len(p) if isinstance(p, tuple) else count_text(p, c, deadline=deadline) for p in request.prompts
+    )
+
+
+def min_prompt_tokens(request: InferenceRequest, counter: TextTokenCounter) -> tuple[int, ...]:
+    """Floors on the prompt tokens, without tokenizing (see :func:`min_text_tokens`; O(number of texts)).
+
+    Returns:
+        chat: one value, the whole conversation's floor (framing, texts, images, tool definitions);
+        completions/embeddings: one floor per prompt, in request order (token arrays exactly).
+    """
+    if request.kind is EndpointKind.CHAT_COMPLETIONS:
+        total = REPLY_PRIMING_TOKENS
+        for m in request.messages:
+            total += TOKENS_PER_MESSAGE + sum(min_text_tokens(t, counter) for t in m.texts)
+            total += sum(image_tokens(d) for d in m.images)
+        if request.tools_json is not None:
+            total += min_text_tokens(request.tools_json, counter)
+        return (total,)
+    return tuple(len(p) if isinstance(p, tuple) else min_text_tokens(p, counter) for p in request.prompts)

@@ -3,25 +3,33 @@
 from __future__ import annotations
 
 import json
+import random
 from typing import Any
 
+import pytest
 import tiktoken.load
 import tiktoken.registry
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from inferlb.openai_api import EndpointKind, parse_request
 from inferlb.tokens import (
     IMAGE_TOKENS_DEFAULT,
     IMAGE_TOKENS_LOW,
+    LONG_RUN_CHUNK_CHARS,
     OFFLINE_ENCODING,
     REPLY_PRIMING_TOKENS,
+    SEGMENT_CHARS,
     TOKENS_PER_MESSAGE,
     TOKENS_PER_NAME,
+    CountingBudgetExceededError,
     count_each_prompt,
     count_prompt_tokens,
+    count_text,
     default_counter,
+    min_text_tokens,
     offline_encoding,
+    text_segments,
 )
 
 ENC = offline_encoding()
@@ -216,3 +224,78 @@ def test_counting_never_downloads(monkeypatch: Any) -> None:
     assert enc.encode_ordinary("hello world") == [15339, 1917]
     assert len(calls) == 1
     assert calls[0].endswith("cl100k_base.tiktoken")
+
+
+# -- bounded work per text: segments, long runs, floor, deadline ----------------------------------
+_WORD = st.text(
+    alphabet=st.characters(codec="utf-8", exclude_categories=("Cs", "Zs", "Cc")), min_size=1, max_size=12
+)
+_SEP = st.sampled_from([" ", " ", " ", ", ", ". ", "\n", "  ", "\n\n", "\t", " - "])
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.tuples(_WORD, _SEP), min_size=1, max_size=200), st.integers(min_value=1, max_value=400))
+def test_long_texts_with_spaces_count_exactly_like_tiktoken(
+    pieces: list[tuple[str, str]], repeat: int
+) -> None:
+    text = "".join(w + s for w, s in pieces)
+    text = text * max(1, (SEGMENT_CHARS * 2) // len(text) + 1) if repeat > 1 else text
+    assert count_text(text, default_counter()) == len(ENC.encode_ordinary(text))
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    st.sampled_from(
+        [
+            "abcdefghijklmnopqrstuvwxyz",
+            "ab",
+            "a",
+            "ACGT",
+            "你好世界中文文本",
+            "!@#$%^&*()",
+            "é漢字ß",
+            "😀🎉",
+            'abc\\u00e9\\n"',
+        ]
+    ),
+    st.integers(min_value=SEGMENT_CHARS + 1, max_value=5 * SEGMENT_CHARS),
+    st.integers(min_value=0, max_value=2**32),
+)
+def test_long_runs_never_count_fewer_than_tiktoken(alphabet: str, length: int, seed: int) -> None:
+    rnd = random.Random(seed)
+    text = "".join(rnd.choice(alphabet) for _ in range(length))
+    counted = count_text(text, default_counter())
+    assert counted >= len(ENC.encode_ordinary(text))
+    assert counted >= min_text_tokens(text, default_counter())
+
+
+def test_a_4_million_letter_word_is_counted_in_bounded_chunks() -> None:
+    word = "a" * 4_190_000
+    segments = list(text_segments(word))
+    assert "".join(s for s, _ in segments) == word
+    assert max(len(s) for s, _ in segments[:-1]) <= LONG_RUN_CHUNK_CHARS
+    assert len(segments[-1][0]) <= SEGMENT_CHARS
+    # a floor of 1 token per 128 characters, and at least that many counted
+    assert count_text(word, default_counter()) >= min_text_tokens(word, default_counter()) == 32_735
+
+
+def test_cl100k_longest_token_is_128_bytes() -> None:
+    assert default_counter().max_token_bytes == 128
+
+
+@given(st.text(max_size=3000))
+def test_the_floor_never_exceeds_the_count(text: str) -> None:
+    assert min_text_tokens(text, default_counter()) <= count_text(text, default_counter())
+
+
+def test_counting_stops_at_its_deadline() -> None:
+    text = "word " * (SEGMENT_CHARS * 3 // 5)
+    with pytest.raises(CountingBudgetExceededError) as info:
+        count_text("short", default_counter(), deadline=-1.0)
+    assert info.value.counted_chars == 0
+    ticks = iter(range(100))
+    with pytest.raises(CountingBudgetExceededError) as info:
+        # the clock passes the deadline after the first segment
+        count_text(text, default_counter(), deadline=1.5, clock=lambda: float(next(ticks)))
+    assert 0 < info.value.counted_chars < len(text)
+    assert count_text(text, default_counter(), deadline=1e18) == len(ENC.encode_ordinary(text))

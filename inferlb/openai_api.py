@@ -35,6 +35,18 @@ MAX_N: Final = 128
 
 _INVALID: Final = "invalid_request_error"
 
+#: Longest client value echoed back in an error message (characters); longer values are cut and end in
+#: "...", so a 3 MB model name cannot make a 3 MB error body.
+ECHO_MAX_CHARS: Final = 256
+
+
+def echo(value: object, limit: int = ECHO_MAX_CHARS) -> str:
+    """``value`` as text for an error message: ``str()`` for strings, ``repr()`` otherwise, cut to ``limit``
+    characters followed by "..." when longer."""
+    text = value if isinstance(value, str) else repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
 #: One prompt of a completions request or one input of an embeddings request: a text, or token ids.
 Prompt = str | tuple[int, ...]
 
@@ -225,9 +237,11 @@ def parse_request(kind: EndpointKind, body: bytes) -> InferenceRequest:
 
     if kind is EndpointKind.CHAT_COMPLETIONS:
         messages = _parse_messages(data.get("messages"))
-        max_out = _optional_int(data, "max_completion_tokens", minimum=0)
+        # both are checked (each must be >= 1, as OpenAI and vLLM require); the newer one wins
+        max_out = _optional_int(data, "max_completion_tokens", minimum=1)
+        max_tokens = _optional_int(data, "max_tokens", minimum=1)
         if max_out is None:
-            max_out = _optional_int(data, "max_tokens", minimum=0)
+            max_out = max_tokens
         return InferenceRequest(
             kind=kind,
             model=model,
@@ -254,7 +268,7 @@ def parse_request(kind: EndpointKind, body: bytes) -> InferenceRequest:
             texts=texts,
             token_array_lengths=arrays,
             prompts=prompts,
-            max_output_tokens=_optional_int(data, "max_tokens", minimum=0),
+            max_output_tokens=_optional_int(data, "max_tokens", minimum=1),
             n=n,
             prompt_count=len(prompts),
             stream=stream,
@@ -293,7 +307,7 @@ def _encoding_format(data: Mapping[str, Any]) -> EmbeddingEncoding:
         return EmbeddingEncoding(value)
     except ValueError:
         raise _bad(
-            f"'encoding_format' must be 'float' or 'base64', got {value!r}.",
+            f"'encoding_format' must be 'float' or 'base64', got {echo(value)}.",
             "encoding_format",
             "invalid_value",
         ) from None
@@ -323,9 +337,8 @@ def _optional_int(
     value = data.get(key)
     if value is None:
         return None
-    # JSON has one number type: 16.0 is accepted as 16, as OpenAI does
-    if isinstance(value, float) and value.is_integer():
-        value = int(value)
+    # OpenAI and vLLM refuse 4.0 where an integer is expected; so does the gateway, rather than forward a
+    # request the model server refuses after it was charged to the quota
     if not _is_int(value):
         raise _bad(f"'{key}' must be an integer, got {_type_name(value)}.", key)
     if value < minimum or (maximum is not None and value > maximum):
@@ -343,25 +356,38 @@ def _parse_prompts(data: Mapping[str, Any], field: str) -> tuple[Prompt, ...]:
     if isinstance(value, list):
         if not value:
             raise _bad(f"'{field}' must not be an empty array.", field)
-        if all(_is_int(t) for t in value):
-            if not _is_token_array(value):
-                raise _bad(f"'{field}' token ids must be non-negative integers.", field)
-            return (tuple(value),)
+        if isinstance(value[0], int | float):
+            # a token array: name the first element that is not a token id
+            return (_token_array(value, field),)
         prompts: list[Prompt] = []
         for i, item in enumerate(value):
             if isinstance(item, str):
                 prompts.append(item)
-            elif _is_token_array(item):
-                prompts.append(tuple(item))
+            elif isinstance(item, list) and item:
+                prompts.append(_token_array(item, f"{field}[{i}]"))
             else:
                 raise _bad(
-                    f"'{field}[{i}]' must be a string or an array of token ids, got {_type_name(item)}.",
+                    f"'{field}[{i}]' must be a string or a non-empty array of token ids, got "
+                    f"{_type_name(item)}.",
                     f"{field}[{i}]",
                 )
         return tuple(prompts)
     raise _bad(
         f"'{field}' must be a string, an array of strings, or token arrays, got {_type_name(value)}.", field
     )
+
+
+def _token_array(items: list[Any], where: str) -> tuple[int, ...]:
+    # name the first element that is not a token id (its own index, not the prompt's)
+    for j, t in enumerate(items):
+        if not _is_int(t) or t < 0:
+            raise _bad(
+                f"'{where}[{j}]' must be a non-negative integer token id, got {_type_name(t)} {echo(t, 32)}.",
+                f"{where}[{j}]",
+            )
+    if not items:
+        raise _bad(f"'{where}' must not be an empty array.", where)
+    return tuple(items)
 
 
 def _parse_messages(value: object) -> tuple[ChatMessage, ...]:
@@ -396,8 +422,8 @@ def _parse_message(i: int, msg: object) -> ChatMessage:
     elif content is None:
         if role != "assistant":
             raise _bad(
-                f"'{where}.content' is required for a {role!r} message (null is allowed only for an "
-                "assistant message with tool_calls).",
+                f"'{where}.content' is required for a {echo(role, 32)!r} message (null is allowed only "
+                "for an assistant message with tool_calls).",
                 f"{where}.content",
             )
     else:
@@ -441,10 +467,7 @@ def _function_texts(where: str, fn: Mapping[str, Any], texts: list[str]) -> None
 
 
 def _parse_part(where: str, part: object, texts: list[str], images: list[ImageDetail]) -> None:
-    if isinstance(part, str):
-        # some clients send bare strings inside content arrays; count them as text
-        texts.append(part)
-        return
+    # OpenAI refuses a bare string inside a content array ("expected an object"); so does the gateway
     if not isinstance(part, dict):
         raise _bad(f"'{where}' must be a content part object, got {_type_name(part)}.", where)
     kind = part.get("type")
@@ -463,7 +486,7 @@ def _parse_part(where: str, part: object, texts: list[str], images: list[ImageDe
             images.append(ImageDetail(detail) if detail is not None else ImageDetail.AUTO)
         except ValueError:
             raise _bad(
-                f"'{where}.image_url.detail' must be one of 'low', 'high', 'auto', got {detail!r}.",
+                f"'{where}.image_url.detail' must be one of 'low', 'high', 'auto', got {echo(detail)!r}.",
                 f"{where}.image_url.detail",
                 "invalid_value",
             ) from None

@@ -21,6 +21,7 @@ from types import MappingProxyType
 
 from inferlb.config import Config, ModelConfig, Priority, TenantConfig
 from inferlb.errors import RequestError
+from inferlb.openai_api import echo
 
 _BEARER = "bearer "
 
@@ -137,7 +138,7 @@ def model_not_found(name: str) -> RequestError:
     """OpenAI's 404 ``invalid_request_error``/``model_not_found`` error for ``name`` (param ``model``)."""
     return RequestError(
         404,
-        f"The model '{name}' does not exist or you do not have access to it.",
+        f"The model '{echo(name)}' does not exist or you do not have access to it.",
         type="invalid_request_error",
         code="model_not_found",
         param="model",

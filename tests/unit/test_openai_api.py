@@ -204,11 +204,46 @@ def test_malformed_or_non_object_bodies_are_400(raw: bytes) -> None:
     assert err.param is None
 
 
-def test_integer_valued_float_accepted() -> None:
-    r = parse_request(
-        CHAT, body({"model": "m", "messages": [{"role": "user", "content": "x"}], "max_tokens": 16.0})
-    )
-    assert r.max_output_tokens == 16
+MSG = [{"role": "user", "content": "x"}]
+
+
+@pytest.mark.parametrize(
+    ("kind", "payload", "param"),
+    [
+        # OpenAI and vLLM need at least one output token
+        (CHAT, {"model": "m", "messages": MSG, "max_tokens": 0}, "max_tokens"),
+        (CHAT, {"model": "m", "messages": MSG, "max_completion_tokens": 0}, "max_completion_tokens"),
+        (CHAT, {"model": "m", "messages": MSG, "max_completion_tokens": 5, "max_tokens": 0}, "max_tokens"),
+        (COMPLETIONS, {"model": "m", "prompt": "x", "max_tokens": 0}, "max_tokens"),
+        # OpenAI refuses a number that is not an integer, 4.0 included
+        (CHAT, {"model": "m", "messages": MSG, "max_tokens": 4.0}, "max_tokens"),
+        (CHAT, {"model": "m", "messages": MSG, "n": 2.0}, "n"),
+        (COMPLETIONS, {"model": "m", "prompt": "x", "best_of": 2.0}, "best_of"),
+        (EMBEDDINGS, {"model": "m", "input": "x", "dimensions": 8.0}, "dimensions"),
+        # a content part must be an object, not a bare string
+        (CHAT, {"model": "m", "messages": [{"role": "user", "content": ["hi"]}]}, "messages[0].content[0]"),
+        # the bad element of a token array is named by its own index
+        (COMPLETIONS, {"model": "m", "prompt": [1, 2.5]}, "prompt[1]"),
+        (COMPLETIONS, {"model": "m", "prompt": [1, 2, -3]}, "prompt[2]"),
+        (COMPLETIONS, {"model": "m", "prompt": ["ok", [1, "x"]]}, "prompt[1][1]"),
+        (COMPLETIONS, {"model": "m", "prompt": ["ok", []]}, "prompt[1]"),
+        (EMBEDDINGS, {"model": "m", "input": [[5, 6], [7, True]]}, "input[1][1]"),
+    ],
+)
+def test_model_server_refusals_are_refused_here(
+    kind: EndpointKind, payload: dict[str, Any], param: str
+) -> None:
+    err = refused(kind, body(payload))
+    assert err.status == 400
+    assert err.param == param
+    assert f"'{param}'" in err.message
+
+
+def test_echoed_values_are_cut() -> None:
+    err = refused(EMBEDDINGS, body({"model": "m", "input": "x", "encoding_format": "z" * 100_000}))
+    assert len(err.message) < 400
+    assert err.message.count("z") == 256
+    assert "..." in err.message
 
 
 # -- completions and embeddings -------------------------------------------------------------------
@@ -242,7 +277,7 @@ def test_completion_best_of_raises_the_choice_count() -> None:
         ({"model": "m"}, "prompt"),
         ({"model": "m", "prompt": 5}, "prompt"),
         ({"model": "m", "prompt": []}, "prompt"),
-        ({"model": "m", "prompt": [1, -2]}, "prompt"),
+        ({"model": "m", "prompt": [1, -2]}, "prompt[1]"),
         ({"model": "m", "prompt": ["a", 3.5]}, "prompt[1]"),
         ({"model": "m", "prompt": ["a", []]}, "prompt[1]"),
     ],

@@ -27,14 +27,28 @@ from types import MappingProxyType
 from inferlb import headers as h
 from inferlb.config import Config, ModelConfig, TenantConfig
 from inferlb.errors import RequestError
-from inferlb.openai_api import INFERENCE_PATHS, EndpointKind, InferenceRequest, parse_request
+from inferlb.openai_api import INFERENCE_PATHS, EndpointKind, InferenceRequest, echo, parse_request
 from inferlb.quota import Admitted, Limit, QuotaBook, Refused
 from inferlb.routing import RoutingTable, model_not_found, priority_header_value
-from inferlb.tokens import TextTokenCounter, count_prompt_tokens, default_counter
+from inferlb.tokens import (
+    CountingBudgetExceededError,
+    TextTokenCounter,
+    count_each_prompt,
+    count_prompt_tokens,
+    default_counter,
+    min_prompt_tokens,
+)
 from inferlb.usage import Reservation, add_include_usage
 
 MODELS_PATH = "/v1/models"
 _JSON = (("content-type", "application/json"),)
+#: Longest error message sent (characters): a backstop behind :func:`inferlb.openai_api.echo`.
+MAX_ERROR_MESSAGE_CHARS = 2048
+#: Share of Envoy's ``message_timeout`` the body phase may spend counting tokens: the rest covers the
+#: gRPC hops, parsing and admission, so the client gets our error and not Envoy's empty 504.
+COUNTING_BUDGET_FRACTION = 0.6
+#: Response code details of a request refused because counting ran out of time (logged by the servicer).
+COUNTING_BUDGET_DETAILS = "inferlb_counting_budget_exceeded"
 
 
 # -- decisions ------------------------------------------------------------------------------------
@@ -121,6 +135,8 @@ class Gateway:
         models_list_body: the ``GET /v1/models`` JSON body.
         model_bodies: model name or alias -> the ``GET /v1/models/{id}`` JSON body.
         counter: the prompt token counter.
+        counting_budget_s: most seconds the body phase spends counting one request's tokens
+            (``ext_proc.message_timeout_ms`` x :data:`COUNTING_BUDGET_FRACTION`).
         account_responses: ``ext_proc.account_responses``: responses are metered, so streams get
             ``stream_options.include_usage`` added when the client did not ask for it.
     """
@@ -131,6 +147,7 @@ class Gateway:
     models_list_body: bytes
     model_bodies: Mapping[str, bytes]
     counter: TextTokenCounter
+    counting_budget_s: float = 3.0
     account_responses: bool = True
 
     @classmethod
@@ -149,6 +166,7 @@ class Gateway:
             models_list_body=json.dumps({"object": "list", "data": list(objects.values())}).encode(),
             model_bodies=MappingProxyType(bodies),
             counter=counter or default_counter(),
+            counting_budget_s=config.ext_proc.message_timeout_ms / 1000 * COUNTING_BUDGET_FRACTION,
             account_responses=config.ext_proc.account_responses,
         )
 
@@ -165,9 +183,19 @@ def refusal(err: RequestError, details: str) -> ImmediateReply:
     headers: tuple[tuple[str, str], ...] = _JSON
     if err.retry_after_s is not None:
         headers = (*_JSON, ("retry-after", str(max(1, math.ceil(err.retry_after_s)))))
+    if len(err.message) > MAX_ERROR_MESSAGE_CHARS or (err.param is not None and len(err.param) > 300):
+        err = RequestError(
+            err.status,
+            echo(err.message, MAX_ERROR_MESSAGE_CHARS),
+            type=err.type,
+            code=err.code,
+            param=None if err.param is None else echo(err.param, 300),
+            retry_after_s=err.retry_after_s,
+        )
+    doc = err.to_openai_json()
     return ImmediateReply(
         status=err.status,
-        body=json.dumps(err.to_openai_json()).encode(),
+        body=json.dumps(doc).encode(),
         headers=headers,
         details=details,
     )
@@ -231,7 +259,7 @@ def on_request_headers(
     return refusal(
         RequestError(
             404,
-            f"Invalid URL ({method} {path})",
+            f"Invalid URL ({echo(method, 32)} {echo(path)})",
             type="invalid_request_error",
             code="unknown_url",
         ),
@@ -242,24 +270,35 @@ def on_request_headers(
 def _method_not_allowed(method: str, path: str, allowed: str) -> RequestError:
     return RequestError(
         405,
-        f"Method {method} is not allowed on {path}; use {allowed}.",
+        f"Method {echo(method, 32)} is not allowed on {echo(path)}; use {allowed}.",
         type="invalid_request_error",
         code="method_not_allowed",
     )
 
 
 def prepare_body(
-    gateway: Gateway, pending: PendingRequest, body: bytes, *, end_of_stream: bool = True
+    gateway: Gateway,
+    pending: PendingRequest,
+    body: bytes,
+    *,
+    end_of_stream: bool = True,
+    deadline: float | None = None,
 ) -> PreparedRequest | ImmediateReply:
     """Check size, parse, resolve the model and count prompt tokens (pure; safe in a worker thread).
+
+    The context-length check runs twice: first on a floor computed without tokenizing
+    (:func:`inferlb.tokens.min_prompt_tokens`), so a body that cannot fit is refused before any BPE work,
+    then on the real count. Completions and embeddings are checked per prompt (each is its own sequence).
 
     Args:
         body: the buffered request body.
         end_of_stream: False when Envoy sent only part of the body (its buffer filled): refused as 413.
+        deadline: monotonic time by which counting must finish (None: no limit).
 
     Returns:
-        :class:`PreparedRequest`, or an :class:`ImmediateReply`: 413 body too large, 400 malformed body or
-        prompt + requested output over the model's context length, 404 unknown model.
+        :class:`PreparedRequest`, or an :class:`ImmediateReply`: 413 body too large or counting not done
+        by ``deadline`` (details :data:`COUNTING_BUDGET_DETAILS`), 400 malformed body or prompt +
+        requested output over the model's context length, 404 unknown model.
     """
     if len(body) > gateway.max_body_bytes or not end_of_stream:
         return refusal(
@@ -280,23 +319,32 @@ def prepare_body(
         model = gateway.routing.resolve_model(request.model)
     except RequestError as err:
         return refusal(err, "inferlb_model_not_found")
-    prompt_tokens = count_prompt_tokens(request, gateway.counter)
-    output_cap = request.output_token_cap(model.default_max_tokens)
     per_prompt_output = request.max_output_tokens or 0
-    if request.prompt_count == 1 and prompt_tokens + per_prompt_output > model.context_length:
+    over = _over_context(pending.kind, min_prompt_tokens(request, gateway.counter), per_prompt_output, model)
+    if over is not None:
+        return over
+    try:
+        if pending.kind is EndpointKind.CHAT_COMPLETIONS:
+            each: tuple[int, ...] = (count_prompt_tokens(request, gateway.counter, deadline=deadline),)
+        else:
+            each = count_each_prompt(request, gateway.counter, deadline=deadline)
+    except CountingBudgetExceededError as exc:
         return refusal(
             RequestError(
-                400,
-                f"This model's maximum context length is {model.context_length} tokens. However, you "
-                f"requested {prompt_tokens + per_prompt_output} tokens ({prompt_tokens} in the prompt, "
-                f"{per_prompt_output} for the completion). Please reduce the prompt or the completion "
-                "length.",
+                413,
+                f"The gateway could not count the prompt's tokens within its time budget "
+                f"({gateway.counting_budget_s * 1000:.0f} ms; {exc.counted_chars} characters counted). "
+                "Please send a shorter prompt.",
                 type="invalid_request_error",
-                code="context_length_exceeded",
-                param="messages" if pending.kind is EndpointKind.CHAT_COMPLETIONS else None,
+                code="request_too_large",
             ),
-            "inferlb_context_length_exceeded",
+            COUNTING_BUDGET_DETAILS,
         )
+    over = _over_context(pending.kind, each, per_prompt_output, model, exact=True)
+    if over is not None:
+        return over
+    prompt_tokens = sum(each)
+    output_cap = request.output_token_cap(model.default_max_tokens)
     upstream_body = None
     if gateway.account_responses and request.stream and pending.kind.generates_tokens:
         # ask the model server for the usage event so the stream is billed from its own numbers
@@ -309,6 +357,38 @@ def prepare_body(
         reserved_tokens=prompt_tokens + output_cap,
         upstream_body=upstream_body,
     )
+
+
+def _over_context(
+    kind: EndpointKind,
+    prompt_tokens: tuple[int, ...],
+    per_prompt_output: int,
+    model: ModelConfig,
+    *,
+    exact: bool = False,
+) -> ImmediateReply | None:
+    """The 400 ``context_length_exceeded`` reply for the first prompt whose tokens + requested output
+    exceed the model's context length, or None. ``exact=False``: the counts are floors ("at least")."""
+    field = {EndpointKind.CHAT_COMPLETIONS: "messages", EndpointKind.COMPLETIONS: "prompt"}.get(kind, "input")
+    for i, tokens in enumerate(prompt_tokens):
+        if tokens + per_prompt_output <= model.context_length:
+            continue
+        where = field if len(prompt_tokens) == 1 else f"{field}[{i}]"
+        prompt_words = f"{tokens}" if exact else f"at least {tokens}"
+        return refusal(
+            RequestError(
+                400,
+                f"This model's maximum context length is {model.context_length} tokens. However, you "
+                f"requested {'' if exact else 'at least '}{tokens + per_prompt_output} tokens "
+                f"({prompt_words} in {where}, {per_prompt_output} for the completion). Please reduce the "
+                "prompt or the completion length.",
+                type="invalid_request_error",
+                code="context_length_exceeded",
+                param=where,
+            ),
+            "inferlb_context_length_exceeded",
+        )
+    return None
 
 
 def admit(
@@ -398,9 +478,10 @@ def on_request_body(
     now: float,
     rng: random.Random,
     end_of_stream: bool = True,
+    deadline: float | None = None,
 ) -> ContinueRequest | ImmediateReply:
     """:func:`prepare_body` then :func:`admit`, in one call."""
-    prepared = prepare_body(gateway, pending, body, end_of_stream=end_of_stream)
+    prepared = prepare_body(gateway, pending, body, end_of_stream=end_of_stream, deadline=deadline)
     if isinstance(prepared, ImmediateReply):
         return prepared
     return admit(gateway, quotas, prepared, now=now, rng=rng)

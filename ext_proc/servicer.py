@@ -229,12 +229,49 @@ _INTERNAL_ERROR = handlers.ImmediateReply(
 )
 
 
+class RateLimitedLog:
+    """Emit at most one log record per ``interval_s`` (seconds); the records held back in between are
+    counted and reported with the next one, so a burst of timeouts cannot flood the log.
+
+    Args:
+        logger: where records go.
+        interval_s: least seconds between two records.
+        clock: monotonic seconds (injected for tests).
+    """
+
+    def __init__(
+        self, logger: logging.Logger, interval_s: float = 1.0, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self._log = logger
+        self._interval_s = interval_s
+        self._clock = clock
+        self._next = float("-inf")
+        self._held = 0
+
+    def log(self, level: int, msg: str, *args: object) -> bool:
+        """Log ``msg % args`` at ``level`` unless one was logged less than ``interval_s`` ago; returns True
+        when it was logged."""
+        now = self._clock()
+        if now < self._next:
+            self._held += 1
+            return False
+        held, self._held = self._held, 0
+        self._next = now + self._interval_s
+        suffix = f" (+{held} more like it not logged)" if held else ""
+        self._log.log(level, msg + suffix, *args)
+        return True
+
+
 class _Exchange:
     """Per-stream state: what the headers phase learned, and the admitted request's meter."""
 
-    __slots__ = ("admitted", "meter", "model", "pending", "settled")
+    __slots__ = ("admitted", "decided", "meter", "model", "pending", "settled", "started")
 
     def __init__(self) -> None:
+        #: monotonic seconds when the request headers arrived
+        self.started = 0.0
+        #: the request phases are answered (continued upstream or refused)
+        self.decided = False
         self.pending: handlers.PendingRequest | None = None
         self.admitted: Admitted | None = None
         self.meter: ResponseMeter | None = None
@@ -249,6 +286,8 @@ class ExternalProcessor(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc
         self.state = state
         self.offload_body_bytes = offload_body_bytes
         self._settling: set[asyncio.Task[None]] = set()
+        self._gave_up_log = RateLimitedLog(log)
+        self._budget_log = RateLimitedLog(log)
 
     async def drain(self) -> None:
         """Wait for settlements still running after their streams ended."""
@@ -288,6 +327,8 @@ class ExternalProcessor(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc
                     log.exception("ext_proc failed on a %s message; answering 500", phase)
                     out = immediate_response(_INTERNAL_ERROR)
                 histogram.labels(phase).observe(time.perf_counter() - started)
+                if phase == "request_body" or out.HasField("immediate_response"):
+                    ex.decided = True
                 yield out
                 if out.HasField("immediate_response"):
                     if ex.admitted is not None and not ex.settled:
@@ -296,6 +337,16 @@ class ExternalProcessor(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc
                         await self._settle(ex, None, status="500")
                     return
         finally:
+            if ex.pending is not None and not ex.decided:
+                # Envoy gave up on the stream (message_timeout, client gone) before we answered the body
+                self._gave_up_log.log(
+                    logging.INFO,
+                    "ext_proc stream ended before admission finished: tenant %s, %s, %.0f ms after its "
+                    "headers",
+                    ex.pending.tenant.name,
+                    ex.pending.path,
+                    (time.monotonic() - ex.started) * 1000,
+                )
             if ex.admitted is not None and not ex.settled:
                 # the stream ended before the response did: charge what was produced, release the lease
                 task = asyncio.get_running_loop().create_task(self._finish(ex, aborted=True))
@@ -310,6 +361,7 @@ class ExternalProcessor(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc
             self._count_reply(decision, tenant="", model="")
             return immediate_response(decision)
         ex.pending = decision.pending
+        ex.started = time.monotonic()
         return headers_continue(decision.remove_headers)
 
     def _count_reply(self, reply: handlers.ImmediateReply, *, tenant: str, model: str) -> None:
@@ -325,14 +377,34 @@ class ExternalProcessor(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc
         state = self.state
         gateway = state.gateway
         body = msg.body
+        arrived = time.monotonic()
+        # counting stops at the deadline (checked between text segments, also in a queued worker thread)
+        deadline = arrived + gateway.counting_budget_s
         if len(body) >= self.offload_body_bytes:
             prepared = await asyncio.to_thread(
-                handlers.prepare_body, gateway, pending, body, end_of_stream=msg.end_of_stream
+                handlers.prepare_body,
+                gateway,
+                pending,
+                body,
+                end_of_stream=msg.end_of_stream,
+                deadline=deadline,
             )
         else:
-            prepared = handlers.prepare_body(gateway, pending, body, end_of_stream=msg.end_of_stream)
+            prepared = handlers.prepare_body(
+                gateway, pending, body, end_of_stream=msg.end_of_stream, deadline=deadline
+            )
         tenant = pending.tenant.name
         if isinstance(prepared, handlers.ImmediateReply):
+            if prepared.details == handlers.COUNTING_BUDGET_DETAILS:
+                self._budget_log.log(
+                    logging.WARNING,
+                    "refused a request of tenant %s (%d body bytes): token counting exceeded its %.0f ms "
+                    "budget after %.0f ms",
+                    tenant,
+                    len(body),
+                    gateway.counting_budget_s * 1000,
+                    (time.monotonic() - arrived) * 1000,
+                )
             self._count_reply(prepared, tenant=tenant, model="")
             return immediate_response(prepared)
         decision = await state.quotas.admit(tenant, prepared.reserved_tokens)

@@ -299,3 +299,97 @@ def test_refusal_helper_rounds_retry_after_up() -> None:
     assert dict(out.headers)["retry-after"] == "3"
     out = handlers.refusal(RequestError(429, "m", type="rate_limit_error", retry_after_s=0.0001), "d")
     assert dict(out.headers)["retry-after"] == "1"
+
+
+# -- limits: context floor before tokenizing, per-prompt context, counting budget, echo -----------
+class _MustNotCount:
+    """A counter that fails the test if asked to tokenize (the floor must decide alone)."""
+
+    max_token_bytes = 128
+
+    def count(self, text: str) -> int:
+        raise AssertionError(f"tokenized {len(text)} characters")
+
+
+def test_body_over_context_by_its_floor_is_refused_without_tokenizing() -> None:
+    config = make_config()
+    gateway = Gateway.from_config(
+        config.model_copy(
+            update={"gateway": config.gateway.model_copy(update={"max_request_body_bytes": 1 << 20})}
+        ),
+        counter=_MustNotCount(),
+    )
+    pending = PendingRequest(
+        tenant=config.tenants[0], kind=EndpointKind.CHAT_COMPLETIONS, path="/v1/chat/completions"
+    )
+    word = "a" * (128 * 1001)  # at least 1001 tokens: over llama's 1000
+    out = handlers.prepare_body(gateway, pending, chat_body(messages=[{"role": "user", "content": word}]))
+    err = error_of(out, 400)
+    assert (err["code"], err["param"]) == ("context_length_exceeded", "messages")
+    assert "at least" in err["message"]
+
+
+@pytest.mark.parametrize(
+    ("path", "payload", "param"),
+    [
+        (
+            "/v1/completions",
+            {"model": "llama", "prompt": ["hi", "word " * 990], "max_tokens": 20},
+            "prompt[1]",
+        ),
+        (
+            "/v1/completions",
+            {"model": "llama", "prompt": [[1] * 10, [2] * 999], "max_tokens": 2},
+            "prompt[1]",
+        ),
+        ("/v1/embeddings", {"model": "llama", "input": ["hi", "word " * 1001, "x"]}, "input[1]"),
+        ("/v1/embeddings", {"model": "llama", "input": [[7] * 1001]}, "input"),
+    ],
+)
+def test_each_prompt_is_checked_against_the_context_length(
+    path: str, payload: dict[str, Any], param: str
+) -> None:
+    config = make_config()
+    gateway = Gateway.from_config(
+        config.model_copy(
+            update={"gateway": config.gateway.model_copy(update={"max_request_body_bytes": 1 << 20})}
+        )
+    )
+    quotas = QuotaBook(limits_from_config(config), 0.0)
+    err = error_of(run_body(gateway, quotas, json.dumps(payload).encode(), path=path), 400)
+    assert (err["code"], err["param"]) == ("context_length_exceeded", param)
+
+
+def test_counting_past_its_deadline_is_a_413_not_a_timeout(gateway: Gateway) -> None:
+    pending = PendingRequest(
+        tenant=gateway.config.tenants[0], kind=EndpointKind.CHAT_COMPLETIONS, path="/v1/chat/completions"
+    )
+    out = handlers.prepare_body(gateway, pending, chat_body(), deadline=-1.0)
+    err = error_of(out, 413)
+    assert isinstance(out, ImmediateReply)
+    assert out.details == handlers.COUNTING_BUDGET_DETAILS
+    assert "time budget" in err["message"]
+    # the budget is a share of Envoy's message_timeout (5 s by default)
+    assert gateway.counting_budget_s == pytest.approx(5.0 * handlers.COUNTING_BUDGET_FRACTION)
+
+
+def test_error_messages_echo_at_most_256_characters_of_a_value(gateway: Gateway, quotas: QuotaBook) -> None:
+    name = "m" * 3_000_000
+    config = make_config()
+    big = Gateway.from_config(
+        config.model_copy(
+            update={"gateway": config.gateway.model_copy(update={"max_request_body_bytes": 4 << 20})}
+        )
+    )
+    out = run_body(big, quotas, chat_body(name))
+    assert isinstance(out, ImmediateReply) and len(out.body) < 1024
+    assert error_of(out, 404)["message"].count("m") < 300
+    for path in ("/" + "p" * 100_000, "/v1/models/" + "q" * 100_000):
+        reply = handlers.on_request_headers(gateway, req_headers(path, method="GET"), end_of_stream=True)
+        assert isinstance(reply, ImmediateReply) and reply.status == 404 and len(reply.body) < 1024
+    reply = handlers.on_request_headers(gateway, req_headers(method="X" * 10_000), end_of_stream=False)
+    assert isinstance(reply, ImmediateReply) and reply.status == 405 and len(reply.body) < 1024
+    # the backstop: any message is cut at MAX_ERROR_MESSAGE_CHARS
+    long_err = RequestError(400, "y" * 100_000, type="invalid_request_error", param="z" * 10_000)
+    doc = json.loads(handlers.refusal(long_err, "inferlb_x").body)["error"]
+    assert len(doc["message"]) <= handlers.MAX_ERROR_MESSAGE_CHARS + 3 and len(doc["param"]) <= 303

@@ -1,0 +1,292 @@
+"""Fleet-scale routing benchmark without Envoy: a discrete-event simulation of N GPUs (inferlb.fleetsim).
+
+Not a test: it prints tables and writes PNG plots. For a fleet of ``--gpus`` GPUs in the config's GPU mix,
+each a ``gpusim.engine.BatchEngine`` with the config's ``simulation:`` timing, it replays the bundled Azure
+LLM inference trace 2023 (conversation; Patel et al., "Splitwise", ISCA 2024; CC-BY 4.0) scaled to each
+``--loads`` fraction of the fleet's capacity, under four Envoy balancers (round robin, least request (P2C),
+weighted least request with static capacity weights, and with telemetry-driven weights from
+``inferlb.weights.step``), then a second run per policy at ``--throttle-load`` where ``--throttle-fraction``
+of the H100s slow to half speed mid-way. See inferlb/fleetsim.py for the model and every definition.
+
+Usage: ``.venv/bin/python bench/fleet_sim.py [--gpus 1000] [--duration 60] [--out bench/out]``
+(``--help`` for the rest). Needs matplotlib for the plots.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import time
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from gpusim.engine import BatchEngine, TimingModel
+from inferlb.config import Config, load_config
+from inferlb.fleetsim import (
+    POLICIES,
+    FleetGpu,
+    FleetRunResult,
+    Policy,
+    Scenario,
+    fleet_capacity_rps,
+    fleet_mix,
+    scale_trace,
+    share_series,
+    simulate,
+)
+from inferlb.replay import DEFAULT_TRACE, read_trace
+from inferlb.weights import WeightParams
+
+DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "inferlb" / "data" / "local.yaml"
+ATTRIBUTION = (
+    "Trace: Azure LLM inference trace 2023 (conversation), Patel et al., Splitwise, ISCA 2024; CC-BY 4.0"
+)
+
+
+def _fmt(x: float, digits: int = 2) -> str:
+    return "-" if math.isnan(x) else f"{x:.{digits}f}"
+
+
+def _table(title: str, results: list[tuple[str, FleetRunResult]], *, throttle: bool) -> Table:
+    t = Table(title=title, caption=ATTRIBUTION)
+    for col in ("load", "policy", "e2e p50 s", "e2e p99 s", "TTFT p50 s", "TTFT p99 s", "tokens/s"):
+        t.add_column(col, justify="right" if col not in ("policy",) else "left")
+    for col in ("busy spread pts", "work spread pts", "work p95-p5 pts", "work % H/A/V", "refused"):
+        t.add_column(col, justify="right")
+    if throttle:
+        for col in ("share fell after s", "window s", "weight fell after s", "share post/pre"):
+            t.add_column(col, justify="right")
+    for load, r in results:
+        wt = r.work_by_type
+        row = [
+            load,
+            r.policy,
+            _fmt(r.e2e_p50_s),
+            _fmt(r.e2e_p99_s),
+            _fmt(r.ttft_p50_s),
+            _fmt(r.ttft_p99_s),
+            f"{r.throughput_tokens_per_s:,.0f}",
+            _fmt(r.busy_spread_pts, 1),
+            _fmt(r.work_spread_pts, 1),
+            _fmt(r.work_p95_p5_pts, 1),
+            "/".join(f"{wt.get(k, math.nan):.0f}" for k in ("H100", "A100", "V100")),
+            f"{r.refused}" + (f" (+{r.unfinished} unfinished)" if r.unfinished else ""),
+        ]
+        if throttle:
+            s = r.shift
+            row += [
+                "never" if s is None or s.seconds is None else f"{s.seconds:.2f}",
+                "-" if s is None else f"{s.window_s:.2f}",
+                "-" if r.weight_shift_s is None else f"{r.weight_shift_s:.2f}",
+                "-" if s is None or not s.pre_share else f"{s.post_share / s.pre_share:.2f}",
+            ]
+        t.add_row(*row)
+    return t
+
+
+def _plots(
+    out: Path,
+    n: int,
+    base: list[tuple[str, FleetRunResult]],
+    thr: list[tuple[str, FleetRunResult]],
+    scenario_thr: Scenario,
+) -> list[Path]:
+    import matplotlib  # noqa: PLC0415 - only the benchmark needs it
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+
+    out.mkdir(parents=True, exist_ok=True)
+    paths: list[Path] = []
+    loads = sorted({load for load, _ in base})
+    # 1. latency bars per policy and load
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    width = 0.8 / max(1, len(loads))
+    for ax, (metric, label) in zip(
+        axes, (("e2e_p99_s", "end-to-end p99 (s)"), ("ttft_p99_s", "TTFT p99 (s)")), strict=True
+    ):
+        for j, load in enumerate(loads):
+            rs = [r for ld, r in base if ld == load]
+            xs = [i + j * width for i in range(len(rs))]
+            ax.bar(xs, [getattr(r, metric) for r in rs], width=width, label=f"load {load}")
+            ax.set_xticks([i + width * (len(loads) - 1) / 2 for i in range(len(rs))])
+            ax.set_xticklabels([r.policy.replace("_", "\n") for r in rs])
+        ax.set_ylabel(label)
+        ax.set_yscale("log")
+        ax.grid(axis="y", alpha=0.3)
+        ax.legend()
+    fig.suptitle(f"{n} simulated GPUs: p99 latency per balancer (log scale)")
+    fig.text(0.01, 0.01, ATTRIBUTION, fontsize=7)
+    fig.tight_layout(rect=(0, 0.04, 1, 1))
+    p = out / f"fleet_sim_{n}_latency.png"
+    fig.savefig(p, dpi=110)
+    plt.close(fig)
+    paths.append(p)
+    # 2. per-GPU work utilization at the highest load, by policy
+    top = loads[-1]
+    rs = [r for ld, r in base if ld == top]
+    fig, ax = plt.subplots(figsize=(10, 4.5))
+    ax.boxplot([list(r.work_percent) for r in rs], whis=(0, 100))
+    ax.set_xticks(range(1, len(rs) + 1))
+    ax.set_xticklabels([r.policy for r in rs])
+    ax.set_ylabel("per-GPU work utilization (% of capacity)")
+    ax.set_title(f"{n} GPUs at load {top}: per-GPU utilization (box: quartiles, whiskers: min/max)")
+    ax.grid(axis="y", alpha=0.3)
+    fig.text(0.01, 0.01, ATTRIBUTION, fontsize=7)
+    fig.tight_layout(rect=(0, 0.04, 1, 1))
+    p = out / f"fleet_sim_{n}_utilization.png"
+    fig.savefig(p, dpi=110)
+    plt.close(fig)
+    paths.append(p)
+    # 3. throttled GPUs' share of arrivals over time, relative to before the fault
+    if thr and scenario_thr.throttle_at_s is not None:
+        fault = scenario_thr.throttle_at_s
+        targets = frozenset(scenario_thr.throttle_gpus)
+        fig, ax = plt.subplots(figsize=(10, 4.5))
+        for _, r in thr:
+            pre = r.shift.pre_share if r.shift is not None and r.shift.pre_share else math.nan
+            bin_s = max(0.5, (r.shift.window_s if r.shift else 1.0) / 2)
+            series = share_series(
+                r.arrival_times,
+                r.arrival_gpus,
+                targets,
+                start=max(0.0, fault - 10.0),
+                end=scenario_thr.duration_s,
+                bin_s=bin_s,
+            )
+            ax.plot([t - fault for t, _ in series], [s / pre for _, s in series], label=r.policy)
+        ax.axvline(0.0, color="k", lw=0.8)
+        ax.axhline(0.6, color="grey", lw=0.8, ls="--")
+        ax.axhline(0.5, color="grey", lw=0.8, ls=":")
+        ax.set_xlabel("seconds since the throttle (half speed)")
+        ax.set_ylabel("throttled GPUs' share of arrivals / pre-fault share")
+        ax.set_title(f"{n} GPUs: {len(targets)} H100(s) throttled to half speed")
+        ax.legend()
+        ax.grid(alpha=0.3)
+        fig.text(0.01, 0.01, ATTRIBUTION, fontsize=7)
+        fig.tight_layout(rect=(0, 0.04, 1, 1))
+        p = out / f"fleet_sim_{n}_throttle_share.png"
+        fig.savefig(p, dpi=110)
+        plt.close(fig)
+        paths.append(p)
+    return paths
+
+
+def main() -> None:
+    """Parse arguments, run every scenario, print the tables, write the plots."""
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", type=Path, default=DEFAULT_CONFIG, help="inferlb config (GPU mix, timing)")
+    ap.add_argument("--trace", type=Path, default=DEFAULT_TRACE)
+    ap.add_argument("--gpus", type=int, default=1000)
+    ap.add_argument("--loads", type=float, nargs="+", default=[0.7, 0.9], help="fractions of capacity")
+    ap.add_argument("--duration", type=float, default=60.0, help="seconds of arrivals (simulated)")
+    ap.add_argument("--warmup", type=float, default=10.0, help="seconds left out of the figures")
+    ap.add_argument("--policies", nargs="+", default=list(POLICIES), choices=POLICIES)
+    ap.add_argument("--throttle-load", type=float, default=0.9)
+    ap.add_argument("--throttle-fraction", type=float, default=0.01, help="of the fleet; at least 1 GPU")
+    ap.add_argument("--throttle-at", type=float, default=None, help="default: the middle of the run")
+    ap.add_argument("--push-delay", type=float, default=None, help="s; default: xds.push_debounce_ms")
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--out", type=Path, default=Path("bench/out"))
+    args = ap.parse_args()
+
+    console = Console(width=250)
+    config: Config = load_config(args.config)
+    gpus = fleet_mix(config, args.gpus)
+    models = {g.gpu_type: TimingModel.for_endpoint(config, g.endpoint) for g in gpus}
+
+    def make_engine(g: FleetGpu) -> BatchEngine:
+        return BatchEngine(model=models[g.gpu_type])
+
+    rows = read_trace(args.trace)
+    capacity = fleet_capacity_rps([models[g.gpu_type] for g in gpus], rows)
+    params = WeightParams.from_config(config.weights)
+    policy_cfg = config.models[0].cluster
+    push_delay = args.push_delay if args.push_delay is not None else config.xds.push_debounce_ms / 1000
+    period = config.telemetry.scrape_interval_ms / 1000
+    mix = {t: sum(1 for g in gpus if g.gpu_type == t) for t in models}
+    console.print(
+        f"fleet: {args.gpus} GPUs {mix}; capacity {capacity:,.1f} req/s (full batches of the trace's mix); "
+        f"telemetry every {period:.2f} s, push delay {push_delay:.2f} s, active_request_bias "
+        f"{policy_cfg.active_request_bias}"
+    )
+    wall0 = time.perf_counter()
+    base: list[tuple[str, FleetRunResult]] = []
+    for load in args.loads:
+        arrivals = scale_trace(rows, rate_rps=load * capacity, duration_s=args.duration)
+        console.print(f"load {load}: {len(arrivals):,} requests at {load * capacity:,.1f} req/s")
+        for policy in args.policies:
+            t0 = time.perf_counter()
+            sc = _scenario(
+                policy, args, push_delay=push_delay, period=period, bias=policy_cfg.active_request_bias
+            )
+            r = simulate(gpus, make_engine, arrivals, sc, params)
+            console.print(f"  {policy}: {time.perf_counter() - t0:.1f} s wall, {r.events:,} events")
+            base.append((str(load), r))
+    h100 = [g.index for g in gpus if g.gpu_type == "H100"] or [g.index for g in gpus]
+    k = max(1, round(args.throttle_fraction * args.gpus))
+    targets = tuple(h100[:: max(1, len(h100) // k)][:k])
+    throttle_at = args.throttle_at if args.throttle_at is not None else args.duration / 2
+    arrivals = scale_trace(rows, rate_rps=args.throttle_load * capacity, duration_s=args.duration)
+    thr: list[tuple[str, FleetRunResult]] = []
+    sc_thr = _scenario(
+        "round_robin", args, push_delay=push_delay, period=period, bias=policy_cfg.active_request_bias
+    )
+    console.print(f"throttle: {len(targets)} GPU(s) {targets} to half speed at {throttle_at:.1f} s")
+    for policy in args.policies:
+        t0 = time.perf_counter()
+        sc_thr = _scenario(
+            policy,
+            args,
+            push_delay=push_delay,
+            period=period,
+            bias=policy_cfg.active_request_bias,
+            targets=targets,
+            throttle_at=throttle_at,
+        )
+        r = simulate(gpus, make_engine, arrivals, sc_thr, params)
+        console.print(f"  {policy}: {time.perf_counter() - t0:.1f} s wall, {r.events:,} events")
+        thr.append((str(args.throttle_load), r))
+    wall = time.perf_counter() - wall0
+    console.print(
+        _table(f"{args.gpus} simulated GPUs, {args.duration:.0f} s of arrivals", base, throttle=False)
+    )
+    console.print(
+        _table(
+            f"{args.gpus} GPUs, {len(targets)} H100(s) at half speed from {throttle_at:.0f} s",
+            thr,
+            throttle=True,
+        )
+    )
+    console.print(f"simulation wall time: {wall:.1f} s")
+    for p in _plots(args.out, args.gpus, base, thr, sc_thr):
+        console.print(f"wrote {p}")
+
+
+def _scenario(
+    policy: Policy,
+    args: argparse.Namespace,
+    *,
+    push_delay: float,
+    period: float,
+    bias: float,
+    targets: tuple[int, ...] = (),
+    throttle_at: float | None = None,
+) -> Scenario:
+    return Scenario(
+        policy=policy,
+        duration_s=args.duration,
+        warmup_s=args.warmup,
+        telemetry_period_s=period,
+        push_delay_s=push_delay,
+        active_request_bias=bias,
+        throttle_at_s=throttle_at,
+        throttle_gpus=targets,
+        seed=args.seed,
+    )
+
+
+if __name__ == "__main__":
+    main()

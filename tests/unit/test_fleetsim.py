@@ -1,0 +1,283 @@
+"""inferlb.fleetsim: Envoy's balancers as defined, the trace scaling and capacity, and small fleet runs
+(deterministic, conserving requests, and the telemetry weights beating round robin where the model says
+they must)."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+from functools import cache
+from pathlib import Path
+
+import pytest
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
+
+import inferlb
+from gpusim.engine import BatchEngine, TimingModel
+from inferlb.config import Config, load_config
+from inferlb.fleetsim import (
+    EdfScheduler,
+    FleetGpu,
+    FleetRunResult,
+    LeastRequestBalancer,
+    RoundRobinBalancer,
+    Scenario,
+    fleet_capacity_rps,
+    fleet_mix,
+    request_service_seconds,
+    scale_trace,
+    share_series,
+    simulate,
+    traffic_shift,
+)
+from inferlb.replay import DEFAULT_TRACE, TraceRow, read_trace
+from inferlb.weights import WeightParams
+
+LOCAL = Path(inferlb.__file__).parent / "data" / "local.yaml"
+
+
+@cache
+def config() -> Config:
+    return load_config(LOCAL)
+
+
+@cache
+def trace() -> tuple[TraceRow, ...]:
+    return tuple(read_trace(DEFAULT_TRACE))
+
+
+def engine_factory(cfg: Config, *, max_queue: int | None = None) -> object:
+    def make(g: FleetGpu) -> BatchEngine:
+        model = TimingModel.for_endpoint(cfg, g.endpoint)
+        if max_queue is not None:
+            model = TimingModel(
+                relative_capacity=model.relative_capacity,
+                prefill_tokens_per_s=model.prefill_tokens_per_s,
+                decode_tokens_per_s=model.decode_tokens_per_s,
+                max_batch=model.max_batch,
+                max_queue=max_queue,
+                kv_budget_tokens=model.kv_budget_tokens,
+            )
+        return BatchEngine(model=model)
+
+    return make
+
+
+def run(
+    policy: str, *, gpus: int = 8, load: float = 0.9, duration: float = 90.0, max_queue: int | None = None,
+    seed: int = 1, throttle: bool = False,
+) -> FleetRunResult:  # fmt: skip
+    cfg = config()
+    fleet = fleet_mix(cfg, gpus)
+    models = [TimingModel.for_endpoint(cfg, g.endpoint) for g in fleet]
+    rate = load * fleet_capacity_rps(models, trace())
+    arrivals = scale_trace(trace(), rate_rps=rate, duration_s=duration)
+    h100 = next(g.index for g in fleet if g.gpu_type == "H100")
+    sc = Scenario(
+        policy=policy,  # type: ignore[arg-type]
+        duration_s=duration,
+        warmup_s=duration / 6,
+        seed=seed,
+        throttle_at_s=duration / 2 if throttle else None,
+        throttle_gpus=(h100,) if throttle else (),
+    )
+    make = engine_factory(cfg, max_queue=max_queue)
+    return simulate(fleet, make, arrivals, sc, WeightParams.from_config(cfg.weights))  # type: ignore[arg-type]
+
+
+# -- the balancers ------------------------------------------------------------------------------------------
+
+
+@given(n=st.integers(1, 50), seed=st.integers(0, 2**32))
+def test_round_robin_cycles_through_every_host_in_order(n: int, seed: int) -> None:
+    rr = RoundRobinBalancer(n, rng=random.Random(seed))
+    picks = [rr.pick([0] * n) for _ in range(3 * n)]
+    assert all(picks[i + 1] == (picks[i] + 1) % n for i in range(len(picks) - 1))
+    assert Counter(picks) == dict.fromkeys(range(n), 3)
+
+
+@given(active=st.lists(st.integers(0, 5), min_size=1, max_size=30), seed=st.integers(0, 2**32))
+def test_p2c_never_picks_the_busier_of_its_two(active: list[int], seed: int) -> None:
+    n = len(active)
+    lr = LeastRequestBalancer(n, rng=random.Random(seed))
+    mirror = random.Random(seed)
+    for _ in range(20):
+        a, b = mirror.randrange(n), mirror.randrange(n)
+        picked = lr.pick(active)
+        assert picked in (a, b)
+        assert active[picked] == min(active[a], active[b])
+        assert picked == (b if active[b] < active[a] else a)  # a tie keeps the first draw, as Envoy does
+
+
+@settings(max_examples=60)
+@given(
+    weights=st.lists(st.integers(1, 20), min_size=2, max_size=8), laps=st.integers(1, 20), seed=st.integers()
+)
+def test_weighted_least_request_on_idle_hosts_sends_shares_proportional_to_weights(
+    weights: list[int], laps: int, seed: int
+) -> None:
+    assume(len(set(weights)) > 1)  # equal weights are P2C, not EDF
+    n = len(weights)
+    lr = LeastRequestBalancer(n, rng=random.Random(seed))
+    idle = [0] * n
+    lr.set_weights(weights, idle)
+    counts = Counter(lr.pick(idle) for _ in range(laps * sum(weights)))
+    for h, w in enumerate(weights):
+        # EDF picks host h once per 1/w of scheduler time: after `laps` units, laps * w picks, +-1 for phase
+        assert abs(counts[h] - laps * w) <= 1
+
+
+def test_weighted_least_request_steers_away_from_active_requests() -> None:
+    # Equal-looking capacity (weights 10 and 11, so EDF applies), host 0 with 9 requests in flight: its
+    # effective weight is 10 / 10 = 1 against 11 / 1 = 11, so it gets about 1 pick in 12.
+    lr = LeastRequestBalancer(2, rng=random.Random(3))
+    active = [9, 0]
+    lr.set_weights([10, 11], active)
+    counts = Counter(lr.pick(active) for _ in range(1200))
+    assert 60 <= counts[0] <= 140
+
+
+def test_equal_weights_fall_back_to_p2c_and_unequal_to_edf() -> None:
+    lr = LeastRequestBalancer(4, rng=random.Random(0))
+    lr.set_weights([5, 5, 5, 5], [0, 0, 0, 3])
+    assert lr._edf is None
+    lr.set_weights([5, 5, 5, 6], [0, 0, 0, 3])
+    assert isinstance(lr._edf, EdfScheduler)
+
+
+def test_weights_below_one_are_refused() -> None:
+    with pytest.raises(ValueError, match=">= 1"):
+        LeastRequestBalancer(2, rng=random.Random(0)).set_weights([0, 3], [0, 0])
+
+
+# -- fleet, trace, capacity ---------------------------------------------------------------------------------
+
+
+def test_fleet_mix_follows_the_config_proportions_and_capacity_weights() -> None:
+    fleet = fleet_mix(config(), 1000)
+    assert Counter(g.gpu_type for g in fleet) == {"H100": 250, "A100": 375, "V100": 375}
+    assert {g.gpu_type: g.static_weight for g in fleet} == {"H100": 34, "A100": 17, "V100": 10}
+    assert [g.index for g in fleet] == list(range(1000))
+    small = fleet_mix(config(), 7)
+    assert len(small) == 7 and len({g.gpu_type for g in small}) == 3
+
+
+def test_scale_trace_hits_the_target_rate_and_keeps_token_counts() -> None:
+    rows = trace()
+    out = scale_trace(rows, rate_rps=500.0, duration_s=100.0)
+    assert 0.97 * 50_000 <= len(out) <= 1.03 * 50_000
+    assert all(out[i].offset_s <= out[i + 1].offset_s for i in range(len(out) - 1))
+    assert out[-1].offset_s < 100.0
+    # rate x duration = the trace's length: one copy, every request once, tokens unchanged
+    one = scale_trace(rows, rate_rps=len(rows) / 128.0, duration_s=128.0)
+    assert Counter((r.prompt_tokens, r.output_tokens) for r in one) == Counter(
+        (r.prompt_tokens, r.output_tokens) for r in rows
+    )
+
+
+def test_fleet_capacity_is_sum_of_capacities_over_the_mean_request_cost() -> None:
+    cfg = config()
+    fleet = fleet_mix(cfg, 8)
+    models = [TimingModel.for_endpoint(cfg, g.endpoint) for g in fleet]
+    rows = trace()[:500]
+    v100 = next(m for m in models if m.relative_capacity == 1.0)
+    mean = sum(request_service_seconds(v100, r.prompt_tokens, r.output_tokens) for r in rows) / len(rows)
+    total_capacity = sum(g.relative_capacity for g in fleet)
+    assert fleet_capacity_rps(models, rows) == pytest.approx(total_capacity / mean, rel=1e-9)
+
+
+def test_a_saturated_engine_delivers_the_capacity_the_model_predicts() -> None:
+    # The load figures rest on this: a V100 engine with a queue that never empties finishes requests at
+    # 1 / mean(request_service_seconds), within 2% (prefill and decode interleave slightly differently).
+    cfg = config()
+    model = TimingModel.for_endpoint(cfg, next(g for g in fleet_mix(cfg, 8) if g.gpu_type == "V100").endpoint)
+    model = TimingModel(
+        relative_capacity=1.0, prefill_tokens_per_s=model.prefill_tokens_per_s,
+        decode_tokens_per_s=model.decode_tokens_per_s, max_batch=model.max_batch, max_queue=10_000,
+        kv_budget_tokens=model.kv_budget_tokens,
+    )  # fmt: skip
+    rows = trace()[:800]
+    eng = BatchEngine(model=model)
+    for i, r in enumerate(rows):
+        eng.submit(0.0, request_id=str(i), prompt_tokens=r.prompt_tokens, completion_tokens=r.output_tokens)
+    last = 0.0
+    while (t := eng.next_transition_time()) is not None:
+        eng.advance(t)
+        last = t
+    predicted = fleet_capacity_rps([model], rows)
+    assert len(rows) / last == pytest.approx(predicted, rel=0.02)
+
+
+# -- whole runs on tiny fleets ------------------------------------------------------------------------------
+
+
+def test_simulation_is_deterministic_for_a_seed() -> None:
+    a = run("least_request", duration=30.0, seed=7)
+    b = run("least_request", duration=30.0, seed=7)
+    c = run("least_request", duration=30.0, seed=8)
+    assert a.arrival_gpus == b.arrival_gpus
+    assert (a.e2e_p99_s, a.ttft_p99_s, a.work_percent) == (b.e2e_p99_s, b.ttft_p99_s, b.work_percent)
+    assert a.arrival_gpus != c.arrival_gpus
+
+
+@pytest.mark.parametrize("policy", ["round_robin", "least_request", "static_weights", "telemetry_weights"])
+def test_every_arrival_finishes_or_is_refused(policy: str) -> None:
+    r = run(policy, duration=40.0, load=1.3, max_queue=2)
+    assert r.arrivals > 0
+    assert r.finished + r.refused + r.unfinished == r.arrivals
+    assert r.unfinished == 0  # the drain bound (600 s) is far beyond any queue of 2
+    assert r.refused > 0  # 130% of capacity with queues of 2 must refuse some
+    assert sum(r.refused_by_type.values()) == r.refused
+
+
+def test_telemetry_weights_beat_round_robin_on_a_heterogeneous_fleet_at_high_load() -> None:
+    # Round robin gives each of the 8 GPUs 1/8 of 90% of a fleet capacity of 14.9 V100s, i.e. 1.68 V100s
+    # of work: a V100 is offered 168% of its capacity, so its queue grows for the whole run, and the
+    # latency of a third of the requests grows with it. Weighted least request keeps every GPU under 100%.
+    rr = run("round_robin")
+    tw = run("telemetry_weights")
+    assert tw.e2e_p99_s < 0.8 * rr.e2e_p99_s
+    assert tw.ttft_p99_s < 0.5 * rr.ttft_p99_s
+    assert rr.work_by_type["V100"] > 95.0  # saturated
+    assert rr.work_by_type["H100"] < 70.0  # 1.68 / 3.4 of its capacity, plus noise
+    assert tw.work_spread_pts < rr.work_spread_pts
+
+
+def test_a_throttled_gpu_loses_weight_and_traffic_under_telemetry_weights() -> None:
+    r = run("telemetry_weights", duration=60.0, throttle=True)
+    assert r.shift is not None
+    # The EWMA (tau 1 s) brings the weight from W to 0.6 W of a half-speed GPU in 4 telemetry steps (2 s),
+    # then one push delay and at most one more step of hysteresis.
+    assert r.weight_shift_s is not None and r.weight_shift_s <= 3.5
+    assert r.shift.post_share < 0.75 * r.shift.pre_share
+    rr = run("round_robin", duration=60.0, throttle=True)
+    assert rr.weight_shift_s is None
+    assert rr.shift is not None and rr.shift.seconds is None  # round robin never moves traffic
+
+
+# -- the share measurements ---------------------------------------------------------------------------------
+
+
+def test_traffic_shift_finds_when_the_share_halves() -> None:
+    times = [i * 0.01 for i in range(2000)]  # 100 req/s for 20 s
+    # GPU 0 gets every 10th request until 10 s, then every 20th
+    gpus = [0 if (i % 10 == 0 if t < 10.0 else i % 20 == 0) else 1 for i, t in enumerate(times)]
+    s = traffic_shift(times, gpus, frozenset({0}), fault_at=10.0, end=20.0)
+    assert s.pre_share == pytest.approx(0.1, abs=0.005)
+    assert s.seconds is not None and s.seconds <= s.window_s
+    assert s.post_share == pytest.approx(0.05, abs=0.005)
+    same = traffic_shift(
+        times, [0 if i % 10 == 0 else 1 for i in range(2000)], frozenset({0}), fault_at=10.0, end=20.0
+    )
+    assert same.seconds is None
+
+
+def test_share_series_bins() -> None:
+    times = [0.1, 0.2, 0.6, 0.7, 0.8, 1.5]
+    gpus = [1, 0, 1, 1, 0, 1]
+    assert share_series(times, gpus, frozenset({1}), start=0.0, end=2.0, bin_s=0.5) == [
+        (0.25, 0.5),
+        (0.75, 2 / 3),
+        (1.75, 1.0),
+    ]

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 
 from inferlb import headers as h
+from inferlb.affinity import affinity_keys
 from inferlb.config import Config, ModelConfig, TenantConfig
 from inferlb.errors import RequestError
 from inferlb.openai_api import INFERENCE_PATHS, EndpointKind, InferenceRequest, echo, parse_request
@@ -41,6 +42,9 @@ from inferlb.tokens import (
 from inferlb.usage import Reservation, add_include_usage
 
 MODELS_PATH = "/v1/models"
+#: Endpoints whose streams take ``stream_options.include_usage`` (the Responses API always sends usage in
+#: its ``response.completed`` event and has no such option).
+_INCLUDE_USAGE_KINDS = frozenset({EndpointKind.CHAT_COMPLETIONS, EndpointKind.COMPLETIONS})
 _JSON = (("content-type", "application/json"),)
 #: Longest error message sent (characters): a backstop behind :func:`inferlb.openai_api.echo`.
 MAX_ERROR_MESSAGE_CHARS = 2048
@@ -76,6 +80,8 @@ class PendingRequest:
     tenant: TenantConfig
     kind: EndpointKind
     path: str
+    #: the value of the configured session header (``ext_proc.session_header``) as sent, or None.
+    session: str | None = None
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -83,6 +89,14 @@ class BodyExpected:
     """Headers accepted: continue with ``remove_headers`` applied and process the body next."""
 
     pending: PendingRequest
+    remove_headers: tuple[str, ...]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PassThrough:
+    """A path that is not inference, let through unexamined (``ext_proc.non_inference_paths: allow``):
+    continue with ``remove_headers`` applied and leave the body alone."""
+
     remove_headers: tuple[str, ...]
 
 
@@ -139,6 +153,7 @@ class Gateway:
             (``ext_proc.message_timeout_ms`` x :data:`COUNTING_BUDGET_FRACTION`).
         account_responses: ``ext_proc.account_responses``: responses are metered, so streams get
             ``stream_options.include_usage`` added when the client did not ask for it.
+        allow_other_paths: ``ext_proc.non_inference_paths == "allow"``.
     """
 
     config: Config
@@ -149,6 +164,7 @@ class Gateway:
     counter: TextTokenCounter
     counting_budget_s: float = 3.0
     account_responses: bool = True
+    allow_other_paths: bool = False
 
     @classmethod
     def from_config(cls, config: Config, counter: TextTokenCounter | None = None) -> Gateway:
@@ -168,6 +184,7 @@ class Gateway:
             counter=counter or default_counter(),
             counting_budget_s=config.ext_proc.message_timeout_ms / 1000 * COUNTING_BUDGET_FRACTION,
             account_responses=config.ext_proc.account_responses,
+            allow_other_paths=config.ext_proc.non_inference_paths == "allow",
         )
 
 
@@ -208,7 +225,7 @@ def _ok(body: bytes, details: str) -> ImmediateReply:
 # -- phases ---------------------------------------------------------------------------------------
 def on_request_headers(
     gateway: Gateway, headers: Mapping[str, str], *, end_of_stream: bool
-) -> BodyExpected | ImmediateReply:
+) -> BodyExpected | PassThrough | ImmediateReply:
     """Decide on a request from its headers.
 
     Args:
@@ -217,9 +234,9 @@ def on_request_headers(
         end_of_stream: True when the request has no body.
 
     Returns:
-        :class:`BodyExpected` for a POST to an inference path with a body; otherwise an
-        :class:`ImmediateReply`: 200 model list/object, 400 missing body, 401 bad key, 404 unknown path or
-        model, 405 wrong method.
+        :class:`BodyExpected` for a POST to an inference path with a body; :class:`PassThrough` for another
+        path when ``ext_proc.non_inference_paths`` is ``allow``; otherwise an :class:`ImmediateReply`: 200
+        model list/object, 400 missing body, 401 bad key, 404 unknown path or model, 405 wrong method.
     """
     method = headers.get(":method", "")
     path = headers.get(":path", "").partition("?")[0]
@@ -242,7 +259,9 @@ def on_request_headers(
                 "inferlb_empty_body",
             )
         spoofed = tuple(sorted({k for k in headers if k.startswith(h.PREFIX)}))
-        pending = PendingRequest(tenant=tenant, kind=kind, path=path)
+        session_header = gateway.config.ext_proc.session_header
+        session = headers.get(session_header) if session_header else None
+        pending = PendingRequest(tenant=tenant, kind=kind, path=path, session=session)
         return BodyExpected(pending=pending, remove_headers=spoofed)
 
     if path == MODELS_PATH or path.startswith(MODELS_PATH + "/"):
@@ -256,6 +275,8 @@ def on_request_headers(
             return refusal(model_not_found(model_id), "inferlb_model_not_found")
         return _ok(body, "inferlb_model_object")
 
+    if gateway.allow_other_paths:
+        return PassThrough(remove_headers=_spoofed(headers))
     return refusal(
         RequestError(
             404,
@@ -265,6 +286,11 @@ def on_request_headers(
         ),
         "inferlb_unknown_path",
     )
+
+
+def _spoofed(headers: Mapping[str, str]) -> tuple[str, ...]:
+    # a client must not choose its own route, tenant or priority
+    return tuple(sorted({k for k in headers if k.startswith(h.PREFIX)}))
 
 
 def _method_not_allowed(method: str, path: str, allowed: str) -> RequestError:
@@ -324,7 +350,7 @@ def prepare_body(
     if over is not None:
         return over
     try:
-        if pending.kind is EndpointKind.CHAT_COMPLETIONS:
+        if pending.kind.is_conversation:
             each: tuple[int, ...] = (count_prompt_tokens(request, gateway.counter, deadline=deadline),)
         else:
             each = count_each_prompt(request, gateway.counter, deadline=deadline)
@@ -346,7 +372,7 @@ def prepare_body(
     prompt_tokens = sum(each)
     output_cap = request.output_token_cap(model.default_max_tokens)
     upstream_body = None
-    if gateway.account_responses and request.stream and pending.kind.generates_tokens:
+    if gateway.account_responses and request.stream and pending.kind in _INCLUDE_USAGE_KINDS:
         # ask the model server for the usage event so the stream is billed from its own numbers
         upstream_body = add_include_usage(body)
     return PreparedRequest(
@@ -441,7 +467,11 @@ def route(
     """The routing headers of an admitted request (and its rewritten body with its new
     ``content-length``, when the gateway added ``include_usage``)."""
     tenant = prepared.pending.tenant
-    version = gateway.routing.pick_version(prepared.model, prepared.request.user, rng)
+    # the canary version is sticky per session (the session header, else the user field), like affinity
+    version = gateway.routing.pick_version(
+        prepared.model, prepared.pending.session or prepared.request.user, rng
+    )
+    keys = affinity_keys(prepared.request, prepared.pending.session)
     headers: tuple[tuple[str, str], ...] = (
         (h.MODEL, prepared.model.name),
         (h.VERSION, version),
@@ -449,6 +479,11 @@ def route(
         (h.PRIORITY, priority_header_value(tenant.priority)),
         (h.PROMPT_TOKENS, str(prepared.prompt_tokens)),
     )
+    # affinity keys for ring_hash/maglev routes (inferlb.affinity); absent keys leave the header unset
+    if keys.prefix is not None:
+        headers = (*headers, (h.PREFIX_KEY, keys.prefix))
+    if keys.session is not None:
+        headers = (*headers, (h.SESSION_KEY, keys.session))
     body = prepared.upstream_body
     if body is not None:
         # Envoy's ProcessingMode docs: with a BUFFERED body and SEND headers, the processor that mutates

@@ -265,13 +265,15 @@ class RateLimitedLog:
 class _Exchange:
     """Per-stream state: what the headers phase learned, and the admitted request's meter."""
 
-    __slots__ = ("admitted", "decided", "meter", "model", "pending", "settled", "started")
+    __slots__ = ("admitted", "decided", "meter", "model", "passthrough", "pending", "settled", "started")
 
     def __init__(self) -> None:
         #: monotonic seconds when the request headers arrived
         self.started = 0.0
         #: the request phases are answered (continued upstream or refused)
         self.decided = False
+        #: a non-inference path let through: later request messages get a plain continue
+        self.passthrough = False
         self.pending: handlers.PendingRequest | None = None
         self.admitted: Admitted | None = None
         self.meter: ResponseMeter | None = None
@@ -288,6 +290,7 @@ class ExternalProcessor(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc
         self._settling: set[asyncio.Task[None]] = set()
         self._gave_up_log = RateLimitedLog(log)
         self._budget_log = RateLimitedLog(log)
+        self._unknown_log = RateLimitedLog(log)
 
     async def drain(self) -> None:
         """Wait for settlements still running after their streams ended."""
@@ -360,6 +363,9 @@ class ExternalProcessor(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc
         if isinstance(decision, handlers.ImmediateReply):
             self._count_reply(decision, tenant="", model="")
             return immediate_response(decision)
+        if isinstance(decision, handlers.PassThrough):
+            ex.passthrough = ex.decided = True
+            return headers_continue(decision.remove_headers)
         ex.pending = decision.pending
         ex.started = time.monotonic()
         return headers_continue(decision.remove_headers)
@@ -368,6 +374,8 @@ class ExternalProcessor(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc
         self.state.metrics.requests.labels(tenant, model, str(reply.status)).inc()
 
     async def _on_body(self, ex: _Exchange, msg: ep.HttpBody) -> ep.ProcessingResponse:
+        if ex.passthrough:
+            return ep.ProcessingResponse(request_body=ep.BodyResponse())
         pending = ex.pending
         if pending is None:
             # a body without an accepted headers phase: Envoy is configured to skip headers, which breaks
@@ -407,6 +415,14 @@ class ExternalProcessor(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc
                 )
             self._count_reply(prepared, tenant=tenant, model="")
             return immediate_response(prepared)
+        if prepared.request.unknown_parts:
+            self._unknown_log.log(
+                logging.INFO,
+                "counted unknown content part types %s by their JSON (tenant %s, %s)",
+                ",".join(sorted(set(prepared.request.unknown_parts))),
+                tenant,
+                pending.path,
+            )
         decision = await state.quotas.admit(tenant, prepared.reserved_tokens)
         if isinstance(decision, Refused):
             reply = handlers.quota_refusal(decision)

@@ -178,6 +178,10 @@ class ExtProcConfig(_Frozen):
 
 
 class GpuProfile(_Frozen):
+    #: Requests to paths that are not OpenAI inference or ``/v1/models``: ``deny`` answers 404
+    #: ``unknown_url`` in ext_proc; ``allow`` lets them through unexamined (API key still checked,
+    #: ``x-inferlb-*`` headers still stripped) to whatever route Envoy has for them.
+    non_inference_paths: Literal["deny", "allow"] = "deny"
     """One GPU type. ``relative_capacity`` is its LLM serving throughput relative to a V100 (= 1.0);
     the endpoint weight Envoy receives is proportional to it (see :func:`inferlb.fleet.capacity_weight`)."""
 

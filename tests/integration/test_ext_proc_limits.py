@@ -175,3 +175,16 @@ def test_rate_limited_log_holds_back_and_counts() -> None:
     now[0] = 1.5
     assert rl.log(logging.INFO, "gave up %d", 4)
     assert records == ["gave up 1", "gave up 4 (+2 more like it not logged)"]
+
+
+async def test_an_allowed_non_inference_path_passes_through_headers_and_body() -> None:
+    config = parse_config({**CONFIG, "ext_proc": {"non_inference_paths": "allow"}})
+    server, channel = await serve_state(ExtProcState(config))
+    try:
+        stub = ep_grpc.ExternalProcessorStub(channel)
+        resp = await exchange(stub, "/v1/files", b"--boundary\r\nnot json\r\n")
+    finally:
+        await channel.close()
+        await server.stop(None)
+    assert resp.HasField("request_body")
+    assert not resp.request_body.response.HasField("body_mutation")

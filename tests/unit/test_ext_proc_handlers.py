@@ -13,7 +13,7 @@ from ext_proc.handlers import BodyExpected, ContinueRequest, Gateway, ImmediateR
 from inferlb import headers as h
 from inferlb.config import Config, parse_config
 from inferlb.errors import RequestError
-from inferlb.openai_api import EndpointKind
+from inferlb.openai_api import EndpointKind, InferenceRequest, parse_request
 from inferlb.quota import QuotaBook, limits_from_config
 from inferlb.tokens import count_prompt_tokens
 
@@ -393,3 +393,44 @@ def test_error_messages_echo_at_most_256_characters_of_a_value(gateway: Gateway,
     long_err = RequestError(400, "y" * 100_000, type="invalid_request_error", param="z" * 10_000)
     doc = json.loads(handlers.refusal(long_err, "inferlb_x").body)["error"]
     assert len(doc["message"]) <= handlers.MAX_ERROR_MESSAGE_CHARS + 3 and len(doc["param"]) <= 303
+
+
+# -- responses and non-inference paths ------------------------------------------------------------
+def test_responses_are_counted_as_a_conversation_and_routed(gateway: Gateway, quotas: QuotaBook) -> None:
+    body = json.dumps({"model": "llama", "input": "hello there", "max_output_tokens": 10}).encode()
+    out = run_body(gateway, quotas, body, path="/v1/responses")
+    assert isinstance(out, ContinueRequest)
+    headers = dict(out.set_headers)
+    # the same prompt as a chat request with one user message
+    assert headers[h.PROMPT_TOKENS] == str(count_prompt_tokens(_chat_request()))
+    assert (
+        out.reservation is not None and out.reservation.reserved_tokens == int(headers[h.PROMPT_TOKENS]) + 10
+    )
+    over = json.dumps({"model": "llama", "input": "hi", "max_output_tokens": 995}).encode()
+    err = error_of(run_body(gateway, quotas, over, path="/v1/responses"), 400)
+    assert (err["code"], err["param"]) == ("context_length_exceeded", "input")
+
+
+def _chat_request() -> InferenceRequest:
+    return parse_request(EndpointKind.CHAT_COMPLETIONS, chat_body())
+
+
+def test_non_inference_paths_denied_by_default_allowed_by_policy() -> None:
+    config = make_config()
+    deny = Gateway.from_config(config)
+    allow = Gateway.from_config(
+        config.model_copy(
+            update={"ext_proc": config.ext_proc.model_copy(update={"non_inference_paths": "allow"})}
+        )
+    )
+    hdrs = req_headers("/v1/files", method="GET", **{"x-inferlb-tenant": "gold"})
+    assert error_of(handlers.on_request_headers(deny, hdrs, end_of_stream=True), 404)["code"] == "unknown_url"
+    out = handlers.on_request_headers(allow, hdrs, end_of_stream=True)
+    assert out == handlers.PassThrough(remove_headers=("x-inferlb-tenant",))
+    # the API key is still checked, and /v1/models is still answered by the gateway
+    error_of(
+        handlers.on_request_headers(allow, req_headers("/v1/files", key="sk-nope-0000"), end_of_stream=True),
+        401,
+    )
+    models = handlers.on_request_headers(allow, req_headers("/v1/models", method="GET"), end_of_stream=True)
+    assert isinstance(models, ImmediateReply) and models.status == 200

@@ -513,3 +513,77 @@ def test_random_request_shaped_json_raises_only_request_error(
     if err is not None:
         assert err.status == 400
         assert err.type == "invalid_request_error"
+
+
+# -- responses ------------------------------------------------------------------------------------
+RESPONSES = EndpointKind.RESPONSES
+
+
+def test_responses_string_input_with_instructions() -> None:
+    r = parse_request(
+        RESPONSES,
+        body({"model": "m", "input": "Hi there", "instructions": "Be brief.", "max_output_tokens": 64}),
+    )
+    assert r.kind is RESPONSES and r.kind.is_conversation and r.kind.generates_tokens
+    assert [(m.role, m.texts) for m in r.messages] == [("system", ("Be brief.",)), ("user", ("Hi there",))]
+    assert r.max_output_tokens == 64
+    assert r.output_token_cap(256) == 64
+
+
+def test_responses_input_items() -> None:
+    r = parse_request(
+        RESPONSES,
+        body(
+            {
+                "model": "m",
+                "input": [
+                    {"role": "user", "content": "plain"},
+                    {
+                        "type": "message",
+                        "role": "user",
+                        "content": [
+                            {"type": "input_text", "text": "look"},
+                            {"type": "input_image", "image_url": "https://x/y.png", "detail": "low"},
+                            {"type": "input_audio_v9", "data": "AAAA"},
+                        ],
+                    },
+                    {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": "{}"},
+                    {"type": "function_call_output", "call_id": "c1", "output": "sunny"},
+                    {"type": "reasoning", "summary": []},
+                ],
+                "tools": [{"type": "function", "name": "get_weather"}],
+            }
+        ),
+    )
+    assert [m.role for m in r.messages] == ["user", "user", "assistant", "tool", "assistant"]
+    assert r.messages[1].texts[0] == "look" and r.messages[1].images == (ImageDetail.LOW,)
+    assert r.messages[2].texts == ("get_weather", "{}", "c1")
+    assert r.messages[3].texts == ("sunny",)
+    assert r.unknown_parts == ("input_audio_v9", "reasoning")
+    assert r.tools_json is not None and "get_weather" in r.tools_json
+    assert r.max_output_tokens is None
+
+
+@pytest.mark.parametrize(
+    ("payload", "param"),
+    [
+        ({"model": "m"}, "input"),
+        ({"model": "m", "input": []}, "input"),
+        ({"model": "m", "input": 3}, "input"),
+        ({"model": "m", "input": ["hi"]}, "input[0]"),
+        ({"model": "m", "input": [{"role": "user", "content": 5}]}, "input[0].content"),
+        ({"model": "m", "input": [{"type": "function_call_output", "output": 1}]}, "input[0].output"),
+        ({"model": "m", "input": "x", "instructions": 1}, "instructions"),
+        ({"model": "m", "input": "x", "max_output_tokens": 0}, "max_output_tokens"),
+        ({"model": "m", "input": "x", "max_output_tokens": 8.0}, "max_output_tokens"),
+    ],
+)
+def test_responses_refusals(payload: dict[str, Any], param: str) -> None:
+    assert refused(RESPONSES, body(payload)).param == param
+
+
+def test_unknown_chat_part_types_are_counted_and_reported() -> None:
+    part = {"type": "input_audio", "input_audio": {"data": "UklGRg==", "format": "wav"}}
+    r = parse_request(CHAT, body({"model": "m", "messages": [{"role": "user", "content": [part]}]}))
+    assert r.unknown_parts == ("input_audio",)
+    assert r.messages[0].texts == (json.dumps(part, separators=(",", ":")),)

@@ -9,7 +9,10 @@ A simulated endpoint is told what to do with ``POST /sim/fault`` (:func:`parse_f
   healthy): a noisy neighbour, a degraded link, a bad driver. Only the model server's throughput shows it.
 * ``fail``: ``/health`` and every inference request (chat, completions, embeddings) answer 503; NVML shows
   an idle GPU.
-* ``recover``: back to normal (slowdown 1.0).
+* ``recover``: back to normal (slowdown 1.0, telemetry on).
+* ``mute`` / ``unmute``: ``/metrics`` and ``/sim/telemetry`` answer 503 (a broken exporter or agent) while the
+  GPU keeps serving in whatever mode it is in; the only command that keeps the mode, so that a throttled GPU
+  can go quiet and show that the control plane then falls back to its profile weight.
 
 :func:`simulated_gpu_telemetry` turns an engine snapshot and the fault into a :class:`GpuTelemetry`:
 
@@ -35,9 +38,9 @@ from gpusim.engine import KV_BYTES_PER_TOKEN, MODEL_WEIGHTS_GIB, EngineStats
 from inferlb.errors import RequestError
 from inferlb.telemetry import REASON_SW_THERMAL, GpuTelemetry
 
-FaultAction = Literal["throttle", "slow", "fail", "recover"]
+FaultAction = Literal["throttle", "slow", "fail", "recover", "mute", "unmute"]
 FaultMode = Literal["healthy", "throttled", "slow", "failed"]
-ACTIONS: tuple[FaultAction, ...] = ("throttle", "slow", "fail", "recover")
+ACTIONS: tuple[FaultAction, ...] = ("throttle", "slow", "fail", "recover", "mute", "unmute")
 #: Factor when a throttle or slow command gives none (half speed).
 DEFAULT_FACTOR = 2.0
 MAX_FACTOR = 100.0
@@ -74,10 +77,12 @@ GENERIC_SPEC = GpuSpec(max_sm_clock_mhz=1500, tdp_w=300, idle_w=40, product_name
 
 @dataclass(frozen=True, kw_only=True)
 class FaultState:
-    """The fault a simulated GPU is in: ``mode`` and the slowdown ``factor`` (1.0 unless throttled/slow)."""
+    """The fault a simulated GPU is in: ``mode`` and the slowdown ``factor`` (1.0 unless throttled/slow);
+    ``telemetry_muted``: its ``/metrics`` and ``/sim/telemetry`` answer 503."""
 
     mode: FaultMode = "healthy"
     factor: float = 1.0
+    telemetry_muted: bool = False
 
     @property
     def slowdown(self) -> float:
@@ -85,8 +90,11 @@ class FaultState:
         return self.factor if self.mode in ("throttled", "slow") else 1.0
 
     def to_json(self) -> dict[str, Any]:
-        """``{"mode": ..., "factor": ..., "slowdown": ...}``."""
-        return {"mode": self.mode, "factor": self.factor, "slowdown": self.slowdown}
+        """``{"mode": ..., "factor": ..., "slowdown": ...}``, plus ``"telemetry_muted": true`` when muted."""
+        out: dict[str, Any] = {"mode": self.mode, "factor": self.factor, "slowdown": self.slowdown}
+        if self.telemetry_muted:
+            out["telemetry_muted"] = True
+        return out
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -96,14 +104,19 @@ class FaultCommand:
     action: FaultAction
     factor: float = DEFAULT_FACTOR
 
-    def apply(self) -> FaultState:
-        """The state the command leads to (commands replace each other; they do not stack)."""
+    def apply(self, previous: FaultState | None = None) -> FaultState:
+        """The state the command leads to from ``previous``: throttle, slow and fail replace the mode (they
+        do not stack) and keep a mute; mute and unmute keep the mode; recover resets everything."""
+        muted = previous.telemetry_muted if previous is not None else False
         if self.action == "throttle":
-            return FaultState(mode="throttled", factor=self.factor)
+            return FaultState(mode="throttled", factor=self.factor, telemetry_muted=muted)
         if self.action == "slow":
-            return FaultState(mode="slow", factor=self.factor)
+            return FaultState(mode="slow", factor=self.factor, telemetry_muted=muted)
         if self.action == "fail":
-            return FaultState(mode="failed")
+            return FaultState(mode="failed", telemetry_muted=muted)
+        if self.action in ("mute", "unmute"):
+            base = previous or FaultState()
+            return FaultState(mode=base.mode, factor=base.factor, telemetry_muted=self.action == "mute")
         return FaultState()
 
 

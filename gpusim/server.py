@@ -20,8 +20,9 @@ gateway reserved.
 * ``GET /v1/models``, ``GET /health`` (``{"status": "ok"}``), ``GET /metrics`` (vLLM names, see
   :mod:`gpusim.metrics`).
 * The simulation's control API (:mod:`gpusim.faults`): ``POST /sim/fault`` with ``{"action": "throttle" |
-  "slow" | "fail" | "recover", "factor": 2.0}`` answers the new fault state; ``GET /sim/fault`` the current
-  one; ``GET /sim/telemetry`` the GPU's NVML-like telemetry (:class:`inferlb.telemetry.GpuTelemetry` JSON).
+  "slow" | "fail" | "recover" | "mute" | "unmute", "factor": 2.0}`` answers the new fault state; ``GET
+  /sim/fault`` the current one; ``GET /sim/telemetry`` the GPU's NVML-like telemetry
+  (:class:`inferlb.telemetry.GpuTelemetry` JSON); while muted, it and ``/metrics`` answer 503.
   A failed endpoint answers 503 to ``/health`` and to every inference request; ``/metrics`` and ``/sim/*``
   keep answering.
 
@@ -217,7 +218,7 @@ class SimulatedEndpoint:
         Throttle and slow change the engine's slowdown from its next step on; fail makes ``/health`` and new
         inference requests answer 503 (requests in flight finish); recover undoes all.
         """
-        state = command.apply()
+        state = command.apply(self.fault)
         self.set_slowdown(state.slowdown)
         self.fault = state
         log.info("%s: fault %s (factor %g)", self.display_name, state.mode, state.factor)
@@ -360,7 +361,15 @@ class SimulatedEndpoint:
     async def _get_fault(self, _request: web.Request) -> web.Response:
         return web.json_response(self.fault.to_json())
 
+    def _muted_error(self) -> RequestError:
+        return RequestError(
+            503, f"The telemetry of {self.display_name} is muted (simulated).", type="server_error",
+            code="telemetry_muted",
+        )  # fmt: skip
+
     async def _get_telemetry(self, _request: web.Request) -> web.Response:
+        if self.fault.telemetry_muted:
+            return _error_response(self._muted_error())
         return web.json_response(self.gpu_telemetry().to_json())
 
     async def _models(self, _request: web.Request) -> web.Response:
@@ -380,6 +389,8 @@ class SimulatedEndpoint:
         return web.json_response({"object": "list", "data": data})
 
     async def _metrics(self, _request: web.Request) -> web.Response:
+        if self.fault.telemetry_muted:
+            return _error_response(self._muted_error())
         return web.Response(body=self.metrics.exposition(), headers={"Content-Type": CONTENT_TYPE})
 
     async def _chat(self, request: web.Request) -> web.StreamResponse:

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
 from types import FrameType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 from rich.markup import escape
@@ -114,9 +114,12 @@ def cmd_up(args: argparse.Namespace, out: Console) -> int:
 
 
 def cmd_status(args: argparse.Namespace, out: Console) -> int:
-    """``inferlb status``: Envoy's clusters and endpoints with weight, health and request counts."""
+    """``inferlb status``: Envoy's clusters and endpoints with weight, health and request counts, then each
+    endpoint's weight and the inputs behind it from the xDS server's ``GET /v1/weights`` (needs its API
+    token: ``--token``, ``$INFERLB_XDS_API_TOKEN`` or ``xds.api_token``). ``--json`` prints Envoy's rows,
+    ``--json --weights`` the weight rows."""
     from inferlb.stack import clusters_json  # noqa: PLC0415
-    from inferlb.status import host_rows, status_table  # noqa: PLC0415
+    from inferlb.status import host_rows, status_table, weight_rows, weights_table  # noqa: PLC0415
 
     cfg = _load(args.config)
     try:
@@ -128,11 +131,51 @@ def cmd_status(args: argparse.Namespace, out: Console) -> int:
         )
         return EXIT_FAIL
     rows = host_rows(cfg, data, only_models=not args.all)
+    weights, why = _fetch_weights(cfg, args)
     if args.json:
-        sys.stdout.write(json.dumps([asdict(r) for r in rows], indent=2) + "\n")
-    else:
+        if args.weights:
+            if weights is None:
+                out.print(f"weights unavailable: {why}", markup=False)
+                return EXIT_FAIL
+            wrows = weight_rows(weights, host_rows(cfg, data, only_models=False))
+            sys.stdout.write(json.dumps([asdict(r) for r in wrows], indent=2) + "\n")
+        else:
+            sys.stdout.write(json.dumps([asdict(r) for r in rows], indent=2) + "\n")
+        return EXIT_OK
+    if not args.weights:
         out.print(status_table(rows))
+    if weights is None:
+        out.print(f"weights and their inputs unavailable: {why}", markup=False)
+        return EXIT_FAIL if args.weights else EXIT_OK
+    wrows = weight_rows(weights, host_rows(cfg, data, only_models=False))
+    out.print(weights_table(wrows, str(weights.get("mode", "?"))))
     return EXIT_OK
+
+
+def _fetch_weights(cfg: Config, args: argparse.Namespace) -> tuple[dict[str, Any] | None, str]:
+    """The xDS server's ``GET /v1/weights`` body, or None and why not."""
+    import urllib.request  # noqa: PLC0415 - CLI-only import
+
+    if args.url:
+        base = args.url.rstrip("/")
+    elif cfg.xds.api_listen is not None:
+        base = f"http://{cfg.xds.api_listen}"
+    else:
+        return None, "xds.api_listen is off in this config (pass --url)"
+    token = args.token or os.environ.get(XDS_API_TOKEN_ENV) or cfg.xds.api_token
+    if not token:
+        return None, f"no xDS API token (pass --token, set {XDS_API_TOKEN_ENV} or xds.api_token)"
+    req = urllib.request.Request(base + "/v1/weights", headers={"Authorization": f"Bearer {token}"})
+    try:
+        with urllib.request.urlopen(req, timeout=args.timeout) as resp:
+            body = json.loads(resp.read())
+    except urllib.error.HTTPError as exc:
+        return None, f"xds server {base}: HTTP {exc.code}"
+    except (urllib.error.URLError, OSError, ValueError) as exc:
+        return None, f"xds server {base} unreachable: {exc}"
+    if not isinstance(body, dict):
+        return None, f"xds server {base}: unexpected answer"
+    return body, ""
 
 
 def cmd_replay(args: argparse.Namespace, out: Console) -> int:
@@ -473,6 +516,12 @@ def build_parser() -> argparse.ArgumentParser:
     _config_arg(s, positional=False)
     s.add_argument("--all", action="store_true", help="include internal clusters (xDS, ext_proc)")
     s.add_argument("--json", action="store_true", help="print JSON rows instead of a table")
+    s.add_argument("--weights", action="store_true", help="only the weights and their inputs (xDS API)")
+    s.add_argument("--url", default=None, help="xDS server API base URL (default: http://<xds.api_listen>)")
+    s.add_argument(
+        "--token", default=None, help=f"xDS API bearer token (default: ${XDS_API_TOKEN_ENV}, xds.api_token)"
+    )
+    s.add_argument("--timeout", type=float, default=5.0, help="HTTP timeout of the xDS API (s)")
     s.set_defaults(fn=cmd_status)
 
     r = sub.add_parser("replay", help="replay a TIMESTAMP,ContextTokens,GeneratedTokens trace")

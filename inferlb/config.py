@@ -220,6 +220,11 @@ class WeightsConfig(_Frozen):
     #: telemetry with this section's policy (``scale`` per unit of capacity) and pushes it. A model whose
     #: ``cluster.slow_start_window_ms`` is set keeps Envoy's slow start and skips ``slow_start_ms``.
     mode: Literal["static", "telemetry"] = "static"
+    #: ``static``: Envoy gets each endpoint's capacity weight (``inferlb.fleet.capacity_weight``, 10 per
+    #: unit of relative capacity). ``telemetry``: the xDS server computes every endpoint's weight from its
+    #: telemetry with this section's policy (``scale`` per unit of capacity) and pushes it. A model whose
+    #: ``cluster.slow_start_window_ms`` is set keeps Envoy's slow start and skips ``slow_start_ms``.
+    mode: Literal["static", "telemetry"] = "static"
     #: Weight units per unit of relative capacity (V100 = 1.0 -> 100). Finer than the static
     #: ``inferlb.fleet.WEIGHT_SCALE`` (10) so that a few percent of load shows in Envoy's integer weights.
     scale: Annotated[float, Field(gt=0, le=10_000)] = 100.0
@@ -412,6 +417,13 @@ class EndpointConfig(_Frozen):
     simulated: bool = False
     #: Optional name shown in status tables and response headers; defaults to ``address``.
     name: str | None = None
+    #: Which GPU's telemetry (``POST /v1/telemetry/gpu`` from ``inferlb agent``) is this endpoint's:
+    #: ``gpu_uuid`` (NVML UUID) when set, else the GPU ``gpu_index`` (default 0) of node ``gpu_node``
+    #: (default: the address's host). See xds_server/telemetry.py.
+    gpu_node: Annotated[str, Field(min_length=1, max_length=253)] | None = None
+    gpu_index: Annotated[int, Field(ge=0, le=1023)] | None = None
+    gpu_uuid: Annotated[str, Field(min_length=1, max_length=128)] | None = None
+
     #: Which GPU's telemetry (``POST /v1/telemetry/gpu`` from ``inferlb agent``) is this endpoint's:
     #: ``gpu_uuid`` (NVML UUID) when set, else the GPU ``gpu_index`` (default 0) of node ``gpu_node``
     #: (default: the address's host). See xds_server/telemetry.py.

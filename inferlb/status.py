@@ -117,3 +117,123 @@ def status_table(rows: list[HostRow]) -> Table:
             str(r.rq_error),
         )
     return t
+
+
+@dataclass(frozen=True, kw_only=True)
+class WeightRow:
+    """One endpoint's weight and the inputs behind it: the xDS server's ``GET /v1/weights`` row joined with
+    Envoy's view (:class:`HostRow`).
+
+    Attributes:
+        cluster / name / address / gpu: as in :class:`HostRow`.
+        envoy_weight: the weight Envoy holds now (``/clusters``), None when Envoy does not list the host.
+        served_weight: the weight the xDS server serves; ``source`` where it comes from (``pin``,
+            ``telemetry``, ``capacity``); ``policy_weight``: what the telemetry policy computes (shown
+            even in ``static`` mode), ``profile_weight``: its no-telemetry fallback.
+        waiting / running: requests queued and in the batch; ``kv``: KV-cache usage 0..1;
+        throttle: ``thermal``/``power``/``-``; clock_ratio: SM clock over max; tokens_per_s: generation
+            rate (tokens/s); age_s: age of the freshest telemetry (s), None = none or stale;
+        factors: ``performance``, ``load``, ``kv``, ``errors`` and ``target`` of
+            :func:`inferlb.weights.target_weight`; fresh: whether telemetry counted.
+    """
+
+    cluster: str
+    name: str
+    address: str
+    gpu: str
+    envoy_weight: int | None
+    served_weight: int
+    source: str
+    policy_weight: int | None
+    profile_weight: int
+    fresh: bool
+    waiting: int | None
+    running: int | None
+    kv: float | None
+    throttle: str
+    clock_ratio: float | None
+    tokens_per_s: float | None
+    age_s: float | None
+    factors: dict[str, float | None]
+
+
+def weight_rows(weights: dict[str, Any], envoy: list[HostRow]) -> list[WeightRow]:
+    """Join the xDS server's ``GET /v1/weights`` body with Envoy's rows (by address ``host:port``).
+
+    Envoy lists hosts by IP; endpoints written with a host name are joined by name instead.
+    """
+    by_addr = {r.address: r for r in envoy}
+    by_name = {r.name: r for r in envoy}
+    out: list[WeightRow] = []
+    for e in weights.get("endpoints", []):
+        host = by_addr.get(e["key"]) or by_name.get(e["name"])
+        inputs = e.get("inputs") or {}
+        factors = e.get("factors") or {}
+        fresh = bool(factors.get("fresh", False))
+        flags = [f for f in ("thermal", "power") if inputs.get(f"{f}_throttled")]
+        out.append(
+            WeightRow(
+                cluster=e.get("cluster") or (host.cluster if host else "?"),
+                name=e["name"],
+                address=e["key"],
+                gpu=e["gpu"],
+                envoy_weight=host.weight if host else None,
+                served_weight=int(e["served_weight"]),
+                source=e["weight_source"],
+                policy_weight=e.get("policy_weight"),
+                profile_weight=int(e["profile_weight"]),
+                fresh=fresh,
+                waiting=inputs.get("waiting_requests") if fresh else None,
+                running=inputs.get("running_requests") if fresh else None,
+                kv=inputs.get("kv_cache_usage") if fresh else None,
+                throttle=",".join(flags) or "-",
+                clock_ratio=inputs.get("clock_ratio"),
+                tokens_per_s=inputs.get("generation_tokens_per_s"),
+                age_s=inputs.get("telemetry_age_s") if fresh else None,
+                factors={k: factors.get(k) for k in ("performance", "load", "kv", "errors", "target")},
+            )
+        )
+    return out
+
+
+def _num(v: float | None, fmt: str) -> str:
+    return "-" if v is None else format(v, fmt)
+
+
+def weights_table(rows: list[WeightRow], mode: str) -> Table:
+    """A rich table of :func:`weight_rows`: Envoy's weight, the served one and its source, the inputs
+    (queue, batch, KV, throttle, throughput, age) and the policy's factors."""
+    t = Table(title=f"inferlb weights (mode {mode}; target = profile x perf x load x kv x errors)")
+    cols = (
+        "cluster", "endpoint", "gpu", "envoy", "served", "source", "policy", "profile", "queue", "run",
+        "KV", "throttle", "clock", "tok/s", "age s", "perf", "load", "kv", "err", "target",
+    )  # fmt: skip
+    for col in cols:
+        t.add_column(
+            col, justify="left" if col in ("cluster", "endpoint", "gpu", "source", "throttle") else "right"
+        )
+    for r in rows:
+        f = r.factors
+        t.add_row(
+            r.cluster,
+            r.name,
+            r.gpu,
+            _num(r.envoy_weight, "d"),
+            str(r.served_weight),
+            r.source,
+            _num(r.policy_weight, "d"),
+            str(r.profile_weight),
+            _num(r.waiting, "d"),
+            _num(r.running, "d"),
+            "-" if r.kv is None else f"{r.kv:.0%}",
+            r.throttle,
+            _num(r.clock_ratio, ".2f"),
+            _num(r.tokens_per_s, ".0f"),
+            "stale" if not r.fresh else _num(r.age_s, ".1f"),
+            _num(f.get("performance"), ".2f"),
+            _num(f.get("load"), ".2f"),
+            _num(f.get("kv"), ".2f"),
+            _num(f.get("errors"), ".2f"),
+            _num(f.get("target"), ".0f"),
+        )
+    return t

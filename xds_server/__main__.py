@@ -1,6 +1,7 @@
 """``python -m xds_server --config PATH [--log-level info]``: serve ADS for one inferlb config file.
 
 The fleet API's bearer token comes from ``INFERLB_XDS_API_TOKEN`` when set (else ``xds.api_token``).
+The telemetry loop (:mod:`xds_server.telemetry`: ``/metrics`` scrape, GPU reports, weights) runs beside it.
 
 Exits 1 when the config is invalid or the listen address cannot be bound at start-up; at run time a bad
 config change is logged and the last good snapshot keeps serving. SIGINT/SIGTERM stop it cleanly.
@@ -19,6 +20,7 @@ from pathlib import Path
 from inferlb.config import default_config_path
 from inferlb.errors import InferlbError
 from xds_server.server import DEFAULT_GRACE_S, XdsServer
+from xds_server.telemetry import TelemetryCollector
 
 log = logging.getLogger("xds_server")
 
@@ -36,7 +38,10 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 async def _serve(config_path: Path) -> int:
-    server = XdsServer(config_path, api_token=os.environ.get(API_TOKEN_ENV) or None)
+    telemetry = TelemetryCollector()
+    server = XdsServer(
+        config_path, api_token=os.environ.get(API_TOKEN_ENV) or None, api_routes=telemetry.routes()
+    )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     # handlers go in before start(): a supervisor may signal as soon as it reads the ready line
@@ -49,8 +54,10 @@ async def _serve(config_path: Path) -> int:
             log.error("xds_server cannot start: %s", exc)
             await server.stop(0)
             return 1
+        await telemetry.start(server)
         await stop.wait()
         log.info("xds_server stopping")
+        await telemetry.stop()
         await server.stop(DEFAULT_GRACE_S)
     finally:
         for sig in (signal.SIGINT, signal.SIGTERM):

@@ -173,6 +173,9 @@ class ExtProcConfig(_Frozen):
     redis_timeout_ms: Annotated[int, Field(ge=1, le=10_000)] = 100
     #: When Redis is unreachable: ``open`` admits the request unchecked, ``closed`` answers 503.
     redis_failure_mode: Literal["open", "closed"] = "open"
+    #: A request header carrying the client's session id (e.g. ``x-session-id``): its value, when sent,
+    #: makes the session affinity key instead of the request's ``user`` field (:mod:`inferlb.affinity`).
+    session_header: Annotated[str, Field(pattern=r"^[a-z0-9][a-z0-9-]{0,63}$")] | None = None
     #: HTTP address of ext_proc's Prometheus ``/metrics``.
     metrics_listen: HostPort = HostPort(host="127.0.0.1", port=18081)
 
@@ -311,6 +314,10 @@ class HealthCheck(_Frozen):
     #: default (60 s) would make an idle model's recovered GPU wait a minute to come back.
     no_traffic_interval_ms: Annotated[int, Field(ge=100, le=600_000)] = 5_000
 
+    #: ``ring_hash``/``maglev`` only: Envoy ``consistent_hashing_lb_config.hash_balance_factor``, the bounded
+    #: load of consistent hashing (%): a host takes at most this share of the average load before a key
+    #: spills to the next host (150 = 1.5 x average; Envoy's minimum is 100).
+    hash_balance_factor: Annotated[int, Field(ge=100, le=100_000)] = 150
 
 class ClusterPolicy(_Frozen):
     """How Envoy balances and protects one model's clusters."""

@@ -18,5 +18,11 @@ TENANT: Final = "x-inferlb-tenant"
 PRIORITY: Final = "x-inferlb-priority"
 #: Prompt tokens counted by ext_proc.
 PROMPT_TOKENS: Final = "x-inferlb-prompt-tokens"
+#: Session affinity key (a digest of the session header or the ``user`` field, :mod:`inferlb.affinity`);
+#: ring_hash/maglev routes hash on it when there is no prefix key.
+SESSION_KEY: Final = "x-inferlb-session"
+#: Conversation-prefix affinity key (a digest of the conversation's opening, :mod:`inferlb.affinity`);
+#: ring_hash/maglev routes hash on it first.
+PREFIX_KEY: Final = "x-inferlb-prefix"
 #: Response header set by a (simulated) model server: which endpoint served the request.
 ENDPOINT: Final = "x-inferlb-endpoint"

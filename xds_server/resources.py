@@ -11,7 +11,8 @@ What is built (names are stable; the bootstrap and ``inferlb status`` rely on th
   ``inferlb_ext_proc``), then the router. Routes come over ADS as RDS ``inferlb_routes``.
 - RouteConfiguration ``inferlb_routes``: per model version, a HIGH-priority route (``x-inferlb-priority:
   high``) then a DEFAULT one, both matching ``x-inferlb-model`` + ``x-inferlb-version``; a final catch-all
-  answering 404 with an OpenAI-style JSON error.
+  answering 404 with an OpenAI-style JSON error. Models balanced with ``ring_hash``/``maglev`` get a
+  ``hash_policy`` on the affinity headers ext_proc sets (:func:`affinity_hash_policy`).
 - One EDS Cluster per model version (:func:`inferlb.config.cluster_name`), plus the STATIC HTTP/2 cluster
   ``inferlb_ext_proc``.
 - One ClusterLoadAssignment per model-version cluster (empty when the pool is empty: Envoy must get an
@@ -100,7 +101,12 @@ STRIPPED_REQUEST_HEADERS: Final[tuple[str, ...]] = (
     headers.TENANT,
     headers.PRIORITY,
     headers.PROMPT_TOKENS,
+    headers.SESSION_KEY,
+    headers.PREFIX_KEY,
 )
+#: lb_policy values whose clusters balance by a request hash: their routes get :func:`affinity_hash_policy`
+#: and their clusters a bounded load (``hash_balance_factor``).
+HASH_LB_POLICIES: Final[frozenset[str]] = frozenset({"ring_hash", "maglev"})
 #: Envoy's retry conditions for inference requests: only failures where the request provably did not reach
 #: a model server (or was reset), so a retry cannot double-generate. 5xx answers are not retried.
 RETRY_ON: Final = "connect-failure,refused-stream,reset"
@@ -339,7 +345,22 @@ def _exact(name: str, value: str) -> route_components_pb2.HeaderMatcher:
     return route_components_pb2.HeaderMatcher(name=name, string_match=string_pb2.StringMatcher(exact=value))
 
 
-def _route_action(config: Config, cluster: str, *, high: bool) -> route_components_pb2.RouteAction:
+def affinity_hash_policy() -> list[route_components_pb2.RouteAction.HashPolicy]:
+    """Envoy ``hash_policy`` of a ring_hash/maglev model's routes: the prefix key header (terminal: a
+    conversation's turns hash alike whoever sends them), else the session key header; a request with
+    neither gets a random host (:mod:`inferlb.affinity` defines both keys)."""
+    header = route_components_pb2.RouteAction.HashPolicy.Header
+    return [
+        route_components_pb2.RouteAction.HashPolicy(
+            header=header(header_name=headers.PREFIX_KEY), terminal=True
+        ),
+        route_components_pb2.RouteAction.HashPolicy(header=header(header_name=headers.SESSION_KEY)),
+    ]
+
+
+def _route_action(
+    config: Config, cluster: str, *, high: bool, hashed: bool = False
+) -> route_components_pb2.RouteAction:
     gw = config.gateway
     retry = route_components_pb2.RetryPolicy(
         retry_on=RETRY_ON,
@@ -359,6 +380,7 @@ def _route_action(config: Config, cluster: str, *, high: bool) -> route_componen
         priority=base_pb2.RoutingPriority.HIGH if high else base_pb2.RoutingPriority.DEFAULT,
         timeout=_duration_ms(gw.request_timeout_ms),
         retry_policy=retry,
+        hash_policy=affinity_hash_policy() if hashed else [],
     )
 
 
@@ -372,6 +394,7 @@ def build_route_configuration(config: Config) -> route_pb2.RouteConfiguration:
     for model in config.models:
         for version in model.versions:
             cluster = cluster_name(model.name, version.name)
+            hashed = model.cluster.lb_policy in HASH_LB_POLICIES
             base = [_exact(headers.MODEL, model.name), _exact(headers.VERSION, version.name)]
             routes.append(
                 route_components_pb2.Route(
@@ -379,14 +402,14 @@ def build_route_configuration(config: Config) -> route_pb2.RouteConfiguration:
                     match=route_components_pb2.RouteMatch(
                         prefix="/", headers=[*base, _exact(headers.PRIORITY, "high")]
                     ),
-                    route=_route_action(config, cluster, high=True),
+                    route=_route_action(config, cluster, high=True, hashed=hashed),
                 )
             )
             routes.append(
                 route_components_pb2.Route(
                     name=cluster,
                     match=route_components_pb2.RouteMatch(prefix="/", headers=base),
-                    route=_route_action(config, cluster, high=False),
+                    route=_route_action(config, cluster, high=False, hashed=hashed),
                 )
             )
     routes.append(
@@ -495,6 +518,11 @@ def build_model_cluster(name: str, policy: ClusterPolicy) -> cluster_pb2.Cluster
             cluster.least_request_lb_config.slow_start_config.CopyFrom(slow)
         else:
             cluster.round_robin_lb_config.slow_start_config.CopyFrom(slow)
+    if policy.lb_policy in HASH_LB_POLICIES:
+        # bounded load: a hot key spills to the next host on the ring instead of overloading one GPU
+        cluster.common_lb_config.consistent_hashing_lb_config.hash_balance_factor.value = (
+            policy.hash_balance_factor
+        )
     if policy.locality_weighted:
         cluster.common_lb_config.locality_weighted_lb_config.SetInParent()
     hc = policy.health_check

@@ -193,6 +193,8 @@ def test_listener_buffer_limit_and_filter_chain(config: Config) -> None:
         headers.TENANT,
         headers.PRIORITY,
         headers.PROMPT_TOKENS,
+        headers.SESSION_KEY,
+        headers.PREFIX_KEY,
     }
 
 

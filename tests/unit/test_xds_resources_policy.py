@@ -9,6 +9,7 @@ import yaml
 from envoy.config.listener.v3 import listener_pb2
 from envoy.extensions.filters.network.http_connection_manager.v3 import http_connection_manager_pb2
 
+from inferlb import headers
 from inferlb.config import ClusterPolicy, default_config_path, parse_config
 from xds_server import resources as r
 
@@ -45,3 +46,29 @@ def test_overflow_reply_is_openai_503_with_retry_after() -> None:
     err = json.loads(overflow.body.inline_string)["error"]
     assert (err["type"], err["code"]) == ("server_error", "overloaded")
     assert overflow.body_format_override.content_type == "application/json"
+
+
+def test_hash_lb_models_get_affinity_hash_policy_and_bounded_load() -> None:
+    doc = _default_doc()
+    qwen = next(m for m in doc["models"] if m["name"].startswith("qwen"))
+    qwen["cluster"] = {"lb_policy": "ring_hash", "hash_balance_factor": 125}
+    config = parse_config(doc)
+    routes = list(r.build_route_configuration(config).virtual_hosts[0].routes)
+    for route in routes[:-1]:
+        policies = list(route.route.hash_policy)
+        if route.route.cluster.startswith("qwen"):
+            assert [(p.header.header_name, p.terminal) for p in policies] == [
+                (headers.PREFIX_KEY, True),
+                (headers.SESSION_KEY, False),
+            ]
+        else:  # least_request: a hash policy would be ignored, and is not sent
+            assert policies == []
+    clusters = {c.name: c for c in r.build_clusters(config)}
+    hashed = clusters[config.models[1].cluster_name("v1")]
+    assert hashed.common_lb_config.consistent_hashing_lb_config.hash_balance_factor.value == 125
+    plain = clusters[config.models[0].cluster_name("v1")]
+    assert not plain.common_lb_config.HasField("consistent_hashing_lb_config")
+
+
+def test_affinity_headers_are_stripped_from_clients() -> None:
+    assert {headers.PREFIX_KEY, headers.SESSION_KEY} <= set(r.STRIPPED_REQUEST_HEADERS)

@@ -69,7 +69,11 @@ async def _watch_config(poller: ConfigPoller, state: ExtProcState, listen: str, 
             log.warning(
                 "ext_proc.quota_backend changed to %s; it needs a restart", config.ext_proc.quota_backend
             )
-        state.apply_config(config)
+        try:
+            state.apply_config(config)
+        except ValueError as exc:
+            log.error("config reload refused, still serving the last good config: %s", exc)
+            continue
         log.info(
             "config reloaded from %s: %d models, %d tenants",
             poller.path,
@@ -88,7 +92,12 @@ async def serve(
     """Run the server until SIGINT/SIGTERM; returns the exit status."""
     metrics = ExtProcMetrics()
     quotas = make_quota_store(config, metrics)
-    state = ExtProcState(config, quotas=quotas, metrics=metrics)
+    try:
+        state = ExtProcState(config, quotas=quotas, metrics=metrics)
+    except ValueError as exc:  # a model's tokenizer cannot be built
+        log.error("cannot start: %s", exc)
+        await quotas.aclose()
+        return 1
     # sized for the largest body any config allows, so a reload raising the body limit still fits
     server = make_server(MAX_CONFIGURABLE_BODY_BYTES)
     servicer = add_to_server(server, state)

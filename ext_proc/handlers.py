@@ -37,6 +37,7 @@ from inferlb.tokens import (
     count_each_prompt,
     count_prompt_tokens,
     default_counter,
+    make_counter,
     min_prompt_tokens,
 )
 from inferlb.usage import Reservation, add_include_usage
@@ -148,7 +149,8 @@ class Gateway:
         max_body_bytes: ``gateway.max_request_body_bytes`` (bytes).
         models_list_body: the ``GET /v1/models`` JSON body.
         model_bodies: model name or alias -> the ``GET /v1/models/{id}`` JSON body.
-        counter: the prompt token counter.
+        counter: the default prompt token counter (the bundled cl100k_base unless given).
+        counters: canonical model name -> its ``tokenizer``'s counter.
         counting_budget_s: most seconds the body phase spends counting one request's tokens
             (``ext_proc.message_timeout_ms`` x :data:`COUNTING_BUDGET_FRACTION`).
         account_responses: ``ext_proc.account_responses``: responses are metered, so streams get
@@ -162,13 +164,39 @@ class Gateway:
     models_list_body: bytes
     model_bodies: Mapping[str, bytes]
     counter: TextTokenCounter
+    counters: Mapping[str, TextTokenCounter]
     counting_budget_s: float = 3.0
     account_responses: bool = True
     allow_other_paths: bool = False
 
     @classmethod
-    def from_config(cls, config: Config, counter: TextTokenCounter | None = None) -> Gateway:
-        """Precompute the lookups and fixed response bodies of ``config``."""
+    def from_config(
+        cls,
+        config: Config,
+        counter: TextTokenCounter | None = None,
+        *,
+        known_counters: Mapping[str, TextTokenCounter] | None = None,
+    ) -> Gateway:
+        """Precompute the lookups, fixed response bodies and token counters of ``config``.
+
+        Args:
+            counter: the counter for models on the default tokenizer (tests inject one).
+            known_counters: tokenizer spec -> counter already built (a reload reuses them, so an ``hf:``
+                file is read once).
+
+        Raises:
+            ValueError: a model's ``tokenizer`` cannot be built (file missing, package missing).
+        """
+        default = counter or default_counter()
+        specs: dict[str, TextTokenCounter] = {"tiktoken:cl100k_base": default, **(known_counters or {})}
+        counters: dict[str, TextTokenCounter] = {}
+        for m in config.models:
+            if m.tokenizer not in specs:
+                try:
+                    specs[m.tokenizer] = make_counter(m.tokenizer)
+                except ValueError as exc:
+                    raise ValueError(f"models[{m.name}].tokenizer: {exc}") from None
+            counters[m.name] = specs[m.tokenizer]
         objects = {m.name: _model_object(m.name) for m in config.models}
         bodies: dict[str, bytes] = {}
         for m in config.models:
@@ -181,7 +209,8 @@ class Gateway:
             max_body_bytes=config.gateway.max_request_body_bytes,
             models_list_body=json.dumps({"object": "list", "data": list(objects.values())}).encode(),
             model_bodies=MappingProxyType(bodies),
-            counter=counter or default_counter(),
+            counter=default,
+            counters=MappingProxyType(counters),
             counting_budget_s=config.ext_proc.message_timeout_ms / 1000 * COUNTING_BUDGET_FRACTION,
             account_responses=config.ext_proc.account_responses,
             allow_other_paths=config.ext_proc.non_inference_paths == "allow",
@@ -345,15 +374,19 @@ def prepare_body(
         model = gateway.routing.resolve_model(request.model)
     except RequestError as err:
         return refusal(err, "inferlb_model_not_found")
+    counter = gateway.counters.get(model.name, gateway.counter)
     per_prompt_output = request.max_output_tokens or 0
-    over = _over_context(pending.kind, min_prompt_tokens(request, gateway.counter), per_prompt_output, model)
+    floors = min_prompt_tokens(request, counter, per_image=model.image_tokens)
+    over = _over_context(pending.kind, floors, per_prompt_output, model)
     if over is not None:
         return over
     try:
         if pending.kind.is_conversation:
-            each: tuple[int, ...] = (count_prompt_tokens(request, gateway.counter, deadline=deadline),)
+            each: tuple[int, ...] = (
+                count_prompt_tokens(request, counter, deadline=deadline, per_image=model.image_tokens),
+            )
         else:
-            each = count_each_prompt(request, gateway.counter, deadline=deadline)
+            each = count_each_prompt(request, counter, deadline=deadline)
     except CountingBudgetExceededError as exc:
         return refusal(
             RequestError(

@@ -127,8 +127,15 @@ class ExtProcState:
         """Serve ``config`` from now on; quota state of tenants whose limits did not change is kept.
 
         Streams already past their headers phase finish with the tenant they authenticated as.
+
+        Raises:
+            ValueError: a model's tokenizer cannot be built; the current config keeps serving.
         """
-        gateway = handlers.Gateway.from_config(config, self.gateway.counter)
+        gateway = handlers.Gateway.from_config(
+            config,
+            self.gateway.counter,
+            known_counters={m.tokenizer: self.gateway.counters[m.name] for m in self.gateway.config.models},
+        )
         self.quotas.update_limits(limits_from_config(config))
         self.gateway = gateway
 
@@ -433,7 +440,7 @@ class ExternalProcessor(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc
         ex.model = prepared.model.name
         cont = handlers.route(gateway, prepared, decision, rng=state.rng)
         if gateway.account_responses and cont.reservation is not None:
-            ex.meter = ResponseMeter(cont.reservation, gateway.counter)
+            ex.meter = ResponseMeter(cont.reservation, gateway.counters.get(ex.model, gateway.counter))
         else:
             # no response phases will come: the reservation is the charge, the lease ends now
             await self._settle(ex, None, status="forwarded")

@@ -380,6 +380,14 @@ class ModelConfig(_Frozen):
 
     name: Annotated[str, Field(pattern=_MODEL_NAME)]
     aliases: tuple[Annotated[str, Field(pattern=_MODEL_NAME)], ...] = ()
+    #: How prompts are counted: ``tiktoken:<encoding>`` (bundled offline encodings: ``cl100k_base``),
+    #: ``hf:<path to tokenizer.json>`` (HF ``tokenizers``), or ``estimate`` (UTF-8 bytes: never fewer than
+    #: a byte-level BPE tokenizer counts). See :func:`inferlb.tokens.make_counter`.
+    tokenizer: Annotated[str, Field(pattern=r"^(estimate|tiktoken:[A-Za-z0-9_]+|hf:.+)$")] = (
+        "tiktoken:cl100k_base"
+    )
+    #: Prompt tokens charged per image part; None: OpenAI's vision pricing (85 at ``detail: low``, else 765).
+    image_tokens: Annotated[int, Field(ge=0, le=1_000_000)] | None = None
     #: Context window (tokens); prompt + requested output above it is refused.
     context_length: Annotated[int, Field(ge=16)] = 32_768
     #: Completion tokens assumed when a request sets no ``max_tokens``/``max_completion_tokens``: what

@@ -216,13 +216,106 @@ def count_text(
     return total
 
 
-def image_tokens(detail: ImageDetail) -> int:
-    """Estimated prompt tokens of one image part (see the module docstring for the source)."""
+class ByteCeilingCounter:
+    """The ``estimate`` tokenizer: a text's UTF-8 length in bytes (tokens).
+
+    Never fewer than a byte-level BPE tokenizer counts (cl100k, o200k, GPT-2, Llama 3, Qwen...): every token
+    of such a tokenizer covers at least one byte of the text, so a text of B bytes has at most B tokens.
+    Sentencepiece tokenizers with byte fallback hold too (a character becomes at most one token per byte).
+    It is a ceiling, not a guess: English text counts ~4x what cl100k does. Lone surrogates count 3 bytes,
+    as the U+FFFD they are replaced with. Linear and cheap.
+    """
+
+    __slots__ = ()
+
+    #: one token covers at least one byte, so the floor ``ceil(chars / 1)`` never exceeds the count
+    max_token_bytes = 1
+
+    def count(self, text: str) -> int:
+        """UTF-8 bytes of ``text`` (tokens)."""
+        return len(text.encode("utf-8", "surrogatepass"))
+
+
+class HfTokenizerCounter:
+    """:class:`TextTokenCounter` over a Hugging Face ``tokenizers`` ``tokenizer.json`` (no special tokens).
+
+    Args:
+        path: the ``tokenizer.json`` file.
+
+    Raises:
+        ValueError: the ``tokenizers`` package is missing or the file cannot be loaded.
+    """
+
+    __slots__ = ("_tokenizer", "max_token_bytes")
+
+    def __init__(self, path: str) -> None:
+        try:
+            # optional dependency, only for hf: models
+            from tokenizers import Tokenizer  # type: ignore[import-not-found,unused-ignore]  # noqa: PLC0415
+        except ImportError:
+            raise ValueError(
+                "hf: tokenizers need the 'tokenizers' package (pip install tokenizers)"
+            ) from None
+        try:
+            self._tokenizer = Tokenizer.from_file(path)
+        except Exception as exc:  # tokenizers raises its own Exception subclass for bad files
+            raise ValueError(f"cannot load tokenizer {path!r}: {exc}") from None
+        # a token's vocabulary string has one character per byte (byte-level) or per character
+        # (sentencepiece): its length bounds the characters it covers
+        self.max_token_bytes = max((len(t) for t in self._tokenizer.get_vocab()), default=1)
+
+    def count(self, text: str) -> int:
+        """Tokens of ``text`` without the tokenizer's added special tokens."""
+        if not text:
+            return 0
+        return len(self._tokenizer.encode(text, add_special_tokens=False).ids)
+
+
+#: ``tiktoken:<name>`` -> the encoding bundled offline for it.
+BUNDLED_ENCODINGS: Final = {"cl100k_base": OFFLINE_ENCODING, OFFLINE_ENCODING: OFFLINE_ENCODING}
+
+
+def make_counter(spec: str) -> TextTokenCounter:
+    """The counter a model's ``tokenizer`` config value names.
+
+    Args:
+        spec: ``tiktoken:<encoding>`` (only encodings bundled offline, see :data:`BUNDLED_ENCODINGS`:
+            nothing is downloaded), ``hf:<path to tokenizer.json>``, or ``estimate``
+            (:class:`ByteCeilingCounter`).
+
+    Raises:
+        ValueError: an unknown spec, an encoding not bundled offline, or an unloadable tokenizer file.
+    """
+    if spec == "estimate":
+        return ByteCeilingCounter()
+    kind, _, arg = spec.partition(":")
+    if kind == "tiktoken":
+        name = BUNDLED_ENCODINGS.get(arg)
+        if name is None:
+            raise ValueError(
+                f"tokenizer {spec!r}: only encodings bundled offline are allowed "
+                f"({', '.join(BUNDLED_ENCODINGS)})"
+            )
+        return default_counter() if name == OFFLINE_ENCODING else TiktokenCounter(tiktoken.get_encoding(name))
+    if kind == "hf" and arg:
+        return HfTokenizerCounter(arg)
+    raise ValueError(f"tokenizer {spec!r}: expected 'tiktoken:<encoding>', 'hf:<path>' or 'estimate'")
+
+
+def image_tokens(detail: ImageDetail, per_image: int | None = None) -> int:
+    """Prompt tokens of one image part: ``per_image`` when configured, else OpenAI's vision pricing (see the
+    module docstring for the source)."""
+    if per_image is not None:
+        return per_image
     return IMAGE_TOKENS_LOW if detail is ImageDetail.LOW else IMAGE_TOKENS_DEFAULT
 
 
 def count_chat_messages(
-    messages: tuple[ChatMessage, ...], counter: TextTokenCounter, *, deadline: float | None = None
+    messages: tuple[ChatMessage, ...],
+    counter: TextTokenCounter,
+    *,
+    deadline: float | None = None,
+    per_image: int | None = None,
 ) -> int:
     """Prompt tokens of a chat conversation by the OpenAI cookbook formula (tokens).
 
@@ -239,12 +332,16 @@ def count_chat_messages(
         if m.name is not None:
             total += count_text(m.name, counter, deadline=deadline) + TOKENS_PER_NAME
         for detail in m.images:
-            total += image_tokens(detail)
+            total += image_tokens(detail, per_image)
     return total
 
 
 def count_prompt_tokens(
-    request: InferenceRequest, counter: TextTokenCounter | None = None, *, deadline: float | None = None
+    request: InferenceRequest,
+    counter: TextTokenCounter | None = None,
+    *,
+    deadline: float | None = None,
+    per_image: int | None = None,
 ) -> int:
     """Prompt tokens of a parsed request (tokens, >= 0).
 
@@ -257,7 +354,7 @@ def count_prompt_tokens(
     """
     c = counter or default_counter()
     if request.kind.is_conversation:
-        total = count_chat_messages(request.messages, c, deadline=deadline)
+        total = count_chat_messages(request.messages, c, deadline=deadline, per_image=per_image)
         if request.tools_json is not None:
             total += count_text(request.tools_json, c, deadline=deadline)
         return total
@@ -282,7 +379,9 @@ def count_each_prompt(
     )
 
 
-def min_prompt_tokens(request: InferenceRequest, counter: TextTokenCounter) -> tuple[int, ...]:
+def min_prompt_tokens(
+    request: InferenceRequest, counter: TextTokenCounter, *, per_image: int | None = None
+) -> tuple[int, ...]:
     """Floors on the prompt tokens, without tokenizing (see :func:`min_text_tokens`; O(number of texts)).
 
     Returns:
@@ -293,7 +392,7 @@ def min_prompt_tokens(request: InferenceRequest, counter: TextTokenCounter) -> t
         total = REPLY_PRIMING_TOKENS
         for m in request.messages:
             total += TOKENS_PER_MESSAGE + sum(min_text_tokens(t, counter) for t in m.texts)
-            total += sum(image_tokens(d) for d in m.images)
+            total += sum(image_tokens(d, per_image) for d in m.images)
         if request.tools_json is not None:
             total += min_text_tokens(request.tools_json, counter)
         return (total,)

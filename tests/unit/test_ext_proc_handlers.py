@@ -434,3 +434,24 @@ def test_non_inference_paths_denied_by_default_allowed_by_policy() -> None:
     )
     models = handlers.on_request_headers(allow, req_headers("/v1/models", method="GET"), end_of_stream=True)
     assert isinstance(models, ImmediateReply) and models.status == 200
+
+
+def test_each_model_counts_with_its_own_tokenizer_and_image_estimate(quotas: QuotaBook) -> None:
+    raw = make_config().model_dump(mode="json")
+    raw["models"][1] = {**raw["models"][1], "tokenizer": "estimate", "image_tokens": 7}
+    gateway = Gateway.from_config(parse_config(raw))
+    image = {"type": "image_url", "image_url": {"url": "https://x/y.png"}}
+    messages = [{"role": "user", "content": [{"type": "text", "text": "héllo"}, image]}]
+    llama = run_body(gateway, quotas, chat_body("llama", messages=messages))
+    qwen = run_body(gateway, quotas, chat_body("qwen", messages=messages))
+    assert isinstance(llama, ContinueRequest) and isinstance(qwen, ContinueRequest)
+    # estimate: 3 priming + 3 per message + 4 bytes of "user" + 6 bytes of "héllo" + 7 for the image
+    assert dict(qwen.set_headers)[h.PROMPT_TOKENS] == str(3 + 3 + 4 + 6 + 7)
+    assert int(dict(llama.set_headers)[h.PROMPT_TOKENS]) > 765  # cl100k and OpenAI's image price
+
+
+def test_a_tokenizer_that_cannot_load_is_a_clear_error(tmp_path: Any) -> None:
+    raw = make_config().model_dump(mode="json")
+    raw["models"][0] = {**raw["models"][0], "tokenizer": f"hf:{tmp_path / 'missing.json'}"}
+    with pytest.raises(ValueError, match=r"models\[llama\]\.tokenizer"):
+        Gateway.from_config(parse_config(raw))

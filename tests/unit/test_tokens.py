@@ -27,6 +27,7 @@ from inferlb.tokens import (
     count_prompt_tokens,
     count_text,
     default_counter,
+    make_counter,
     min_text_tokens,
     offline_encoding,
     text_segments,
@@ -299,3 +300,58 @@ def test_counting_stops_at_its_deadline() -> None:
         count_text(text, default_counter(), deadline=1.5, clock=lambda: float(next(ticks)))
     assert 0 < info.value.counted_chars < len(text)
     assert count_text(text, default_counter(), deadline=1e18) == len(ENC.encode_ordinary(text))
+
+
+# -- tokenizers per model -------------------------------------------------------------------------
+_ENGLISH = st.text(alphabet=st.characters(codec="ascii", categories=("L", "Zs", "P")), max_size=400)
+_CODE = st.text(alphabet="abcdefXYZ_0123456789(){}[]<>=+-*/;:.,'\"\n\t    #!&|", max_size=400)
+_CJK = st.text(alphabet=st.characters(min_codepoint=0x4E00, max_codepoint=0x9FFF), max_size=200)
+_EMOJI = st.text(alphabet=st.characters(min_codepoint=0x1F300, max_codepoint=0x1FAFF), max_size=100)
+
+
+@settings(max_examples=200)
+@given(st.lists(st.one_of(_ENGLISH, _CODE, _CJK, _EMOJI, st.text(max_size=200)), max_size=6))
+def test_the_estimate_never_counts_fewer_than_cl100k(parts: list[str]) -> None:
+    estimate = make_counter("estimate")
+    text = "".join(parts)
+    # also as a JSON string literal: emoji and CJK as \\uXXXX escapes, quotes and newlines escaped
+    for t in (text, json.dumps(text), json.dumps(text, ensure_ascii=False)):
+        assert count_text(t, estimate) >= len(ENC.encode_ordinary(t))
+        assert min_text_tokens(t, estimate) <= count_text(t, estimate)
+
+
+def test_make_counter_specs() -> None:
+    assert make_counter("tiktoken:cl100k_base") is default_counter()
+    assert make_counter("estimate").count("héllo 😀") == len("héllo 😀".encode())
+    for bad in ("tiktoken:o200k_base", "tiktoken:nope", "sentencepiece:x", "hf:"):
+        with pytest.raises(ValueError, match="tokenizer"):
+            make_counter(bad)
+
+
+def test_hf_tokenizer_json_is_counted_by_tokenizers(tmp_path: Any) -> None:
+    tokenizers = pytest.importorskip("tokenizers")
+    tok = tokenizers.Tokenizer(
+        tokenizers.models.WordLevel({"hello": 0, "world": 1, "[UNK]": 2}, unk_token="[UNK]")
+    )
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    path = tmp_path / "tokenizer.json"
+    tok.save(str(path))
+    counter = make_counter(f"hf:{path}")
+    assert counter.count("hello world hello zzz") == 4
+    assert counter.max_token_bytes == 5
+
+
+def test_hf_tokenizer_missing_file_is_a_clear_error(tmp_path: Any) -> None:
+    with pytest.raises(ValueError, match="tokenizer"):
+        make_counter(f"hf:{tmp_path / 'missing.json'}")
+
+
+def test_configured_image_tokens() -> None:
+    messages = [
+        {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "u", "detail": "low"}}]}
+    ]
+    request = parse_request(
+        EndpointKind.CHAT_COMPLETIONS, json.dumps({"model": "m", "messages": messages}).encode()
+    )
+    base = count_prompt_tokens(request)
+    assert count_prompt_tokens(request, per_image=1000) == base - IMAGE_TOKENS_LOW + 1000

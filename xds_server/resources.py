@@ -104,6 +104,13 @@ STRIPPED_REQUEST_HEADERS: Final[tuple[str, ...]] = (
     headers.SESSION_KEY,
     headers.PREFIX_KEY,
 )
+#: Client request headers Envoy replaces with its own: with ``use_remote_address`` Envoy appends the peer
+#: address to ``x-forwarded-for``; removing the client's value first leaves exactly that address, so a
+#: client cannot pose as another origin to model servers or their logs.
+REPLACED_CLIENT_HEADERS: Final[tuple[str, ...]] = ("x-forwarded-for",)
+#: Headers removed on model routes, after ext_proc has read them: the tenant's API key never reaches a
+#: model server.
+UPSTREAM_REMOVED_HEADERS: Final[tuple[str, ...]] = ("authorization",)
 #: lb_policy values whose clusters balance by a request hash: their routes get :func:`affinity_hash_policy`
 #: and their clusters a bounded load (``hash_balance_factor``).
 HASH_LB_POLICIES: Final[frozenset[str]] = frozenset({"ring_hash", "maglev"})
@@ -271,7 +278,10 @@ def build_listener(config: Config) -> listener_pb2.Listener:
     # client's own x-inferlb-* headers, and with ext_proc failing open (no clear_route_cache) that cached
     # route is used (measured on Envoy 1.40: a client's x-inferlb-model reached the model cluster).
     strip = early_header_mutation_pb2.HeaderMutation(
-        mutations=[mutation_rules_pb2.HeaderMutation(remove=h) for h in STRIPPED_REQUEST_HEADERS]
+        mutations=[
+            mutation_rules_pb2.HeaderMutation(remove=h)
+            for h in (*STRIPPED_REQUEST_HEADERS, *REPLACED_CLIENT_HEADERS)
+        ]
     )
     ext_proc = ext_proc_pb2.ExternalProcessor(
         grpc_service=grpc_service_pb2.GrpcService(
@@ -299,6 +309,9 @@ def build_listener(config: Config) -> listener_pb2.Listener:
     hcm = http_connection_manager_pb2.HttpConnectionManager(
         stat_prefix=LISTENER_NAME,
         codec_type=http_connection_manager_pb2.HttpConnectionManager.AUTO,
+        # the peer address is the client's (Envoy is the edge): x-forwarded-for and x-envoy-external-address
+        # are Envoy's, not whatever the client claimed
+        use_remote_address=wrappers_pb2.BoolValue(value=True),
         early_header_mutation_extensions=[
             extension_pb2.TypedExtensionConfig(name=EARLY_HEADER_MUTATION, typed_config=_pack(strip))
         ],
@@ -403,6 +416,7 @@ def build_route_configuration(config: Config) -> route_pb2.RouteConfiguration:
                         prefix="/", headers=[*base, _exact(headers.PRIORITY, "high")]
                     ),
                     route=_route_action(config, cluster, high=True, hashed=hashed),
+                    request_headers_to_remove=list(UPSTREAM_REMOVED_HEADERS),
                 )
             )
             routes.append(
@@ -410,6 +424,7 @@ def build_route_configuration(config: Config) -> route_pb2.RouteConfiguration:
                     name=cluster,
                     match=route_components_pb2.RouteMatch(prefix="/", headers=base),
                     route=_route_action(config, cluster, high=False, hashed=hashed),
+                    request_headers_to_remove=list(UPSTREAM_REMOVED_HEADERS),
                 )
             )
     routes.append(

@@ -195,6 +195,7 @@ def test_listener_buffer_limit_and_filter_chain(config: Config) -> None:
         headers.PROMPT_TOKENS,
         headers.SESSION_KEY,
         headers.PREFIX_KEY,
+        "x-forwarded-for",  # Envoy's own (use_remote_address) replaces it
     }
 
 

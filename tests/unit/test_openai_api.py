@@ -408,14 +408,14 @@ message = st.fixed_dictionaries(
     optional={"name": st.from_regex(r"[a-z_]{1,10}", fullmatch=True)},
 )
 optional_common = {
-    "max_tokens": st.one_of(st.none(), st.integers(0, 100_000)),
+    "max_tokens": st.one_of(st.none(), st.integers(1, 100_000)),
     "n": st.integers(1, MAX_N),
     "stream": st.booleans(),
     "user": st.one_of(st.none(), text),
 }
 chat_body = st.fixed_dictionaries(
     {"model": st.text(min_size=1, max_size=20), "messages": st.lists(message, min_size=1, max_size=6)},
-    optional={**optional_common, "max_completion_tokens": st.integers(0, 100_000)},
+    optional={**optional_common, "max_completion_tokens": st.integers(1, 100_000)},
 )
 prompt = st.one_of(
     text, st.lists(text, min_size=1, max_size=4), token_array, st.lists(token_array, min_size=1, max_size=4)

@@ -19,12 +19,13 @@ counted as the plain text they are, never refused.
 Bounded work per text (:func:`count_text`). tiktoken's BPE is quadratic in the length of one pre-token
 (a 4.19 M-letter word took ~4 s), so a text longer than :data:`SEGMENT_CHARS` is counted in segments:
 
-- *Clean cuts* are made just before a single space that has a non-space character on each side, or just
-  after a newline followed by a non-space character. No pre-token of the cl100k/o200k/GPT-2 patterns spans
-  such a point (letter, digit, punctuation and contraction pieces never take a following space; whitespace
-  pieces never take a following non-space; no piece starts with a newline and continues into a non-space),
-  and the regex restarts there in the whole text as in the segment, so the pieces, and hence the BPE
-  tokens, are the same: a clean cut is exact (property-tested against tiktoken on whole texts).
+- *Clean cuts* are made just before a space followed by a non-space character, or just after a newline
+  followed by a non-space character. No pre-token of the cl100k/o200k/GPT-2 patterns spans such a point
+  (letter, digit, punctuation and contraction pieces never take a following space; a whitespace run leaves
+  its last space to the word after it, and at the end of a segment the end-anchored whitespace alternative
+  takes the same run; no piece starts with a newline and continues into a non-space), and the regex
+  restarts there in the whole text as in the segment, so the pieces, and hence the BPE tokens, are the
+  same: a clean cut is exact (property-tested against tiktoken on whole texts).
 - A window of :data:`SEGMENT_CHARS` with no clean cut (one very long word, a run of punctuation or CJK
   without spaces) is cut every :data:`LONG_RUN_CHUNK_CHARS` characters and each such *unclean cut* adds
   :data:`UNCLEAN_CUT_MARGIN` tokens. BPE merges never cross a cut, and cutting a run usually adds tokens;
@@ -148,15 +149,15 @@ def min_text_tokens(text: str, counter: TextTokenCounter) -> int:
 
 
 def _clean_cut(text: str, start: int, end: int) -> int:
-    """The last clean cut in ``(start, end)``, or -1: before a single space between two non-space
-    characters, or after a newline followed by a non-space character."""
+    """The last clean cut in ``(start, end)``, or -1: before a space followed by a non-space character, or
+    after a newline followed by a non-space character."""
     sp = text.rfind(" ", start + 1, end)
     nl = text.rfind("\n", start, end - 1)
     for _ in range(_CUT_TRIES):
         if sp <= start and nl < start:
             return -1
         if sp > nl:
-            if not text[sp - 1].isspace() and not text[sp + 1].isspace():
+            if not text[sp + 1].isspace():
                 return sp
             sp = text.rfind(" ", start + 1, sp)
         else:

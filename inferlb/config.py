@@ -153,6 +153,10 @@ class ExtProcConfig(_Frozen):
     """Our ext_proc service and how Envoy calls it."""
 
     listen: HostPort = HostPort(host="127.0.0.1", port=18080)
+    #: More ext_proc processes, each serving on its own address (``python -m ext_proc --listen ADDR``): every
+    #: address is its own endpoint of the ``inferlb_ext_proc`` cluster. Envoy opens one HTTP/2 connection per
+    #: endpoint per worker, so processes behind one SO_REUSEPORT address would not share the load.
+    extra_listen: tuple[HostPort, ...] = ()
     #: Envoy ``message_timeout`` per ext_proc message (ms). Envoy's 200 ms default breaks big bodies.
     message_timeout_ms: Annotated[int, Field(ge=10, le=60_000)] = 5_000
     #: Envoy ``failure_mode_allow``: on an ext_proc failure, forward unprocessed (True) or answer 5xx (False).

@@ -558,11 +558,16 @@ def build_model_cluster(name: str, policy: ClusterPolicy) -> cluster_pb2.Cluster
 
 def build_ext_proc_cluster(config: Config) -> cluster_pb2.Cluster:
     """The ``inferlb_ext_proc`` cluster: HTTP/2 (Envoy 1.40 500s every request over HTTP/1.1, see
-    shared/DESIGN.md), STATIC for an IP literal or LOGICAL_DNS for a host name."""
-    hp = config.ext_proc.listen
+    shared/DESIGN.md), one endpoint per ext_proc process (``ext_proc.listen`` then ``extra_listen``),
+    STATIC for IP literals, else LOGICAL_DNS (one host name) or STRICT_DNS (several)."""
+    addresses = (config.ext_proc.listen, *config.ext_proc.extra_listen)
+    if all(hp.is_ip for hp in addresses):
+        kind = cluster_pb2.Cluster.STATIC
+    else:  # LOGICAL_DNS takes a single endpoint
+        kind = cluster_pb2.Cluster.LOGICAL_DNS if len(addresses) == 1 else cluster_pb2.Cluster.STRICT_DNS
     return cluster_pb2.Cluster(
         name=EXT_PROC_CLUSTER,
-        type=cluster_pb2.Cluster.STATIC if hp.is_ip else cluster_pb2.Cluster.LOGICAL_DNS,
+        type=kind,
         connect_timeout=_duration_ms(EXT_PROC_CONNECT_TIMEOUT_MS),
         typed_extension_protocol_options=_http2_protocol_options(),
         circuit_breakers=circuit_breaker_pb2.CircuitBreakers(
@@ -584,6 +589,7 @@ def build_ext_proc_cluster(config: Config) -> cluster_pb2.Cluster:
                         endpoint_components_pb2.LbEndpoint(
                             endpoint=endpoint_components_pb2.Endpoint(address=_socket_address(hp))
                         )
+                        for hp in addresses
                     ]
                 )
             ],

@@ -6,6 +6,7 @@ import json
 from typing import Any
 
 import yaml
+from envoy.config.cluster.v3 import cluster_pb2
 from envoy.config.listener.v3 import listener_pb2
 from envoy.extensions.filters.network.http_connection_manager.v3 import http_connection_manager_pb2
 
@@ -82,3 +83,15 @@ def test_api_key_is_removed_on_model_routes_and_the_peer_address_is_envoys() -> 
     hcm = _hcm(r.build_listener(config))
     assert hcm.use_remote_address.value is True
     assert hcm.xff_num_trusted_hops == 0
+
+
+def test_each_ext_proc_process_is_its_own_endpoint() -> None:
+    doc = _default_doc()
+    doc["ext_proc"]["extra_listen"] = ["127.0.0.1:18090", "127.0.0.1:18091"]
+    cluster = r.build_ext_proc_cluster(parse_config(doc))
+    [locality] = cluster.load_assignment.endpoints
+    ports = [e.endpoint.address.socket_address.port_value for e in locality.lb_endpoints]
+    assert ports == [18080, 18090, 18091]
+    assert cluster.type == cluster_pb2.Cluster.STATIC
+    doc["ext_proc"].update(listen="ext-proc:18080", extra_listen=["ext-proc-2:18080"])
+    assert r.build_ext_proc_cluster(parse_config(doc)).type == cluster_pb2.Cluster.STRICT_DNS

@@ -1,0 +1,401 @@
+"""What ext_proc costs on the request path: Envoy alone vs Envoy + inferlb's ext_proc (issue 4, point 9).
+
+Run: ``.venv/bin/python bench/extproc_overhead.py [--duration 5] [--connections 1,16,64] [--processes 1,2]``
+(needs ``wrk``: ``apt-get install wrk``). Prints one table; not a test.
+
+Set-up, all on 127.0.0.1:
+
+- backend: an Envoy answering every request with a fixed chat completion (``direct_response``), so the
+  backend costs next to nothing and never limits;
+- ``envoy alone``: an Envoy with a static listener routing straight to the backend (router only);
+- ``envoy + ext_proc xN``: the real inferlb gateway (xds_server + Envoy configured over ADS with the
+  ext_proc filter, ``inferlb.stack.Stack``) with N ext_proc processes, each its own endpoint of the ext_proc
+  cluster (``ext_proc.extra_listen``), routing to the same backend; response accounting on (the default:
+  response headers and body go through ext_proc too).
+
+Load: ``wrk`` POSTing a ~3 KB chat-completion body with a valid API key, for ``--duration`` seconds per
+row, at each connection count. Columns: requests/s, latency p50/p99 (wrk's, ms), non-2xx answers, and
+where the CPU went: CPU time (user + system, from ``/proc/PID/stat``) of the gateway Envoy, of all
+ext_proc processes and of the backend over the row, divided by the requests served (us per request).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+from rich.console import Console
+from rich.table import Table
+
+from inferlb.config import HostPort, default_config_path
+from inferlb.stack import Child, Stack, find_envoy, port_open
+
+sys.path.insert(0, str(Path(__file__).parents[1]))
+from tests.conftest import free_ports  # the repo's free-port helper
+
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+ROUTER_TYPE = "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"
+MODEL = "bench-model"
+API_KEY = "sk-bench-key-0001"
+REPLY = {
+    "id": "chatcmpl-bench",
+    "object": "chat.completion",
+    "created": 0,
+    "model": MODEL,
+    "choices": [{"index": 0, "message": {"role": "assistant", "content": "ok"}, "finish_reason": "stop"}],
+    "usage": {"prompt_tokens": 700, "completion_tokens": 1, "total_tokens": 701},
+}
+
+
+def chat_body(size: int = 3072) -> str:
+    """A chat completion request body of about ``size`` bytes (system prompt + one user turn)."""
+    filler = "The quick brown fox jumps over the lazy dog. "
+    text = (filler * (size // len(filler) + 1))[: size - 200]
+    return json.dumps(
+        {
+            "model": MODEL,
+            "messages": [
+                {"role": "system", "content": "You are a helpful assistant."},
+                {"role": "user", "content": text},
+            ],
+            "max_tokens": 16,
+        }
+    )
+
+
+def _static_listener(port: int, route: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "name": "l",
+        "address": {"socket_address": {"address": "127.0.0.1", "port_value": port}},
+        "filter_chains": [
+            {
+                "filters": [
+                    {
+                        "name": "envoy.filters.network.http_connection_manager",
+                        "typed_config": {
+                            "@type": "type.googleapis.com/envoy.extensions.filters.network."
+                            "http_connection_manager.v3.HttpConnectionManager",
+                            "stat_prefix": "bench",
+                            "route_config": {
+                                "virtual_hosts": [{"name": "all", "domains": ["*"], "routes": [route]}]
+                            },
+                            "http_filters": [
+                                {
+                                    "name": "envoy.filters.http.router",
+                                    "typed_config": {"@type": ROUTER_TYPE},
+                                }
+                            ],
+                        },
+                    }
+                ]
+            }
+        ],
+    }
+
+
+def backend_bootstrap(port: int, admin: int) -> dict[str, Any]:
+    route = {
+        "match": {"prefix": "/"},
+        "direct_response": {"status": 200, "body": {"inline_string": json.dumps(REPLY)}},
+        "response_headers_to_add": [{"header": {"key": "content-type", "value": "application/json"}}],
+    }
+    return {
+        "admin": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": admin}}},
+        "static_resources": {"listeners": [_static_listener(port, route)]},
+    }
+
+
+def alone_bootstrap(port: int, admin: int, backend: int) -> dict[str, Any]:
+    route = {"match": {"prefix": "/"}, "route": {"cluster": "backend", "timeout": "30s"}}
+    cluster = {
+        "name": "backend",
+        "type": "STATIC",
+        "connect_timeout": "1s",
+        "circuit_breakers": {"thresholds": [{"max_connections": 100000, "max_requests": 100000}]},
+        "load_assignment": {
+            "cluster_name": "backend",
+            "endpoints": [
+                {
+                    "lb_endpoints": [
+                        {
+                            "endpoint": {
+                                "address": {"socket_address": {"address": "127.0.0.1", "port_value": backend}}
+                            }
+                        }
+                    ]
+                }
+            ],
+        },
+    }
+    return {
+        "admin": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": admin}}},
+        "static_resources": {"listeners": [_static_listener(port, route)], "clusters": [cluster]},
+    }
+
+
+def start_envoy(work: Path, name: str, bootstrap: dict[str, Any], port: int, concurrency: int) -> Child:
+    path = work / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(bootstrap), encoding="utf-8")
+    base_id = (os.getpid() % 10_000) * 10 + (3 if name == "backend" else 4)
+    argv = [find_envoy(), "-c", str(path), "--base-id", str(base_id), "--concurrency", str(concurrency)]
+    child = Child(name, [*argv, "--log-level", "warning"], work / f"{name}.log")
+    child.start(dict(os.environ))
+    deadline = time.monotonic() + 20
+    while not port_open(HostPort(host="127.0.0.1", port=port)):
+        if child.exited() is not None or time.monotonic() > deadline:
+            raise RuntimeError(f"{name} did not start:\n{child.log_tail()}")
+        time.sleep(0.05)
+    return child
+
+
+def cpu_s(pids: list[int]) -> float:
+    """User + system CPU seconds used so far by ``pids`` (their threads included)."""
+    total = 0
+    for pid in pids:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        total += int(fields[11]) + int(fields[12])  # utime, stime (fields 14, 15 of proc(5))
+    return total / CLK_TCK
+
+
+@dataclass(frozen=True, kw_only=True)
+class Row:
+    scenario: str
+    connections: int
+    rps: float
+    p50_ms: float
+    p99_ms: float
+    non_2xx: int
+    cpu_us: dict[str, float]
+
+
+_UNIT = {"us": 1e-3, "ms": 1.0, "s": 1000.0}
+
+
+def _ms(text: str) -> float:
+    m = re.match(r"([\d.]+)(us|ms|s)", text)
+    if m is None:
+        raise ValueError(f"wrk latency {text!r}")
+    return float(m[1]) * _UNIT[m[2]]
+
+
+def run_wrk(
+    url: str, script: Path, connections: int, duration_s: int
+) -> tuple[float, float, float, int, int]:
+    """(req/s, p50 ms, p99 ms, non-2xx, requests) of one wrk run."""
+    threads = 1 if connections == 1 else 2
+    out = subprocess.run(
+        [
+            "wrk",
+            "-t",
+            str(threads),
+            "-c",
+            str(connections),
+            "-d",
+            f"{duration_s}s",
+            "--latency",
+            "-s",
+            str(script),
+            url,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=duration_s + 30,
+        check=True,
+    ).stdout
+    if "Latency Distribution" not in out:
+        raise RuntimeError(f"wrk measured nothing at {url}:\n{out}")
+    rps = float(re.search(r"Requests/sec:\s+([\d.]+)", out)[1])  # type: ignore[index]
+    p50 = _ms(re.search(r"^\s+50%\s+(\S+)", out, re.M)[1])  # type: ignore[index]
+    p99 = _ms(re.search(r"^\s+99%\s+(\S+)", out, re.M)[1])  # type: ignore[index]
+    bad = re.search(r"Non-2xx or 3xx responses:\s+(\d+)", out)
+    total = int(re.search(r"(\d+) requests in", out)[1])  # type: ignore[index]
+    return rps, p50, p99, int(bad[1]) if bad else 0, total
+
+
+def measure(
+    scenario: str, url: str, script: Path, *, conns: list[int], duration_s: int, procs: dict[str, list[int]]
+) -> list[Row]:
+    """One row per connection count: wrk at ``url`` and the CPU used per request by each group of
+    ``procs`` (name -> pids)."""
+    rows = []
+    run_wrk(url, script, 4, 1)  # warm-up: connections, JIT-free but caches and pools
+    for c in conns:
+        before = {k: cpu_s(v) for k, v in procs.items()}
+        rps, p50, p99, bad, total = run_wrk(url, script, c, duration_s)
+        used = {k: (cpu_s(v) - before[k]) / max(total, 1) * 1e6 for k, v in procs.items()}
+        rows.append(
+            Row(scenario=scenario, connections=c, rps=rps, p50_ms=p50, p99_ms=p99, non_2xx=bad, cpu_us=used)
+        )
+    return rows
+
+
+def gateway_config(work: Path, backend: int, processes: int) -> Path:
+    doc = yaml.safe_load(default_config_path().read_text(encoding="utf-8"))
+    ports = free_ports(5 + processes)  # the 6th and later: the extra ext_proc processes
+    doc["gateway"].update(listen=f"127.0.0.1:{ports[0]}", admin=f"127.0.0.1:{ports[1]}")
+    doc["xds"].update(listen=f"127.0.0.1:{ports[2]}", api_listen=f"127.0.0.1:{ports[3]}")
+    doc["ext_proc"].update(
+        listen=f"127.0.0.1:{ports[4]}",
+        metrics_listen=f"127.0.0.1:{ports[5]}",
+        extra_listen=[f"127.0.0.1:{p}" for p in ports[6:]],
+    )
+    doc["models"] = [{"name": MODEL}]
+    doc["endpoints"] = [{"address": f"127.0.0.1:{backend}", "model": MODEL, "gpu": "H100"}]
+    doc["tenants"] = [{"name": "bench", "api_keys": [API_KEY]}]
+    path = work / f"gateway-{processes}.yaml"
+    path.write_text(yaml.safe_dump(doc, sort_keys=False), encoding="utf-8")
+    return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    p.add_argument("--duration", type=int, default=5, help="seconds per row (1-60)")
+    p.add_argument("--connections", default="1,16,64")
+    p.add_argument("--processes", default="1,2", help="ext_proc process counts to run")
+    args = p.parse_args(argv)
+    if shutil.which("wrk") is None:
+        print("wrk not found: apt-get install wrk", file=sys.stderr)
+        return 1
+    duration = max(1, min(args.duration, 60))
+    conns = [int(c) for c in args.connections.split(",")]
+    work = Path(tempfile.mkdtemp(prefix="extproc-bench-"))
+    script = work / "post.lua"
+    script.write_text(
+        f"wrk.method = 'POST'\nwrk.body = {json.dumps(chat_body())}\n"
+        "wrk.headers['Content-Type'] = 'application/json'\n"
+        f"wrk.headers['Authorization'] = 'Bearer {API_KEY}'\n",
+        encoding="utf-8",
+    )
+    backend_port, backend_admin, alone_port, alone_admin = free_ports(4)
+    children: list[Child] = []
+    rows: list[Row] = []
+    try:
+        backend = start_envoy(
+            work, "backend", backend_bootstrap(backend_port, backend_admin), backend_port, 1
+        )
+        children.append(backend)
+        assert backend.proc is not None
+        alone = start_envoy(
+            work, "alone", alone_bootstrap(alone_port, alone_admin, backend_port), alone_port, 2
+        )
+        children.append(alone)
+        assert alone.proc is not None
+        url = f"http://127.0.0.1:{alone_port}/v1/chat/completions"
+        rows += measure(
+            "envoy alone",
+            url,
+            script,
+            conns=conns,
+            duration_s=duration,
+            procs={"gateway envoy": [alone.proc.pid], "backend": [backend.proc.pid]},
+        )
+        alone.stop()
+        children.remove(alone)
+        for n in (int(x) for x in args.processes.split(",")):
+            cfg = gateway_config(work, backend_port, n)
+            stack = Stack(cfg, workdir=work / f"stack-{n}", log_level="warning")
+            extras = []
+            for i, hp in enumerate(stack.config.ext_proc.extra_listen):
+                extra = Child(
+                    f"ext_proc-{i + 2}",
+                    [
+                        sys.executable,
+                        "-m",
+                        "ext_proc",
+                        "--config",
+                        str(cfg),
+                        "--listen",
+                        str(hp),
+                        "--metrics-listen",
+                        f"127.0.0.1:{free_ports(1)[0]}",
+                        "--log-level",
+                        "warning",
+                    ],
+                    stack.workdir / f"ext_proc-{i + 2}.log",
+                )
+                stack.workdir.mkdir(parents=True, exist_ok=True)
+                extra.start({**os.environ, "PYTHONUNBUFFERED": "1"})
+                extras.append(extra)
+            try:
+                for e, hp in zip(extras, stack.config.ext_proc.extra_listen, strict=True):
+                    deadline = time.monotonic() + 30
+                    while not port_open(hp):
+                        if e.exited() is not None or time.monotonic() > deadline:
+                            raise RuntimeError(f"{e.name} did not start:\n{e.log_tail()}")
+                        time.sleep(0.05)
+                stack.start(timeout_s=60)
+                pids = {c.name: c.proc.pid for c in stack.children if c.proc is not None}
+                url = f"http://{stack.config.gateway.listen}/v1/chat/completions"
+                probe = urllib.request.Request(
+                    url,
+                    data=chat_body().encode(),
+                    method="POST",
+                    headers={"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"},
+                )
+                with urllib.request.urlopen(probe, timeout=10) as resp:
+                    assert resp.status == 200
+                rows += measure(
+                    f"envoy + ext_proc x{n}",
+                    url,
+                    script,
+                    conns=conns,
+                    duration_s=duration,
+                    procs={
+                        "gateway envoy": [pids["envoy"]],
+                        "ext_proc": [pids["ext_proc"], *(e.proc.pid for e in extras if e.proc)],
+                        "backend": [backend.proc.pid],
+                    },
+                )
+            finally:
+                stack.stop(keep_workdir=True)
+                for e in extras:
+                    e.stop()
+    finally:
+        for c in children:
+            c.stop()
+        shutil.rmtree(work, ignore_errors=True)
+    table = Table(
+        title=f"ext_proc overhead: POST /v1/chat/completions, {len(chat_body())} B body, {duration} s per row"
+    )
+    for col in (
+        "scenario",
+        "conns",
+        "req/s",
+        "p50 ms",
+        "p99 ms",
+        "non-2xx",
+        "CPU us/req envoy",
+        "CPU us/req ext_proc",
+        "CPU us/req backend",
+    ):
+        table.add_column(col, justify="left" if col == "scenario" else "right")
+    for r in rows:
+        table.add_row(
+            r.scenario,
+            str(r.connections),
+            f"{r.rps:,.0f}",
+            f"{r.p50_ms:.2f}",
+            f"{r.p99_ms:.2f}",
+            str(r.non_2xx),
+            f"{r.cpu_us.get('gateway envoy', 0):.0f}",
+            f"{r.cpu_us['ext_proc']:.0f}" if "ext_proc" in r.cpu_us else "-",
+            f"{r.cpu_us.get('backend', 0):.0f}",
+        )
+    Console(width=200).print(table)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

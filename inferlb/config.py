@@ -182,13 +182,13 @@ class ExtProcConfig(_Frozen):
     session_header: Annotated[str, Field(pattern=r"^[a-z0-9][a-z0-9-]{0,63}$")] | None = None
     #: HTTP address of ext_proc's Prometheus ``/metrics``.
     metrics_listen: HostPort = HostPort(host="127.0.0.1", port=18081)
-
-
-class GpuProfile(_Frozen):
     #: Requests to paths that are not OpenAI inference or ``/v1/models``: ``deny`` answers 404
     #: ``unknown_url`` in ext_proc; ``allow`` lets them through unexamined (API key still checked,
     #: ``x-inferlb-*`` headers still stripped) to whatever route Envoy has for them.
     non_inference_paths: Literal["deny", "allow"] = "deny"
+
+
+class GpuProfile(_Frozen):
     """One GPU type. ``relative_capacity`` is its LLM serving throughput relative to a V100 (= 1.0);
     the endpoint weight Envoy receives is proportional to it (see :func:`inferlb.fleet.capacity_weight`)."""
 
@@ -222,11 +222,6 @@ class WeightsConfig(_Frozen):
     profile weight (``scale * relative_capacity``).
     """
 
-    #: ``static``: Envoy gets each endpoint's capacity weight (``inferlb.fleet.capacity_weight``, 10 per
-    #: unit of relative capacity). ``telemetry``: the xDS server computes every endpoint's weight from its
-    #: telemetry with this section's policy (``scale`` per unit of capacity) and pushes it. A model whose
-    #: ``cluster.slow_start_window_ms`` is set keeps Envoy's slow start and skips ``slow_start_ms``.
-    mode: Literal["static", "telemetry"] = "static"
     #: ``static``: Envoy gets each endpoint's capacity weight (``inferlb.fleet.capacity_weight``, 10 per
     #: unit of relative capacity). ``telemetry``: the xDS server computes every endpoint's weight from its
     #: telemetry with this section's policy (``scale`` per unit of capacity) and pushes it. A model whose
@@ -318,15 +313,15 @@ class HealthCheck(_Frozen):
     #: default (60 s) would make an idle model's recovered GPU wait a minute to come back.
     no_traffic_interval_ms: Annotated[int, Field(ge=100, le=600_000)] = 5_000
 
-    #: ``ring_hash``/``maglev`` only: Envoy ``consistent_hashing_lb_config.hash_balance_factor``, the bounded
-    #: load of consistent hashing (%): a host takes at most this share of the average load before a key
-    #: spills to the next host (150 = 1.5 x average; Envoy's minimum is 100).
-    hash_balance_factor: Annotated[int, Field(ge=100, le=100_000)] = 150
 
 class ClusterPolicy(_Frozen):
     """How Envoy balances and protects one model's clusters."""
 
     lb_policy: Literal["least_request", "round_robin", "ring_hash", "maglev"] = "least_request"
+    #: ``ring_hash``/``maglev`` only: Envoy ``consistent_hashing_lb_config.hash_balance_factor``, the bounded
+    #: load of consistent hashing (%): a host takes at most this share of the average load before a key
+    #: spills to the next host (150 = 1.5 x average; Envoy's minimum is 100).
+    hash_balance_factor: Annotated[int, Field(ge=100, le=100_000)] = 150
     #: Envoy ``least_request_lb_config.active_request_bias`` (1.0 = Envoy default).
     active_request_bias: Annotated[float, Field(ge=0, le=10)] = 1.0
     #: Envoy ``common_lb_config.healthy_panic_threshold`` (%). Envoy's default is 50.
@@ -384,6 +379,11 @@ class ModelConfig(_Frozen):
 
     name: Annotated[str, Field(pattern=_MODEL_NAME)]
     aliases: tuple[Annotated[str, Field(pattern=_MODEL_NAME)], ...] = ()
+    #: Context window (tokens); prompt + requested output above it is refused.
+    context_length: Annotated[int, Field(ge=16)] = 32_768
+    #: Completion tokens assumed when a request sets no ``max_tokens``/``max_completion_tokens``: what
+    #: quota admission reserves and what the simulated servers generate (tokens).
+    default_max_tokens: Annotated[int, Field(ge=1)] = 256
     #: How prompts are counted: ``tiktoken:<encoding>`` (bundled offline encodings: ``cl100k_base``),
     #: ``hf:<path to tokenizer.json>`` (HF ``tokenizers``), or ``estimate`` (UTF-8 bytes: never fewer than
     #: a byte-level BPE tokenizer counts). See :func:`inferlb.tokens.make_counter`.
@@ -392,11 +392,6 @@ class ModelConfig(_Frozen):
     )
     #: Prompt tokens charged per image part; None: OpenAI's vision pricing (85 at ``detail: low``, else 765).
     image_tokens: Annotated[int, Field(ge=0, le=1_000_000)] | None = None
-    #: Context window (tokens); prompt + requested output above it is refused.
-    context_length: Annotated[int, Field(ge=16)] = 32_768
-    #: Completion tokens assumed when a request sets no ``max_tokens``/``max_completion_tokens``: what
-    #: quota admission reserves and what the simulated servers generate (tokens).
-    default_max_tokens: Annotated[int, Field(ge=1)] = 256
     versions: tuple[ModelVersion, ...] = (ModelVersion(name="v1"),)
     cluster: ClusterPolicy = ClusterPolicy()
 
@@ -436,13 +431,6 @@ class EndpointConfig(_Frozen):
     simulated: bool = False
     #: Optional name shown in status tables and response headers; defaults to ``address``.
     name: str | None = None
-    #: Which GPU's telemetry (``POST /v1/telemetry/gpu`` from ``inferlb agent``) is this endpoint's:
-    #: ``gpu_uuid`` (NVML UUID) when set, else the GPU ``gpu_index`` (default 0) of node ``gpu_node``
-    #: (default: the address's host). See xds_server/telemetry.py.
-    gpu_node: Annotated[str, Field(min_length=1, max_length=253)] | None = None
-    gpu_index: Annotated[int, Field(ge=0, le=1023)] | None = None
-    gpu_uuid: Annotated[str, Field(min_length=1, max_length=128)] | None = None
-
     #: Which GPU's telemetry (``POST /v1/telemetry/gpu`` from ``inferlb agent``) is this endpoint's:
     #: ``gpu_uuid`` (NVML UUID) when set, else the GPU ``gpu_index`` (default 0) of node ``gpu_node``
     #: (default: the address's host). See xds_server/telemetry.py.

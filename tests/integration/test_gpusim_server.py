@@ -272,7 +272,7 @@ async def test_n_choices_streamed_and_not(
         ),
         ("/v1/chat/completions", json.dumps({**CHAT, "n": 5}), 400, None),
         ("/v1/completions", json.dumps({"model": MODEL, "prompt": ["a", "b", "c"], "n": 2}), 400, None),
-        ("/v1/chat/completions", json.dumps({**CHAT, "max_tokens": 0}), 400, None),
+        ("/v1/chat/completions", json.dumps({**CHAT, "max_tokens": 0}), 400, "invalid_value"),
         ("/v1/chat/completions", json.dumps({**CHAT, "stream_options": {"include_usage": True}}), 400, None),
         ("/v1/embeddings", json.dumps({"model": "nope", "input": "x"}), 404, "model_not_found"),
         (

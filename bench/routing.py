@@ -402,7 +402,7 @@ def run_one(
             base_w = w0[-1]
             wf = next((t for t, w in weight_series if t > t_throttle and w <= 0.75 * base_w), None)
             result.weight_fell_after_s = None if wf is None else wf - t_throttle
-    errs = defaultdict(int)
+    errs: defaultdict[int, int] = defaultdict(int)
     for o in outcomes:
         if o.status != 200:
             errs[o.status] += 1

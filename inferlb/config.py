@@ -143,6 +143,9 @@ class XdsConfig(_Frozen):
     #: How long a drained endpoint stays in its cluster as DRAINING (no new requests, in-flight ones
     #: finish) before it is removed (ms).
     drain_period_ms: Annotated[int, Field(ge=0, le=3_600_000)] = 30_000
+    #: How often endpoint host names are resolved again (ms); a changed address is pushed like any other
+    #: change, a name that stops resolving keeps its last address (logged). 0: only at load/registration.
+    resolve_interval_ms: Annotated[int, Field(ge=0, le=86_400_000)] = 30_000
     #: Snapshots per node group: Envoys whose ``node.cluster`` is a key here run in that locality and get
     #: their own snapshot, with each model's ``cluster.failover`` priorities relative to it; other Envoys
     #: get the default snapshot (relative to ``gateway.region``/``gateway.zone``).

@@ -31,6 +31,7 @@ from xds_server.delta import DeltaStream
 from xds_server.sotw import (
     AckReceived,
     NackReceived,
+    OversizedResponseWithheld,
     ResponseSent,
     SotwStream,
     StaleNonceIgnored,
@@ -83,7 +84,8 @@ class AdsStats:
         last_nack: the most recent NACK (node id, type, rejected version, detail), or None.
         pushes: ``{(mode, type_url): responses written}``; ``nacks_by``: ``{(mode, type_url): NACKs}``.
         streams_by_mode: ``{mode: streams opened}``.
-        oversized_responses: responses over gRPC's 4 MiB default message size (logged as warnings).
+        oversized_responses: responses over gRPC's 4 MiB default message size: SotW pushes withheld for
+            it (logged as errors) and single Delta resources too big to split (logged as warnings).
     """
 
     streams_opened: int = 0
@@ -303,7 +305,7 @@ class AggregatedDiscoveryServicer(ads_pb2_grpc.AggregatedDiscoveryServiceService
                 s.responses_sent += 1
                 s.pushes[(mode, event.type_url)] += 1
                 if event.byte_size > GRPC_DEFAULT_MAX_MESSAGE:
-                    # a SotW response carries every resource of its type: only Delta can split it
+                    # SotW withholds such pushes; a Delta chunk is this big only for one huge resource
                     s.oversized_responses += 1
                     log.warning(
                         "ads %s stream %d node %r: %s response of %d bytes is over gRPC's 4 MiB default; "
@@ -341,6 +343,15 @@ class AggregatedDiscoveryServicer(ads_pb2_grpc.AggregatedDiscoveryServiceService
                 log.warning(
                     "ads stream %d node %r asked for unserved type %s", stream_id, node, event.type_url
                 )
+            case OversizedResponseWithheld():
+                s.oversized_responses += 1
+                log.error(
+                    "ads %s stream %d node %r: %s version %s needs a %d-byte response, over the %d-byte "
+                    "limit (gRPC clients refuse messages over 4 MiB; SotW cannot split a type): push "
+                    "withheld, the client keeps its last version; use Delta ADS for a fleet this size",
+                    mode, stream_id, node, _short(event.type_url), event.version, event.byte_size,
+                    event.limit,
+                )  # fmt: skip
             case SubscriptionOpened():
                 log.info(
                     "ads %s stream %d node %r subscribed to %s %s",

@@ -34,6 +34,7 @@ from envoy.service.discovery.v3 import discovery_pb2
 from xds_server.cache import Snapshot, SnapshotResource
 from xds_server.resources import CLUSTER_TYPE, ENDPOINT_TYPE, LISTENER_TYPE, PUSH_ORDER, ROUTE_TYPE
 from xds_server.sotw import (
+    MAX_RESPONSE_BYTES,
     AckReceived,
     NackReceived,
     ResponseSent,
@@ -46,8 +47,6 @@ from xds_server.sotw import (
 #: Types a subscription with no names subscribes to in full (legacy wildcard, xds_protocol).
 WILDCARD_TYPES = frozenset({CLUSTER_TYPE, LISTENER_TYPE})
 WILDCARD = "*"
-#: gRPC's default maximum message size is 4 MiB; stay well under it (headers, framing, nonce, names).
-MAX_RESPONSE_BYTES = 4 * 1024 * 1024 - 64 * 1024
 #: Per-resource framing estimate in a response (Resource tags, version, Any type URL) (bytes).
 RESOURCE_OVERHEAD_BYTES = 128
 #: The type whose resources are resent (by the same name) after the key type's were in one push.

@@ -20,7 +20,7 @@ import hashlib
 import logging
 import socket
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -87,12 +87,52 @@ def parse_config_bytes(data: bytes, source: str) -> Config:
     return parse_config(document, source)
 
 
-async def resolve_endpoint_hosts(config: Config, source: str) -> dict[str, str]:
+#: Resolves one host name to one IP literal; raises OSError (e.g. ``socket.gaierror``) when it cannot.
+HostResolver = Callable[[str], Awaitable[str]]
+
+
+async def system_resolve(name: str) -> str:
+    """Resolve a host name with the event loop's ``getaddrinfo`` (the system resolver: /etc/hosts, DNS, a
+    container network's service names), preferring an IPv4 answer since Envoy's default listeners and
+    most fleets are IPv4.
+
+    Raises:
+        OSError: the name does not resolve (``socket.gaierror``) or has no address.
+    """
+    answer = await asyncio.get_running_loop().getaddrinfo(name, None, type=socket.SOCK_STREAM)
+    ipv4 = [a for a in answer if a[0] == socket.AF_INET]
+    if not answer:
+        raise OSError("no address")
+    return str((ipv4 or answer)[0][4][0])
+
+
+async def lookup_hosts(names: Sequence[str], resolve: HostResolver) -> tuple[dict[str, str], dict[str, str]]:
+    """Resolve every name concurrently. Returns ``({name: IP}, {name: why it failed})``: any exception of
+    ``resolve`` is a failed lookup (``getaddrinfo`` raises ``UnicodeError`` for some malformed names)."""
+    answers = await asyncio.gather(*(resolve(n) for n in names), return_exceptions=True)
+    resolved: dict[str, str] = {}
+    failed: dict[str, str] = {}
+    for name, answer in zip(names, answers, strict=True):
+        if isinstance(answer, BaseException):
+            if not isinstance(answer, Exception):  # cancellation, not a failed lookup
+                raise answer
+            failed[name] = str(answer) or type(answer).__name__
+        else:
+            resolved[name] = answer
+    return resolved, failed
+
+
+def host_names(config: Config) -> list[str]:
+    """The distinct host names (not IP literals) among ``config.endpoints``, sorted."""
+    return sorted({e.address.host for e in config.endpoints if not e.address.is_ip})
+
+
+async def resolve_endpoint_hosts(
+    config: Config, source: str, resolve: HostResolver = system_resolve
+) -> dict[str, str]:
     """Resolve every endpoint host name of a config to one IP address (EDS endpoints must be IPs).
 
-    Uses the event loop's ``getaddrinfo`` (the system resolver: /etc/hosts, DNS, a container network's
-    service names). An IPv4 answer is preferred, since Envoy's default listeners and most fleets are IPv4.
-    IP literals are left alone and not looked up.
+    IP literals are left alone and not looked up. ``resolve`` is :func:`system_resolve` by default.
 
     Returns:
         ``{host name: IP literal}`` for every distinct host name among ``config.endpoints``.
@@ -100,23 +140,7 @@ async def resolve_endpoint_hosts(config: Config, source: str) -> dict[str, str]:
     Raises:
         ConfigError: naming ``endpoints[i].address`` for each endpoint whose host name does not resolve.
     """
-    loop = asyncio.get_running_loop()
-    names = sorted({e.address.host for e in config.endpoints if not e.address.is_ip})
-    answers = await asyncio.gather(
-        *(loop.getaddrinfo(n, None, type=socket.SOCK_STREAM) for n in names), return_exceptions=True
-    )
-    resolved: dict[str, str] = {}
-    failed: dict[str, str] = {}
-    for name, answer in zip(names, answers, strict=True):
-        if isinstance(answer, BaseException):
-            failed[name] = str(answer)
-            continue
-        ipv4 = [a for a in answer if a[0] == socket.AF_INET]
-        chosen = (ipv4 or answer)[0] if answer else None
-        if chosen is None:
-            failed[name] = "no address"
-        else:
-            resolved[name] = str(chosen[4][0])
+    resolved, failed = await lookup_hosts(host_names(config), resolve)
     problems = [
         (
             f"endpoints[{i}].address",
@@ -143,6 +167,8 @@ class XdsServer:
             ``INFERLB_XDS_API_TOKEN`` here).
         api_routes: more aiohttp routes for the HTTP API (e.g. a telemetry intake that calls
             :meth:`set_telemetry_weights`); routes under ``/v1/`` get the same bearer-token check.
+        resolve: how endpoint host names become IPs (:func:`system_resolve` by default); they are
+            resolved at load and registration, and again every ``xds.resolve_interval_ms``.
 
     Attributes:
         cache, servicer: the snapshot cache and the ADS servicer (its ``stats`` and ``clients``).
@@ -166,6 +192,7 @@ class XdsServer:
         api_bind: tuple[str, int] | None = None,
         api_token: str | None = None,
         api_routes: Sequence[web.RouteDef] = (),
+        resolve: HostResolver = system_resolve,
     ) -> None:
         self.config_path = Path(config_path)
         self.cache = cache or SnapshotCache()
@@ -187,6 +214,8 @@ class XdsServer:
         self._api_token = api_token
         self._api_routes = tuple(api_routes)
         self._poll_interval_s = poll_interval_s
+        self._resolve = resolve
+        self._resolver: asyncio.Task[None] | None = None
         self._digest = ""
         self._server: grpc.aio.Server | None = None
         self._poller: asyncio.Task[None] | None = None
@@ -239,6 +268,7 @@ class XdsServer:
         await self._start_api(config)
         self._poller = asyncio.create_task(self._follow_config(), name="xds-config-poller")
         self._drainer = asyncio.create_task(self._expire_drains(), name="xds-drain-timer")
+        self._resolver = asyncio.create_task(self._follow_dns(), name="xds-host-resolver")
         log.info("xds_server ready on %s:%d", host, bound)
 
     async def _start_api(self, config: Config) -> None:
@@ -254,12 +284,12 @@ class XdsServer:
     async def stop(self, grace_s: float = DEFAULT_GRACE_S) -> None:
         """Stop following the file, the timers and the HTTP API, and stop the gRPC server, giving
         streams ``grace_s`` seconds."""
-        for task in (self._poller, self._drainer):
+        for task in (self._poller, self._drainer, self._resolver):
             if task is not None:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
-        self._poller = self._drainer = None
+        self._poller = self._drainer = self._resolver = None
         if self.coalescer is not None:
             await self.coalescer.close()
         if self._api is not None:
@@ -282,7 +312,7 @@ class XdsServer:
         config = parse_config_bytes(data, source)
         fleet = self.fleet.forget_hidden(config)
         effective = effective_config(config, fleet, source)
-        resolved: Mapping[str, str] = await resolve_endpoint_hosts(effective, source)
+        resolved: Mapping[str, str] = await resolve_endpoint_hosts(effective, source, self._resolve)
         # build once to refuse anything Envoy could not take before it replaces the last good file
         build_resources(effective, source, resolved_hosts=resolved)
         self.config, self.effective, self.fleet = config, effective, fleet
@@ -326,6 +356,44 @@ class XdsServer:
         while True:
             await asyncio.sleep(self._poll_interval_s)
             await self.reload_if_changed()
+
+    # -- host names ---------------------------------------------------------------------------------
+    async def refresh_host_addresses(self) -> dict[str, str]:
+        """Resolve the served endpoints' host names again and push when an address changed (a model server
+        rescheduled behind a DNS name). A name that no longer resolves keeps its last address (logged):
+        one failed lookup must not empty a cluster.
+
+        Returns:
+            ``{host name: new IP}`` of the names whose address changed (empty: nothing pushed).
+        """
+        assert self.effective is not None
+        names = host_names(self.effective)
+        if not names:
+            return {}
+        resolved, failed = await lookup_hosts(names, self._resolve)
+        for name, why in failed.items():
+            log.warning("host name %r does not resolve now (%s): keeping %s", name, why,
+                        self.resolved_hosts.get(name, "<none>"))  # fmt: skip
+        # names may have come or gone while resolving (reload, registration): only update what is still
+        # served, on top of the current map
+        served = set(host_names(self.effective))
+        changed = {n: ip for n, ip in resolved.items() if n in served and self.resolved_hosts.get(n) != ip}
+        if changed:
+            log.info("endpoint host addresses changed: %s", changed)
+            self.resolved_hosts = {**self.resolved_hosts, **changed}
+            self._changed()
+        return changed
+
+    async def _follow_dns(self) -> None:
+        while True:
+            assert self.config is not None
+            interval_ms = self.config.xds.resolve_interval_ms
+            if interval_ms == 0:
+                # off: look again now and then in case a reload turns it on
+                await asyncio.sleep(self._poll_interval_s)
+                continue
+            await asyncio.sleep(interval_ms / 1000)
+            await self.refresh_host_addresses()
 
     # -- publishing -----------------------------------------------------------------------------------
     def _changed(self) -> None:
@@ -424,7 +492,7 @@ class XdsServer:
         assert self.config is not None
         fleet = self.fleet.register(endpoint)
         effective = effective_config(self.config, fleet, "<fleet api>")
-        resolved = await resolve_endpoint_hosts(effective, "<fleet api>")
+        resolved = await resolve_endpoint_hosts(effective, "<fleet api>", self._resolve)
         self.resolved_hosts = resolved
         self._apply_fleet(fleet)
 

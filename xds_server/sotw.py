@@ -15,7 +15,17 @@ shared/DESIGN.md):
   names subscribed to (Envoy asks for new clusters' endpoints that way);
 - a new snapshot pushes every subscribed type whose version changed, in :data:`PUSH_ORDER` (clusters,
   endpoints, listeners, routes: make before break); endpoints are resent whenever clusters were (a
-  changed cluster warms until it gets its assignment, envoy#31535), and routes whenever listeners were.
+  changed cluster warms until it gets its assignment, envoy#31535), and routes whenever listeners were;
+- removals come after every update, in reverse order (listeners, then clusters): in SotW a wildcard type
+  (clusters, listeners) loses a resource by leaving it out of a response, so when a push both changes and
+  removes clusters (or listeners), the update goes first with the removed ones still in it (a version
+  ``<version>+keep``, their bytes unchanged so Envoy does not touch them), and the response that drops
+  them goes last, after the routes that stopped referencing them (go-control-plane and Istio order
+  removals the same way); a push that only removes sends that one response, in the removal pass;
+- no response is ever larger than :attr:`SotwStream.max_response_bytes` (gRPC clients refuse messages
+  over 4 MiB by default and SotW cannot split a type across responses): a push that would need a larger
+  one is withheld whole (:class:`OversizedResponseWithheld`, logged and counted), so the client keeps its
+  last consistent state, and the next snapshot that fits is pushed; Delta streams split instead.
 """
 
 from __future__ import annotations
@@ -27,13 +37,18 @@ from dataclasses import dataclass, field
 from envoy.config.core.v3 import base_pb2
 from envoy.service.discovery.v3 import discovery_pb2
 
-from xds_server.cache import Snapshot
+from xds_server.cache import Snapshot, SnapshotResource
 from xds_server.resources import CLUSTER_TYPE, ENDPOINT_TYPE, LISTENER_TYPE, PUSH_ORDER, ROUTE_TYPE
 
 #: Types whose SotW subscription names specific resources (the others are wildcard: all resources).
 NAMED_TYPES = frozenset({ENDPOINT_TYPE, ROUTE_TYPE})
 #: A type that must be resent after the key type was sent in the same push (warming, make-before-break).
 _RESEND_AFTER = {ENDPOINT_TYPE: CLUSTER_TYPE, ROUTE_TYPE: LISTENER_TYPE}
+#: gRPC's default maximum receive message size is 4 MiB (grpc/include/grpc/impl/channel_arg_names.h,
+#: GRPC_DEFAULT_MAX_RECV_MESSAGE_LENGTH); stay under it with room for framing and headers (bytes).
+MAX_RESPONSE_BYTES = 4 * 1024 * 1024 - 64 * 1024
+#: Suffix of the version of a SotW update that still carries the resources a later response removes.
+KEEP_SUFFIX = "+keep"
 
 
 # -- what happened on a stream (past-tense events, for logs and counters) --------------------------------
@@ -97,8 +112,25 @@ class UnknownTypeIgnored:
     type_url: str
 
 
+@dataclass(frozen=True, kw_only=True)
+class OversizedResponseWithheld:
+    """A response would have exceeded the stream's ``max_response_bytes``: it (and the rest of its push)
+    was not sent; the client keeps what it has until a snapshot that fits is published."""
+
+    type_url: str
+    version: str
+    byte_size: int
+    limit: int
+
+
 StreamEvent = (
-    SubscriptionOpened | ResponseSent | AckReceived | NackReceived | StaleNonceIgnored | UnknownTypeIgnored
+    SubscriptionOpened
+    | ResponseSent
+    | AckReceived
+    | NackReceived
+    | StaleNonceIgnored
+    | UnknownTypeIgnored
+    | OversizedResponseWithheld
 )
 
 
@@ -120,6 +152,7 @@ class TypeState:
         sent_version / sent_nonce: of the last response (None before the first).
         acked_version: the last version the client ACKed (None before the first ACK).
         nacked_version: the last version the client rejected (never resent), or None.
+        sent_resources: ``{name: resource}`` of the last response (what a wildcard client now holds).
     """
 
     resource_names: frozenset[str] = frozenset()
@@ -128,6 +161,19 @@ class TypeState:
     sent_nonce: str | None = None
     acked_version: str | None = None
     nacked_version: str | None = None
+    sent_resources: dict[str, SnapshotResource] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Planned:
+    """A response built but not yet committed to the stream's state (a push is all or nothing)."""
+
+    type_url: str
+    version: str
+    names: frozenset[str]
+    resources: tuple[SnapshotResource, ...]
+    response: discovery_pb2.DiscoveryResponse
+    byte_size: int
 
 
 @dataclass
@@ -141,6 +187,8 @@ class SotwStream:
     control_plane_id: str = ""
     #: serve this type only (a per-type discovery service); requests for others are ignored
     only_type: str | None = None
+    #: never send a response whose serialized size is over this (bytes); see the module docstring
+    max_response_bytes: int = MAX_RESPONSE_BYTES
     node: base_pb2.Node | None = None
     types: dict[str, TypeState] = field(default_factory=dict)
     _nonces: itertools.count[int] = field(default_factory=lambda: itertools.count(1))
@@ -212,9 +260,10 @@ class SotwStream:
     def handle_snapshot(self, snapshot: Snapshot) -> Step:
         """Push a newly published snapshot: every subscribed type whose version changed (and is not the
         one the client rejected), in :data:`PUSH_ORDER`, endpoints after any cluster push and routes after
-        any listener push."""
-        responses: list[discovery_pb2.DiscoveryResponse] = []
-        events: list[StreamEvent] = []
+        any listener push; then the responses that remove clusters or listeners, listeners first. The push
+        is withheld whole when one of its responses would be over :attr:`max_response_bytes`."""
+        planned: list[_Planned] = []
+        removals: list[str] = []
         pushed: set[str] = set()
         for t in PUSH_ORDER:
             state = self.types.get(t)
@@ -223,35 +272,85 @@ class SotwStream:
             version = snapshot.version(t)
             if version == state.nacked_version:
                 continue
-            due = (
-                state.sent_version is None or version != state.sent_version or _RESEND_AFTER.get(t) in pushed
-            )
-            if not due:
+            forced = _RESEND_AFTER.get(t) in pushed
+            if not (state.sent_version is None or version != state.sent_version or forced):
                 continue
-            step = self._respond(t, state, snapshot, ())
-            responses.extend(step.responses)
-            events.extend(step.events)
-            pushed.add(t)
-        return Step(responses=tuple(responses), events=tuple(events))
+            table = snapshot.resources.get(t, {})
+            gone = [r for n, r in state.sent_resources.items() if n not in table]
+            if t in NAMED_TYPES or not gone:
+                planned.append(self._plan(t, state, snapshot))
+                pushed.add(t)
+                continue
+            removals.append(t)
+            held = state.sent_resources
+            if forced or any(held.get(n) is None or held[n].digest != r.digest for n, r in table.items()):
+                # make before break: the update first, still holding what the removal pass drops
+                keep = tuple(sorted((*table.values(), *gone), key=lambda r: r.name))
+                planned.append(self._plan(t, state, snapshot, resources=keep, version=version + KEEP_SUFFIX))
+                pushed.add(t)
+        for t in reversed(PUSH_ORDER):
+            if t in removals:
+                planned.append(self._plan(t, self.types[t], snapshot))
+        too_big = next((p for p in planned if p.byte_size > self.max_response_bytes), None)
+        if too_big is not None:
+            return Step(events=(self._withheld(too_big),))
+        return self._commit(planned, ())
 
     def _respond(self, t: str, state: TypeState, snapshot: Snapshot, events: Sequence[StreamEvent]) -> Step:
+        plan = self._plan(t, state, snapshot)
+        if plan.byte_size > self.max_response_bytes:
+            return Step(events=(*events, self._withheld(plan)))
+        return self._commit([plan], events)
+
+    def _plan(
+        self,
+        t: str,
+        state: TypeState,
+        snapshot: Snapshot,
+        *,
+        resources: tuple[SnapshotResource, ...] | None = None,
+        version: str | None = None,
+    ) -> _Planned:
         names = state.resource_names if t in NAMED_TYPES else frozenset()
-        selected = snapshot.select(t, names)
-        nonce = str(next(self._nonces))
-        version = snapshot.version(t)
+        selected = tuple(snapshot.select(t, names)) if resources is None else resources
+        version = snapshot.version(t) if version is None else version
         response = discovery_pb2.DiscoveryResponse(
             version_info=version,
             type_url=t,
-            nonce=nonce,
+            nonce=str(next(self._nonces)),
             resources=[r.packed for r in selected],
             control_plane=base_pb2.ControlPlane(identifier=self.control_plane_id),
         )
-        state.sent_version, state.sent_nonce, state.sent_names = version, nonce, names
-        sent = ResponseSent(
+        return _Planned(
             type_url=t,
             version=version,
-            nonce=nonce,
-            resource_count=len(selected),
-            byte_size=sum(len(r.packed.value) for r in selected),
+            names=names,
+            resources=selected,
+            response=response,
+            byte_size=response.ByteSize(),
         )
-        return Step(responses=(response,), events=(*events, sent))
+
+    def _commit(self, planned: Sequence[_Planned], events: Sequence[StreamEvent]) -> Step:
+        out: list[StreamEvent] = list(events)
+        for p in planned:
+            state = self.types[p.type_url]
+            state.sent_version, state.sent_nonce, state.sent_names = p.version, p.response.nonce, p.names
+            state.sent_resources = {r.name: r for r in p.resources}
+            out.append(
+                ResponseSent(
+                    type_url=p.type_url,
+                    version=p.version,
+                    nonce=p.response.nonce,
+                    resource_count=len(p.resources),
+                    byte_size=p.byte_size,
+                )
+            )
+        return Step(responses=tuple(p.response for p in planned), events=tuple(out))
+
+    def _withheld(self, plan: _Planned) -> OversizedResponseWithheld:
+        return OversizedResponseWithheld(
+            type_url=plan.type_url,
+            version=plan.version,
+            byte_size=plan.byte_size,
+            limit=self.max_response_bytes,
+        )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import yaml
@@ -15,6 +16,7 @@ from xds_server.cache import Snapshot, SnapshotCache
 from xds_server.sotw import (
     AckReceived,
     NackReceived,
+    OversizedResponseWithheld,
     ResponseSent,
     SotwStream,
     StaleNonceIgnored,
@@ -245,3 +247,97 @@ def test_nonces_are_unique_per_stream() -> None:
             p.nonce for p in stream.handle_snapshot(_snapshot(cache, capacity={"V100": capacity})).responses
         ]
     assert len(nonces) == len(set(nonces)) == 7
+
+
+def _without_canary(cache: SnapshotCache, *, panic: int | None = None) -> Snapshot:
+    """The default config with llama's v2 canary gone (its cluster, assignment and route split removed)."""
+    doc = yaml.safe_load(default_config_path().read_text(encoding="utf-8"))
+    doc["models"][0]["versions"] = [{"name": "v1", "traffic_percent": 100}]
+    doc["endpoints"] = [e for e in doc["endpoints"] if e.get("version") != "v2"]
+    if panic is not None:
+        doc["models"][1]["cluster"] = {"healthy_panic_threshold": panic}
+    return cache.set_resources(r.build_resources(parse_config(doc)))
+
+
+def _names(resp: discovery_pb2.DiscoveryResponse) -> set[str]:
+    out = set()
+    for a in resp.resources:
+        c = r.cluster_pb2.Cluster() if resp.type_url == r.CLUSTER_TYPE else None
+        assert c is not None
+        a.Unpack(c)
+        out.add(c.name)
+    return out
+
+
+def test_cluster_removed_with_other_updates_is_dropped_after_the_route_change() -> None:
+    cache = SnapshotCache()
+    stream, snap, _ = _subscribed(cache)
+    newer = _without_canary(cache, panic=10)
+    responses = stream.handle_snapshot(newer).responses
+    types = [p.type_url for p in responses]
+    # make before break: the changed clusters (still holding v2), their endpoints, the routes that stop
+    # sending to v2, and only then the clusters without v2
+    assert types == [r.CLUSTER_TYPE, r.ENDPOINT_TYPE, r.ROUTE_TYPE, r.CLUSTER_TYPE]
+    keep, final = responses[0], responses[-1]
+    assert set(CLUSTERS) <= _names(keep)
+    assert _names(keep) - _names(final) == {"llama-3.1-8b-instruct--v2"}
+    assert keep.version_info == newer.version(r.CLUSTER_TYPE) + "+keep"
+    assert final.version_info == newer.version(r.CLUSTER_TYPE)
+    # the removed cluster goes out byte-identical in the first response (Envoy leaves it alone)
+    old_v2 = snap.resources[r.CLUSTER_TYPE]["llama-3.1-8b-instruct--v2"].packed
+    assert old_v2 in list(keep.resources)
+    # the client ACKs the last response; the earlier nonce is stale by then
+    step = stream.handle_request(_req(r.CLUSTER_TYPE, nonce=keep.nonce, version=keep.version_info), newer)
+    assert isinstance(step.events[0], StaleNonceIgnored)
+    step = stream.handle_request(_req(r.CLUSTER_TYPE, nonce=final.nonce, version=final.version_info), newer)
+    assert step.events == (
+        AckReceived(type_url=r.CLUSTER_TYPE, version=final.version_info, nonce=final.nonce),
+    )
+    assert stream.handle_snapshot(newer).responses == ()
+
+
+def test_removal_only_push_sends_the_removal_after_the_routes() -> None:
+    cache = SnapshotCache()
+    stream, _, _ = _subscribed(cache)
+    newer = _without_canary(cache)
+    responses = stream.handle_snapshot(newer).responses
+    # the clusters that stay are unchanged, so no update carries them: only the removal, after the routes
+    assert [p.type_url for p in responses] == [r.ENDPOINT_TYPE, r.ROUTE_TYPE, r.CLUSTER_TYPE]
+    assert "+keep" not in responses[-1].version_info
+    assert "llama-3.1-8b-instruct--v2" not in _names(responses[-1])
+    assert set(CLUSTERS) - {"llama-3.1-8b-instruct--v2"} <= _names(responses[-1])
+
+
+def test_push_over_the_size_limit_is_withheld_whole_and_the_next_one_that_fits_is_sent() -> None:
+    cache = SnapshotCache()
+    stream, snap, _ = _subscribed(cache)
+    bigger = _snapshot(cache, panic=10)
+    # the push's real responses, planned on a copy of the stream
+    sizes = [(p.ByteSize(), p.type_url) for p in copy.deepcopy(stream).handle_snapshot(bigger).responses]
+    # a limit one response of the push fits under and the other does not: neither is sent
+    small, large = sorted(sizes)
+    assert small[0] < large[0] - 1
+    stream.max_response_bytes = large[0] - 1
+    step = stream.handle_snapshot(bigger)
+    assert step.responses == ()
+    [withheld] = step.events
+    assert isinstance(withheld, OversizedResponseWithheld)
+    assert withheld.type_url == large[1] and withheld.limit == large[0] - 1
+    assert withheld.byte_size > withheld.limit
+    # nothing was committed: the client still holds the first snapshot's clusters
+    assert stream.types[r.CLUSTER_TYPE].sent_version == snap.version(r.CLUSTER_TYPE)
+    stream.max_response_bytes = 4 * 1024 * 1024
+    sent = stream.handle_snapshot(bigger).responses
+    assert [p.type_url for p in sent] == [r.CLUSTER_TYPE, r.ENDPOINT_TYPE]
+    for p in sent:
+        assert p.ByteSize() <= stream.max_response_bytes
+
+
+def test_new_subscription_over_the_size_limit_is_not_answered() -> None:
+    cache = SnapshotCache()
+    snap = _snapshot(cache)
+    stream = SotwStream(max_response_bytes=100)
+    step = stream.handle_request(_req(r.CLUSTER_TYPE, node=NODE), snap)
+    assert step.responses == ()
+    assert isinstance(step.events[-1], OversizedResponseWithheld)
+    assert stream.types[r.CLUSTER_TYPE].sent_version is None

@@ -303,13 +303,21 @@ class AgentMetrics:
 
 
 async def post_report(
-    session: aiohttp.ClientSession, url: str, report: GpuReport, *, timeout_s: float
+    session: aiohttp.ClientSession,
+    url: str,
+    report: GpuReport,
+    *,
+    timeout_s: float,
+    token: str | None = None,
 ) -> str | None:
-    """``POST {url}/v1/telemetry/gpu`` with the report; returns None on a 2xx answer, else why it failed."""
+    """``POST {url}/v1/telemetry/gpu`` with the report, as ``Authorization: Bearer <token>`` when a token is
+    given (the xDS server's intake takes the fleet API token); returns None on a 2xx answer, else why it
+    failed."""
     target = url.rstrip("/") + REPORT_PATH
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
     try:
         async with session.post(
-            target, json=report.to_json(), timeout=aiohttp.ClientTimeout(total=timeout_s)
+            target, json=report.to_json(), headers=headers, timeout=aiohttp.ClientTimeout(total=timeout_s)
         ) as resp:
             if 200 <= resp.status < 300:
                 return None
@@ -329,10 +337,12 @@ class AgentSettings:
         metrics_host / metrics_port: where ``/metrics`` listens (port 0: a free one); None = no listener.
         interval_s: seconds between readings.
         post_timeout_s: timeout of one POST (s).
+        token: bearer token for the control plane's intake (the xDS fleet API token), or None.
     """
 
     node: str
     url: str | None
+    token: str | None = None
     metrics_host: str | None = "127.0.0.1"
     metrics_port: int = 9402
     interval_s: float = 1.0
@@ -405,7 +415,11 @@ class Agent:
                 report = self.read()
                 if self.settings.url is not None:
                     failure = await post_report(
-                        session, self.settings.url, report, timeout_s=self.settings.post_timeout_s
+                        session,
+                        self.settings.url,
+                        report,
+                        timeout_s=self.settings.post_timeout_s,
+                        token=self.settings.token,
                     )
                     self.metrics.reports.labels("ok" if failure is None else "error").inc()
                     if failure is not None:

@@ -371,7 +371,7 @@ def cmd_xds(args: argparse.Namespace, out: Console) -> int:
     return EXIT_OK
 
 
-SIM_ACTIONS = ("throttle", "slow", "fail", "recover", "telemetry")
+SIM_ACTIONS = ("throttle", "slow", "fail", "mute", "unmute", "recover", "telemetry")
 
 
 def cmd_sim(args: argparse.Namespace, out: Console) -> int:
@@ -435,6 +435,7 @@ def cmd_agent(args: argparse.Namespace, out: Console) -> int:
     settings = ag.AgentSettings(
         node=args.node or ag.default_node_name(),
         url=args.url,
+        token=args.token or os.environ.get("INFERLB_XDS_API_TOKEN") or cfg.xds.api_token,
         metrics_host=listen.host if listen else None,
         metrics_port=listen.port if listen else 0,
         interval_s=interval_s,
@@ -563,6 +564,11 @@ def build_parser() -> argparse.ArgumentParser:
     _config_arg(a, positional=False)
     a.add_argument("--url", default=None, help="control-plane base URL; reports go to URL/v1/telemetry/gpu")
     a.add_argument("--node", default=None, help="node name in reports (default: the host name)")
+    a.add_argument(
+        "--token",
+        default=None,
+        help="bearer token of the xDS server's intake (default: $INFERLB_XDS_API_TOKEN, then xds.api_token)",
+    )
     a.add_argument(
         "--listen", default="127.0.0.1:9402", help="host:port of /metrics (default 127.0.0.1:9402)"
     )

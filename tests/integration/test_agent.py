@@ -22,12 +22,14 @@ class Receiver:
 
     def __init__(self) -> None:
         self.reports: list[GpuReport] = []
+        self.authorizations: list[str | None] = []
         self.status = 204
         self.got = asyncio.Event()
 
     async def handle(self, request: web.Request) -> web.Response:
         assert request.content_type == "application/json"
         self.reports.append(parse_gpu_report(await request.json()))
+        self.authorizations.append(request.headers.get("Authorization"))
         self.got.set()
         return web.Response(status=self.status, text="" if self.status < 300 else "busy")
 
@@ -149,3 +151,14 @@ async def test_stop_ends_the_loop_between_readings() -> None:
     stop.set()
     await asyncio.wait_for(task, 2)  # did not wait for the 30 s period
     await agent.close()
+
+
+async def test_reports_carry_the_intake_token_when_one_is_set() -> None:
+    for token, expected in (("s3cret-token-of-the-fleet", "Bearer s3cret-token-of-the-fleet"), (None, None)):
+        async with receiver() as (rx, url):
+            agent = make_agent(FakePynvml([FakeGpu()]), url, token=token, metrics_host=None)
+            try:
+                await asyncio.wait_for(agent.run(asyncio.Event(), iterations=1), 5)
+            finally:
+                await agent.close()
+            assert rx.authorizations == [expected]

@@ -6,10 +6,14 @@ static cluster is ``inferlb_xds``. Pure: a config goes in, a dict ready for ``ya
 config (``inferlb bootstrap`` prints the same) and ``envoy/bootstrap-delta.yaml`` the same in Delta mode;
 a unit test keeps them from drifting.
 
-Two ADS modes (:data:`ADS_MODES`): ``sotw`` (state of the world, ``api_type: GRPC``: every response carries
-all resources of its type) and ``delta`` (incremental, ``api_type: DELTA_GRPC``: only changed resources and
-the names of removed ones; what large fleets need, since a weight change on one GPU resends one cluster's
-assignment instead of all of them).
+Three modes (:data:`ADS_MODES`): ``sotw`` (ADS, state of the world, ``api_type: GRPC``: every response
+carries all resources of its type), ``delta`` (ADS, incremental, ``api_type: DELTA_GRPC``: only changed
+resources and the names of removed ones; what large fleets need, since a weight change on one GPU resends
+one cluster's assignment instead of all of them) and ``xds`` (no ADS: LDS and CDS each on its own gRPC
+stream to xds_server's per-type services, state of the world; the resources those services serve point
+EDS and RDS at the per-type services too, so Envoy opens an EDS and an RDS stream as well). Without ADS
+Envoy cannot be told the order of types; it relies on warming (a cluster waits for its endpoints, a
+listener for its routes), which is why ADS is the default.
 """
 
 from __future__ import annotations
@@ -29,22 +33,24 @@ XDS_CONNECT_TIMEOUT: Final = "1s"
 _HTTP_PROTOCOL_OPTIONS: Final = "envoy.extensions.upstreams.http.v3.HttpProtocolOptions"
 _FILE_ACCESS_LOG: Final = "type.googleapis.com/envoy.extensions.access_loggers.file.v3.FileAccessLog"
 
-AdsMode = Literal["sotw", "delta"]
-ADS_MODES: Final[tuple[AdsMode, ...]] = ("sotw", "delta")
-#: Envoy ``ads_config.api_type`` per mode.
-_API_TYPE: Final = {"sotw": "GRPC", "delta": "DELTA_GRPC"}
+AdsMode = Literal["sotw", "delta", "xds"]
+ADS_MODES: Final[tuple[AdsMode, ...]] = ("sotw", "delta", "xds")
+#: Envoy ``api_type`` per mode (``ads_config``'s, or each per-type ``api_config_source``'s for ``xds``).
+_API_TYPE: Final = {"sotw": "GRPC", "delta": "DELTA_GRPC", "xds": "GRPC"}
 
 #: What each committed bootstrap under ``envoy/`` is rendered from: file name -> (config source, ADS mode).
 #: A unit test renders each one again and compares it with the committed file.
 COMMITTED_BOOTSTRAPS: Final[dict[str, tuple[str, AdsMode]]] = {
     "bootstrap-ads.yaml": ("inferlb/data/local.yaml", "sotw"),
     "bootstrap-delta.yaml": ("inferlb/data/local.yaml", "delta"),
+    "bootstrap-xds.yaml": ("inferlb/data/local.yaml", "xds"),
     "bootstrap-compose.yaml": ("examples/compose.yaml", "sotw"),
 }
 
 _MODE_TEXT: Final = {
     "sotw": "ADS (state of the world): each update carries every resource of a changed type",
     "delta": "Delta ADS (DELTA_GRPC): each update carries only the resources that changed",
+    "xds": "the per-type discovery services (LDS, CDS, RDS, EDS streams, no ADS)",
 }
 
 
@@ -83,7 +89,8 @@ def render_bootstrap(
         config: the inferlb config (``gateway.node_cluster``, ``gateway.admin``, ``xds.listen``).
         node_id: this Envoy's ``node.id`` (unique per Envoy; the xDS server logs NACKs with it).
         xds_host, xds_port: override ``config.xds.listen`` (e.g. a container's service name).
-        mode: ``sotw`` (``api_type: GRPC``) or ``delta`` (``api_type: DELTA_GRPC``).
+        mode: ``sotw`` (ADS, ``api_type: GRPC``), ``delta`` (ADS, ``api_type: DELTA_GRPC``) or ``xds``
+            (no ADS: ``lds_config`` and ``cds_config`` each an ``api_config_source`` over gRPC).
 
     Raises:
         ValueError: an unknown ``mode``.
@@ -91,7 +98,7 @@ def render_bootstrap(
     Returns:
         a dict with ``node``, ``admin``, ``static_resources`` (the ``inferlb_xds`` HTTP/2 cluster, STATIC for
         an IP, LOGICAL_DNS for a host name) and ``dynamic_resources`` (ADS over gRPC, v3, node sent on
-        the first message only; LDS and CDS from ADS).
+        the first message only, LDS and CDS from ADS; or for ``xds`` LDS and CDS on their own streams).
     """
     if mode not in _API_TYPE:
         raise ValueError(f"ADS mode must be one of {list(ADS_MODES)}, got {mode!r}")
@@ -130,17 +137,34 @@ def render_bootstrap(
                 }
             ]
         },
-        "dynamic_resources": {
-            "ads_config": {
-                "api_type": _API_TYPE[mode],
-                "transport_api_version": "V3",
-                "set_node_on_first_message_only": True,
-                "grpc_services": [{"envoy_grpc": {"cluster_name": XDS_CLUSTER}}],
-            },
-            # fresh dicts each: a shared object would come out of yaml.safe_dump as an anchor/alias
-            "lds_config": {"ads": {}, "resource_api_version": "V3"},
-            "cds_config": {"ads": {}, "resource_api_version": "V3"},
-        },
+        "dynamic_resources": _per_type_dynamic_resources() if mode == "xds" else _ads_dynamic_resources(mode),
+    }
+
+
+def _api_source(api_type: str) -> dict[str, Any]:
+    return {
+        "api_type": api_type,
+        "transport_api_version": "V3",
+        "set_node_on_first_message_only": True,
+        "grpc_services": [{"envoy_grpc": {"cluster_name": XDS_CLUSTER}}],
+    }
+
+
+def _ads_dynamic_resources(mode: AdsMode) -> dict[str, Any]:
+    return {
+        "ads_config": _api_source(_API_TYPE[mode]),
+        # fresh dicts each: a shared object would come out of yaml.safe_dump as an anchor/alias
+        "lds_config": {"ads": {}, "resource_api_version": "V3"},
+        "cds_config": {"ads": {}, "resource_api_version": "V3"},
+    }
+
+
+def _per_type_dynamic_resources() -> dict[str, Any]:
+    # the same ApiConfigSource xds_server.config_source puts in the clusters' eds_config and the listener's
+    # rds.config_source, so every stream goes to the inferlb_xds cluster
+    return {
+        "lds_config": {"api_config_source": _api_source("GRPC"), "resource_api_version": "V3"},
+        "cds_config": {"api_config_source": _api_source("GRPC"), "resource_api_version": "V3"},
     }
 
 

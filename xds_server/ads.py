@@ -272,7 +272,9 @@ class AggregatedDiscoveryServicer(ads_pb2_grpc.AggregatedDiscoveryServiceService
                     # the node (sent on the first request only) picks the snapshot group: take it before
                     # choosing the snapshot that answers this very request
                     stream.node = item.node
-                snapshot: Snapshot | None = self._cache.snapshot_for(proto.node_cluster)
+                snapshot: Snapshot | None = self._cache.snapshot_for(
+                    proto.node_cluster, per_type=only_type is not None
+                )
                 if pushed:
                     woken[0] = False
                     if snapshot is None:

@@ -134,21 +134,29 @@ class Snapshot:
 
     @classmethod
     def from_resources(
-        cls, resources: XdsResources, versions: Mapping[str, str], previous: Snapshot | None = None
+        cls,
+        resources: XdsResources,
+        versions: Mapping[str, str],
+        previous: Snapshot | None = None,
+        *,
+        shared: Snapshot | None = None,
     ) -> Snapshot:
         """Serialize every resource once and freeze the result.
 
-        A resource that is the very same proto object as in ``previous`` (a builder's memo returned it
-        unchanged) reuses its serialization: protos are never mutated once built, so equal identity means
-        equal bytes.
+        A resource that is the very same proto object as in ``previous`` or ``shared`` (a builder's memo
+        returned it unchanged; ``shared`` is another variant of the same publish) reuses its serialization:
+        protos are never mutated once built, so equal identity means equal bytes.
 
         Raises:
             KeyError: ``versions`` lacks a type present in ``resources``.
         """
 
         def serialized(t: str, n: str, m: Message) -> SnapshotResource:
-            old = previous.resources.get(t, {}).get(n) if previous is not None else None
-            return old if old is not None and old.message is m else _serialize(n, m)
+            for source in (previous, shared):
+                old = source.resources.get(t, {}).get(n) if source is not None else None
+                if old is not None and old.message is m:
+                    return old
+            return _serialize(n, m)
 
         by_type = {
             t: MappingProxyType(
@@ -237,7 +245,11 @@ class SnapshotCache:
     """The current snapshot per node group, and the watchers to tell when one changes.
 
     Issue 2 runs one group (:data:`DEFAULT_GROUP`) for every node; a node whose cluster has a group of its
-    own gets that one (:meth:`snapshot_for`). Not thread-safe: call it from the event loop thread only.
+    own gets that one (:meth:`snapshot_for`). Each group has a second variant for the per-type discovery
+    services (CDS, EDS, LDS, RDS streams): the same resources, except that clusters and listeners tell
+    Envoy to fetch endpoints and routes over those services instead of ADS
+    (:mod:`xds_server.config_source`); both variants share versions and are published together.
+    Not thread-safe: call it from the event loop thread only.
     Watchers run synchronously inside :meth:`set_resources` and must not block (streams enqueue a wake-up).
 
     Args:
@@ -248,6 +260,7 @@ class SnapshotCache:
         self.instance_id = instance_id or new_instance_id()
         self._counter = itertools.count(1)
         self._snapshots: dict[str, Snapshot] = {}
+        self._per_type: dict[str, Snapshot] = {}
         self._watchers: dict[int, SnapshotWatcher] = {}
         self._watcher_ids = itertools.count()
 
@@ -255,15 +268,25 @@ class SnapshotCache:
         """The snapshot published for exactly this group, or None."""
         return self._snapshots.get(group)
 
-    def snapshot_for(self, node_cluster: str) -> Snapshot | None:
+    def snapshot_for(self, node_cluster: str, *, per_type: bool = False) -> Snapshot | None:
         """The snapshot a node of this Envoy node cluster gets: its own group's, else the default group's,
-        else None (nothing published yet)."""
-        return self._snapshots.get(node_cluster) or self._snapshots.get(DEFAULT_GROUP)
+        else None (nothing published yet). ``per_type``: the variant for the per-type services."""
+        table = self._per_type if per_type else self._snapshots
+        return table.get(node_cluster) or table.get(DEFAULT_GROUP)
 
     def set_resources(
-        self, resources: XdsResources, *, group: str = DEFAULT_GROUP, changed_at: float | None = None
+        self,
+        resources: XdsResources,
+        *,
+        group: str = DEFAULT_GROUP,
+        changed_at: float | None = None,
+        per_type: XdsResources | None = None,
     ) -> Snapshot:
         """Version, check and publish the resources of one group, then notify every watcher.
+
+        ``per_type`` is the group's variant for the per-type discovery services (None: the same
+        resources as ADS); it is checked, versioned and published with ``resources``, and its unchanged
+        protos share their serialization with them.
 
         ``changed_at`` is the monotonic time of the change that led to this publish (now by default).
         Each type keeps its previous version when its resources are byte-identical to the group's current
@@ -280,20 +303,37 @@ class SnapshotCache:
         """
         previous = self._snapshots.get(group)
         draft = Snapshot.from_resources(resources, dict.fromkeys(PUSH_ORDER, ""), previous)
-        changed = [t for t in PUSH_ORDER if previous is None or previous.digests(t) != draft.digests(t)]
+        previous_pt = self._per_type.get(group)
+        draft_pt = draft
+        if per_type is not None:
+            draft_pt = Snapshot.from_resources(
+                per_type, dict.fromkeys(PUSH_ORDER, ""), previous_pt, shared=draft
+            )
+        changed = [
+            t
+            for t in PUSH_ORDER
+            if previous is None
+            or previous_pt is None
+            or previous.digests(t) != draft.digests(t)
+            or previous_pt.digests(t) != draft_pt.digests(t)
+        ]
         draft.check_consistent()
+        if draft_pt is not draft:
+            draft_pt.check_consistent()
         if previous is not None and not changed:
             return previous
         serial = next(self._counter)
         fresh = f"{self.instance_id}-{serial}"
         versions = {t: fresh if previous is None or t in changed else previous.version(t) for t in PUSH_ORDER}
-        snapshot = Snapshot(
-            versions=MappingProxyType(versions),
-            resources=draft.resources,
-            changed_at=time.monotonic() if changed_at is None else changed_at,
-            serial=serial,
-        )
+        stamp = time.monotonic() if changed_at is None else changed_at
+        frozen = MappingProxyType(versions)
+        snapshot = Snapshot(versions=frozen, resources=draft.resources, changed_at=stamp, serial=serial)
         self._snapshots[group] = snapshot
+        self._per_type[group] = (
+            snapshot
+            if draft_pt is draft
+            else Snapshot(versions=frozen, resources=draft_pt.resources, changed_at=stamp, serial=serial)
+        )
         for watcher in list(self._watchers.values()):
             watcher(group, snapshot)
         return snapshot
@@ -308,6 +348,7 @@ class SnapshotCache:
         dropped (ValueError)."""
         if group == DEFAULT_GROUP:
             raise ValueError("the default snapshot group cannot be dropped")
+        self._per_type.pop(group, None)
         if self._snapshots.pop(group, None) is None:
             return
         default = self._snapshots.get(DEFAULT_GROUP)

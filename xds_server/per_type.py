@@ -4,9 +4,11 @@ Each is one resource type of the same snapshots ADS serves, on its own stream: `
 SotW stream restricted to clusters, ``DeltaEndpoints`` a Delta stream restricted to endpoint assignments,
 and so on; the protocol rules are those of :mod:`xds_server.sotw` and :mod:`xds_server.delta`. ``Fetch*``
 (the unary, REST-like form) answers the current resources of the type (all of them, or those named).
-Without ADS, Envoy cannot order types across streams: clusters and their endpoints may arrive in either
-order, which is why inferlb's own resources point EDS and RDS at ADS and these services are for clients
-that want one type (tools, other proxies, gRPC xDS clients).
+These streams serve each group's per-type variant (:meth:`SnapshotCache.snapshot_for` with
+``per_type=True``): its clusters fetch endpoints, and its listener routes, over these services rather than
+ADS, so an Envoy bootstrapped with ``inferlb bootstrap --ads-mode xds`` (LDS and CDS streams, no ADS) gets
+resources that point at the services it uses. Without ADS, Envoy cannot order types across streams; it
+copes by warming a cluster until its endpoints arrive and a listener until its routes do.
 """
 
 from __future__ import annotations
@@ -46,7 +48,9 @@ class _PerType:
     async def _fetch(
         self, request: discovery_pb2.DiscoveryRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> discovery_pb2.DiscoveryResponse:
-        snapshot = self._cache.snapshot_for(request.node.cluster if request.HasField("node") else "")
+        snapshot = self._cache.snapshot_for(
+            request.node.cluster if request.HasField("node") else "", per_type=True
+        )
         if snapshot is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "no snapshot published yet")
             raise AssertionError("unreachable: abort raises")

@@ -35,6 +35,7 @@ from inferlb.errors import ConfigError
 from xds_server.ads import AggregatedDiscoveryServicer
 from xds_server.cache import DEFAULT_GROUP, SnapshotCache, SnapshotInconsistentError
 from xds_server.coalesce import PushCoalescer
+from xds_server.config_source import ConfigSourceRewriter
 from xds_server.fleet import (
     FleetState,
     UnknownEndpointError,
@@ -225,6 +226,8 @@ class XdsServer:
         self._api: Any = None
         self._groups: dict[str, tuple[Config, LbEndpointCache]] = {}
         self._groups_owner: Config | None = None
+        #: per group: the per-type services' variant (EDS and RDS over those services, not ADS)
+        self._per_type_sources: dict[str, ConfigSourceRewriter] = {}
         self._known_keys: set[str] = set()
         self._known_owner: Config | None = None
 
@@ -416,6 +419,9 @@ class XdsServer:
                 # model_copy shares the endpoint objects, so the memo keys (object ids) stay valid
                 gateway = eff.gateway.model_copy(update={"region": g.region, "zone": g.zone})
                 groups[name] = (eff.model_copy(update={"gateway": gateway}), LbEndpointCache())
+            self._per_type_sources = {
+                g: self._per_type_sources.get(g) or ConfigSourceRewriter() for g in groups
+            }
             self._groups, self._groups_owner = groups, eff
         return self._groups
 
@@ -434,7 +440,9 @@ class XdsServer:
                 for group, (config, memo) in groups.items()
             }
             for group, resources in built.items():
-                self.cache.set_resources(resources, group=group, changed_at=changed_at)
+                # the per-type services' variant points EDS and RDS at themselves instead of ADS
+                per_type = self._per_type_sources[group].apply(resources)
+                self.cache.set_resources(resources, group=group, changed_at=changed_at, per_type=per_type)
         except (ConfigError, SnapshotInconsistentError) as exc:
             if raise_errors:
                 raise

@@ -8,11 +8,14 @@ import pytest
 import yaml
 from envoy.config.cluster.v3 import cluster_pb2
 from envoy.config.endpoint.v3 import endpoint_pb2
+from envoy.config.listener.v3 import listener_pb2
+from envoy.extensions.filters.network.http_connection_manager.v3 import http_connection_manager_pb2
 from google.protobuf.message import Message
 
 from inferlb.config import Config, default_config_path, parse_config
 from xds_server import resources as r
 from xds_server.cache import DEFAULT_GROUP, Snapshot, SnapshotCache, SnapshotInconsistentError
+from xds_server.config_source import ConfigSourceRewriter
 
 
 def _doc() -> dict[str, Any]:
@@ -141,3 +144,47 @@ def test_resources_are_serialized_once_and_selected_by_name() -> None:
     assert one.packed.Unpack(decoded)
     assert decoded == one.message
     assert len(one.digest) == 64
+
+
+def _hcm_rds_source(listener: Message) -> Any:
+    assert isinstance(listener, listener_pb2.Listener)
+    hcm = http_connection_manager_pb2.HttpConnectionManager()
+    [f] = [f for c in listener.filter_chains for f in c.filters if f.typed_config.Is(hcm.DESCRIPTOR)]
+    f.typed_config.Unpack(hcm)
+    return hcm.rds.config_source
+
+
+def test_per_type_variant_points_eds_and_rds_at_the_per_type_services() -> None:
+    cache = SnapshotCache()
+    rewriter = ConfigSourceRewriter()
+    res = r.build_resources(_config())
+    snap = cache.set_resources(res, per_type=rewriter.apply(res))
+    pt = cache.snapshot_for("any-node", per_type=True)
+    assert pt is not None and pt is not snap
+    assert dict(pt.versions) == dict(snap.versions)
+    for name, sr in pt.resources[r.CLUSTER_TYPE].items():
+        c = sr.message
+        assert isinstance(c, cluster_pb2.Cluster)
+        ads = snap.resources[r.CLUSTER_TYPE][name].message
+        assert isinstance(ads, cluster_pb2.Cluster)
+        if c.type == cluster_pb2.Cluster.EDS:
+            assert c.eds_cluster_config.eds_config.api_config_source.grpc_services[
+                0
+            ].envoy_grpc.cluster_name == ("inferlb_xds")
+            assert ads.eds_cluster_config.eds_config.HasField("ads")
+    [listener] = pt.resources[r.LISTENER_TYPE].values()
+    assert _hcm_rds_source(listener.message).HasField("api_config_source")
+    [ads_listener] = snap.resources[r.LISTENER_TYPE].values()
+    assert _hcm_rds_source(ads_listener.message).HasField("ads")
+    # endpoints and routes are the same in both variants: serialized once, shared
+    for t in (r.ENDPOINT_TYPE, r.ROUTE_TYPE):
+        for name, sr in pt.resources[t].items():
+            assert sr is snap.resources[t][name]
+    # the next publish of the same inputs changes nothing in either variant
+    assert cache.set_resources(res, per_type=rewriter.apply(res)) is snap
+
+
+def test_per_type_variant_defaults_to_the_ads_snapshot() -> None:
+    cache = SnapshotCache()
+    snap = cache.set_resources(r.build_resources(_config()))
+    assert cache.snapshot_for("x", per_type=True) is snap

@@ -162,8 +162,20 @@ class ExtProcConfig(_Frozen):
     extra_listen: tuple[HostPort, ...] = ()
     #: Envoy ``message_timeout`` per ext_proc message (ms). Envoy's 200 ms default breaks big bodies.
     message_timeout_ms: Annotated[int, Field(ge=10, le=60_000)] = 5_000
-    #: Envoy ``failure_mode_allow``: on an ext_proc failure, forward unprocessed (True) or answer 5xx (False).
+    #: Envoy ``failure_mode_allow``: on an ext_proc failure (process down, gRPC error, ``message_timeout``),
+    #: forward unprocessed (True, "fail open") or answer 5xx JSON (False, "fail closed"). The default for
+    #: every path; ``path_failure_modes`` overrides it per path.
     failure_mode_allow: bool = False
+    #: Per-path failure mode, ``{path: open|closed}`` (e.g. ``{/v1/embeddings: open}``): each OpenAI inference
+    #: path (and each path named here) gets its own Envoy route whose ``ExtProcPerRoute`` sets
+    #: ``failure_mode_allow`` explicitly. Paths match exactly, query string excluded.
+    path_failure_modes: dict[
+        Annotated[str, Field(pattern=r"^/[A-Za-z0-9._~/-]{0,255}$")], Literal["open", "closed"]
+    ] = {}
+    #: Where a request that failed open goes (it carries no model headers: ext_proc never saw it): this
+    #: model's main version (largest ``traffic_percent``). None: such requests get 503 JSON
+    #: ``gateway_processor_unavailable``.
+    fail_open_model: str | None = None
     #: Settle each request's quota reservation with the real usage of its response (and hold its
     #: concurrency slot until the response ends). Needs Envoy to send response headers (SEND) and bodies
     #: (STREAMED) to ext_proc; the xDS server derives the filter's ``processing_mode`` from this field.
@@ -185,10 +197,32 @@ class ExtProcConfig(_Frozen):
     session_header: Annotated[str, Field(pattern=r"^[a-z0-9][a-z0-9-]{0,63}$")] | None = None
     #: HTTP address of ext_proc's Prometheus ``/metrics``.
     metrics_listen: HostPort = HostPort(host="127.0.0.1", port=18081)
+    #: ``/metrics`` address of each ``extra_listen`` process, in the same order. Empty: derived as
+    #: ``metrics_listen``'s host with its port + 1, + 2, ... (:meth:`extra_metrics_addresses`).
+    extra_metrics_listen: tuple[HostPort, ...] = ()
     #: Requests to paths that are not OpenAI inference or ``/v1/models``: ``deny`` answers 404
     #: ``unknown_url`` in ext_proc; ``allow`` lets them through unexamined (API key still checked,
     #: ``x-inferlb-*`` headers still stripped) to whatever route Envoy has for them.
     non_inference_paths: Literal["deny", "allow"] = "deny"
+
+    @model_validator(mode="after")
+    def _check_extra_metrics(self) -> Self:
+        n, m = len(self.extra_listen), len(self.extra_metrics_listen)
+        if m and m != n:
+            raise ValueError(
+                f"extra_metrics_listen: {m} addresses for {n} extra_listen processes; give one each"
+            )
+        if not m and n and self.metrics_listen.port + n > 65535:
+            raise ValueError("extra_metrics_listen: metrics_listen's port + extra processes passes 65535")
+        return self
+
+    def extra_metrics_addresses(self) -> tuple[HostPort, ...]:
+        """The ``/metrics`` address of each ``extra_listen`` process: ``extra_metrics_listen``, or
+        ``metrics_listen``'s port + 1, + 2, ... on its host."""
+        if self.extra_metrics_listen:
+            return self.extra_metrics_listen
+        mh = self.metrics_listen
+        return tuple(HostPort(host=mh.host, port=mh.port + i + 1) for i in range(len(self.extra_listen)))
 
 
 class GpuProfile(_Frozen):
@@ -534,6 +568,11 @@ class Config(_Frozen):
                 if k in keys:
                     problems.append(f"tenants[{i}].api_keys: a key is shared with tenant {keys[k]!r}")
                 keys[k] = t.name
+        fail_open = self.ext_proc.fail_open_model
+        if fail_open is not None and fail_open not in seen:  # a name or an alias
+            problems.append(
+                f"ext_proc.fail_open_model: unknown model {fail_open!r} (known: {sorted(by_name)})"
+            )
         # every socket inferlb binds or Envoy dials must be distinct
         taken: dict[str, str] = {}
         for field, hp in self.listen_sockets():
@@ -556,6 +595,11 @@ class Config(_Frozen):
             ("xds.listen", self.xds.listen),
             ("ext_proc.listen", self.ext_proc.listen),
             ("ext_proc.metrics_listen", self.ext_proc.metrics_listen),
+        ]
+        out += [(f"ext_proc.extra_listen[{i}]", hp) for i, hp in enumerate(self.ext_proc.extra_listen)]
+        out += [
+            (f"ext_proc.extra_metrics_listen[{i}]", hp)
+            for i, hp in enumerate(self.ext_proc.extra_metrics_addresses())
         ]
         if self.xds.api_listen is not None:
             out.append(("xds.api_listen", self.xds.api_listen))

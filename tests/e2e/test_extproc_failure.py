@@ -1,0 +1,208 @@
+"""ext_proc failure behaviour through real Envoy (issue 4 point 7): a processor that is down or slow never
+makes a request hang; fail-closed paths get a prompt OpenAI JSON 5xx, fail-open paths go to the fail-open
+model; Envoy's codec errors reach clients as JSON while ext_proc's own JSON replies pass unchanged."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import time
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import grpc
+import pytest
+from envoy.service.ext_proc.v3 import external_processor_pb2, external_processor_pb2_grpc
+
+from inferlb.stack import Stack, port_open
+from tests.conftest import make_config_doc, write_config
+from tests.e2e.conftest import Reply, RunningStack, http_request
+
+pytestmark = pytest.mark.e2e
+
+#: Short, so the slow-processor case answers quickly; still far above what ext_proc needs for a chat.
+MESSAGE_TIMEOUT_MS = 1_000
+#: Every request is bounded by this client timeout; answers must come well under it.
+CLIENT_TIMEOUT_S = 15.0
+FAIL_OPEN_MODEL = "qwen2.5-7b-instruct"
+
+
+@pytest.fixture(scope="module")
+def failure_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningStack]:
+    """Chat completions fail closed (the default), embeddings fail open to qwen."""
+    work = tmp_path_factory.mktemp("failure")
+    doc = make_config_doc()
+    doc["ext_proc"].update(
+        message_timeout_ms=MESSAGE_TIMEOUT_MS,
+        failure_mode_allow=False,
+        path_failure_modes={"/v1/embeddings": "open"},
+        fail_open_model=FAIL_OPEN_MODEL,
+    )
+    path = write_config(work / "inferlb.yaml", doc)
+    stack = Stack(path, workdir=work)
+    stack.start(timeout_s=60)
+    try:
+        yield RunningStack(stack, stack.config, path, doc)
+    finally:
+        stack.stop()
+
+
+def _timed(fn: Any, *args: Any, **kwargs: Any) -> tuple[Reply, float]:
+    t0 = time.monotonic()
+    reply = fn(*args, **kwargs)
+    return reply, time.monotonic() - t0
+
+
+def _chat(rs: RunningStack, path: str = "/v1/chat/completions") -> tuple[Reply, float]:
+    body = {"model": "llama3", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    return _timed(
+        http_request,
+        rs.gateway,
+        "POST",
+        path,
+        body,
+        {"Authorization": "Bearer sk-demo-a"},
+        timeout_s=CLIENT_TIMEOUT_S,
+    )
+
+
+def _embed(rs: RunningStack) -> tuple[Reply, float]:
+    body = {"model": FAIL_OPEN_MODEL, "input": "hello"}
+    return _timed(
+        http_request,
+        rs.gateway,
+        "POST",
+        "/v1/embeddings",
+        body,
+        {"Authorization": "Bearer sk-demo-a"},
+        timeout_s=CLIENT_TIMEOUT_S,
+    )
+
+
+def _json_error(reply: Reply) -> dict[str, Any]:
+    assert reply.headers["content-type"].startswith("application/json"), reply.headers
+    err = reply.json()["error"]
+    assert isinstance(err, dict)
+    return err
+
+
+def _raw(addr: str, data: bytes) -> bytes:
+    """Send raw bytes to ``addr`` and read until Envoy closes the connection (bounded)."""
+    host, port = addr.rsplit(":", 1)
+    out = b""
+    with socket.create_connection((host, int(port)), timeout=CLIENT_TIMEOUT_S) as s:
+        s.sendall(data)
+        deadline = time.monotonic() + CLIENT_TIMEOUT_S
+        while time.monotonic() < deadline:
+            chunk = s.recv(65536)
+            if not chunk:
+                break
+            out += chunk
+    return out
+
+
+def _status_and_json(raw: bytes) -> tuple[int, dict[str, str], bytes]:
+    head, _, body = raw.partition(b"\r\n\r\n")
+    lines = head.decode("latin-1").split("\r\n")
+    hdrs = {k.lower(): v.strip() for k, _, v in (ln.partition(":") for ln in lines[1:])}
+    return int(lines[0].split()[1]), hdrs, body
+
+
+def test_codec_errors_come_back_as_openai_json(failure_stack: RunningStack) -> None:
+    gw = failure_stack.gateway
+    huge = (
+        b"GET /v1/models HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 64_000
+    )  # Envoy's default limit is 60 KiB; more unread bytes make the close a reset + b"\r\n\r\n"
+    status, hdrs, body = _status_and_json(_raw(gw, huge))
+    assert status == 431
+    assert hdrs["content-type"] == "application/json"
+    err = Reply(status, hdrs, body).json()["error"]
+    assert (err["type"], err["code"]) == ("invalid_request_error", "http1.headers_too_large")
+    status, hdrs, body = _status_and_json(_raw(gw, b"NOT A REQUEST LINE\r\n\r\n"))
+    assert status == 400
+    assert hdrs["content-type"] == "application/json"
+    err = Reply(status, hdrs, body).json()["error"]
+    assert (err["type"], err["code"]) == ("invalid_request_error", "http1.codec_error")
+
+
+def test_ext_procs_own_json_replies_pass_unchanged(failure_stack: RunningStack) -> None:
+    r = failure_stack.chat("llama3", key="sk-not-a-key")
+    assert r.status == 401
+    err = _json_error(r)
+    # ext_proc's own error, not a local-reply mapper's rewrite (those carry Envoy's code details)
+    assert (err["type"], err["code"]) == ("authentication_error", "invalid_api_key"), err
+    assert err["message"].startswith("Incorrect API key provided")
+    r = failure_stack.chat("no-such-model")
+    assert r.status == 404 and _json_error(r)["code"] == "model_not_found"
+
+
+class SlowProcessor(external_processor_pb2_grpc.ExternalProcessorServicer):
+    """An ext_proc that reads each message and never answers within ``message_timeout``."""
+
+    def __init__(self, delay_s: float) -> None:
+        self.delay_s = delay_s
+        self.streams = 0
+
+    async def Process(
+        self,
+        request_iterator: AsyncIterator[external_processor_pb2.ProcessingRequest],
+        context: grpc.aio.ServicerContext[Any, Any],
+    ) -> AsyncIterator[external_processor_pb2.ProcessingResponse]:
+        self.streams += 1
+        async for _request in request_iterator:
+            await asyncio.sleep(self.delay_s)
+        # an async generator that never yields in time: Envoy's message_timeout fires first
+        if False:  # pragma: no cover - makes this an async generator
+            yield external_processor_pb2.ProcessingResponse()
+
+
+async def test_a_dead_then_a_slow_ext_proc_never_hangs_a_request(failure_stack: RunningStack) -> None:
+    rs = failure_stack
+    ok, _ = await asyncio.to_thread(_chat, rs)
+    assert ok.status == 200, ok.body
+
+    # (a) the ext_proc process is killed outright
+    proc = rs.stack.child("ext_proc").proc
+    assert proc is not None
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=10)
+    for path in ("/v1/chat/completions", "/v1/chat/completions?api-version=1"):
+        for _ in range(3):
+            r, elapsed = await asyncio.to_thread(_chat, rs, path)
+            assert r.status == 500, r.body
+            err = _json_error(r)
+            assert (err["type"], err["code"]) == ("server_error", "gateway_processor_unavailable")
+            assert elapsed < 3.0, elapsed  # prompt: connection refused, not a timeout
+    for _ in range(3):
+        r, elapsed = await asyncio.to_thread(_embed, rs)
+        assert r.status == 200, r.body  # fail open: served by the fail-open model, unchecked
+        assert r.headers["x-inferlb-failed-open"] == "true"
+        assert r.json()["model"] == FAIL_OPEN_MODEL
+        assert elapsed < 3.0, elapsed
+
+    # (b) a processor on the same address that answers slower than message_timeout
+    listen = rs.config.ext_proc.listen
+    server = grpc.aio.server()
+    slow = SlowProcessor(delay_s=4 * MESSAGE_TIMEOUT_MS / 1000)
+    external_processor_pb2_grpc.add_ExternalProcessorServicer_to_server(slow, server)
+    assert server.add_insecure_port(str(listen)) == listen.port
+    await server.start()
+    try:
+        assert port_open(listen)
+        timeout_s = MESSAGE_TIMEOUT_MS / 1000
+        for _ in range(2):
+            r, elapsed = await asyncio.to_thread(_chat, rs)
+            assert r.status == 504, r.body
+            err = _json_error(r)
+            assert (err["type"], err["code"]) == ("server_error", "gateway_processor_timeout")
+            assert f"{MESSAGE_TIMEOUT_MS} ms" in err["message"]
+            assert timeout_s * 0.8 <= elapsed < timeout_s + 2.0, elapsed
+        r, elapsed = await asyncio.to_thread(_embed, rs)
+        assert r.status == 200, r.body
+        assert r.headers["x-inferlb-failed-open"] == "true"
+        assert elapsed < timeout_s + 2.0, elapsed
+        assert slow.streams >= 3  # Envoy did reach the slow processor
+    finally:
+        await server.stop(0)

@@ -1,0 +1,204 @@
+"""xds_server.resources, issue 4 point 7: ext_proc failure modes per path, the fail-open route, and local
+replies that reach clients as OpenAI JSON (the real-Envoy side is tests/e2e/test_extproc_failure.py)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+import yaml
+from envoy.config.core.v3 import base_pb2
+from envoy.config.listener.v3 import listener_pb2
+from envoy.config.route.v3 import route_components_pb2
+from envoy.extensions.access_loggers.filters.cel.v3 import cel_pb2
+from envoy.extensions.filters.http.ext_proc.v3 import ext_proc_pb2
+from envoy.extensions.filters.network.http_connection_manager.v3 import http_connection_manager_pb2
+
+from ext_proc import handlers
+from inferlb.config import Config, default_config_path, parse_config
+from inferlb.errors import ConfigError
+from inferlb.openai_api import INFERENCE_PATHS
+from xds_server import resources as r
+
+
+def _doc(**ext_proc: Any) -> dict[str, Any]:
+    doc = yaml.safe_load(default_config_path().read_text(encoding="utf-8"))
+    assert isinstance(doc, dict)
+    doc["ext_proc"].update(ext_proc)
+    return doc
+
+
+def _hcm(listener: listener_pb2.Listener) -> http_connection_manager_pb2.HttpConnectionManager:
+    hcm = http_connection_manager_pb2.HttpConnectionManager()
+    assert listener.filter_chains[0].filters[0].typed_config.Unpack(hcm)
+    return hcm
+
+
+def _failure_routes(config: Config) -> dict[str, route_components_pb2.Route]:
+    routes = list(r.build_route_configuration(config).virtual_hosts[0].routes)
+    return {rt.match.path: rt for rt in routes if rt.name.startswith(r.FAILURE_MODE_ROUTE_PREFIX)}
+
+
+def _allow(holder: route_components_pb2.Route | route_components_pb2.VirtualHost) -> bool:
+    wrapper = route_components_pb2.FilterConfig()
+    assert holder.typed_per_filter_config[r.EXT_PROC_FILTER].Unpack(wrapper)
+    assert not wrapper.disabled  # enables the filter, disabled in the HCM
+    per_route = ext_proc_pb2.ExtProcPerRoute()
+    assert wrapper.config.Unpack(per_route)
+    assert per_route.overrides.HasField("failure_mode_allow")  # explicit, never inherited
+    return per_route.overrides.failure_mode_allow.value
+
+
+def _error(body: str) -> dict[str, Any]:
+    err = json.loads(body)["error"]
+    assert isinstance(err, dict)
+    return err
+
+
+def test_every_inference_path_gets_an_explicit_fail_closed_route_by_default() -> None:
+    config = parse_config(_doc())
+    routes = list(r.build_route_configuration(config).virtual_hosts[0].routes)
+    failure = _failure_routes(config)
+    assert list(failure) == list(INFERENCE_PATHS)
+    # after every model route (they match on ext_proc's headers first), before the catch-all
+    names = [rt.name for rt in routes]
+    first = names.index(f"{r.FAILURE_MODE_ROUTE_PREFIX}/v1/chat/completions")
+    assert all(rt.route.cluster for rt in routes[:first])
+    assert names[-1] == r.NO_ROUTE_NAME
+    for path, route in failure.items():
+        assert _allow(route) is False, path
+        assert route.direct_response.status == 404
+        assert _error(route.direct_response.body.inline_string)["code"] == "no_route"
+    # the filter-level default is the global one
+    ep = ext_proc_pb2.ExternalProcessor()
+    assert _hcm(r.build_listener(config)).http_filters[0].typed_config.Unpack(ep)
+    assert ep.failure_mode_allow is False
+
+
+@pytest.mark.parametrize("allow", [False, True])
+def test_ext_proc_is_off_until_the_virtual_host_enables_it(allow: bool) -> None:
+    # Envoy's codec-error replies (no route yet) must skip ext_proc, or the client gets no reply at all
+    config = parse_config(_doc(failure_mode_allow=allow))
+    [ext_proc_filter, router] = _hcm(r.build_listener(config)).http_filters
+    assert (ext_proc_filter.name, ext_proc_filter.disabled) == (r.EXT_PROC_FILTER, True)
+    assert not router.disabled
+    [vh] = r.build_route_configuration(config).virtual_hosts
+    assert _allow(vh) is allow
+
+
+def test_fail_open_without_a_model_answers_503_json() -> None:
+    config = parse_config(_doc(failure_mode_allow=True))
+    for path, route in _failure_routes(config).items():
+        assert _allow(route) is True, path
+        assert route.direct_response.status == 503
+        err = _error(route.direct_response.body.inline_string)
+        assert (err["type"], err["code"]) == ("server_error", "gateway_processor_unavailable")
+        assert ("content-type", "application/json") in {
+            (h.header.key, h.header.value) for h in route.response_headers_to_add
+        }
+
+
+def test_fail_open_paths_go_to_the_fail_open_models_main_version() -> None:
+    config = parse_config(
+        _doc(
+            path_failure_modes={
+                "/v1/embeddings": "open",
+                "/v1/rerank": "open",
+                "/v1/chat/completions": "closed",
+            },
+            fail_open_model="llama-3.1-8b-instruct",
+        )
+    )
+    failure = _failure_routes(config)
+    assert list(failure) == [*INFERENCE_PATHS, "/v1/rerank"]
+    assert {p for p, rt in failure.items() if _allow(rt)} == {"/v1/embeddings", "/v1/rerank"}
+    open_route = failure["/v1/embeddings"]
+    # v1 carries 90% of llama's traffic, the v2 canary 10%
+    assert open_route.route.cluster == "llama-3.1-8b-instruct--v1" == r.fail_open_cluster(config)
+    assert open_route.route.priority == base_pb2.RoutingPriority.DEFAULT
+    assert open_route.route.timeout.ToMilliseconds() == config.gateway.request_timeout_ms
+    assert list(open_route.request_headers_to_remove) == ["authorization"]
+    assert (r.FAILED_OPEN_HEADER, "true") in {
+        (h.header.key, h.header.value) for h in open_route.response_headers_to_add
+    }
+    assert failure["/v1/chat/completions"].direct_response.status == 404
+
+
+def test_fail_open_model_by_alias_and_equal_shares_pick_the_first_version() -> None:
+    doc = _doc(failure_mode_allow=True, fail_open_model="llama3")
+    doc["models"][0]["versions"] = [
+        {"name": "a", "traffic_percent": 50},
+        {"name": "b", "traffic_percent": 50},
+    ]
+    doc["endpoints"] = [e for e in doc["endpoints"] if not e["model"].startswith("llama")]
+    assert r.fail_open_cluster(parse_config(doc)) == "llama-3.1-8b-instruct--a"
+
+
+@pytest.mark.parametrize(
+    ("ext_proc", "field"),
+    [
+        ({"fail_open_model": "no-such-model"}, "ext_proc.fail_open_model"),
+        ({"path_failure_modes": {"v1/embeddings": "open"}}, "ext_proc.path_failure_modes"),
+        ({"path_failure_modes": {"/v1/embeddings": "sometimes"}}, "ext_proc.path_failure_modes"),
+    ],
+)
+def test_bad_failure_policy_is_refused_with_the_field_named(ext_proc: dict[str, Any], field: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        parse_config(_doc(**ext_proc), "f.yaml")
+    assert any(f.startswith(field) for f, _ in info.value.problems), info.value.problems
+
+
+def _mappers(config: Config) -> list[http_connection_manager_pb2.ResponseMapper]:
+    return list(_hcm(r.build_listener(config)).local_reply_config.mappers)
+
+
+def _expression(mapper: http_connection_manager_pb2.ResponseMapper) -> str:
+    cel = cel_pb2.ExpressionFilter()
+    assert mapper.filter.extension_filter.name == r.CEL_FILTER
+    assert mapper.filter.extension_filter.typed_config.Unpack(cel)
+    return cel.expression
+
+
+def test_ext_proc_failures_get_json_bodies_and_keep_their_status() -> None:
+    config = parse_config(_doc(message_timeout_ms=750))
+    timeout, failed = _mappers(config)[:2]
+    assert "startsWith('ext_proc')" in _expression(timeout) and "response.code == 504" in _expression(timeout)
+    assert _expression(failed) == "response.code_details.startsWith('ext_proc')"
+    for mapper, code in ((timeout, "gateway_processor_timeout"), (failed, "gateway_processor_unavailable")):
+        assert not mapper.HasField("status_code")  # 500 / 504 as Envoy chose
+        assert mapper.body_format_override.content_type == "application/json"
+        err = _error(mapper.body.inline_string)
+        assert (err["type"], err["code"]) == ("server_error", code)
+    assert "750 ms" in _error(timeout.body.inline_string)["message"]
+
+
+def test_mappers_leave_ext_procs_own_replies_and_direct_responses_alone() -> None:
+    mappers = _mappers(parse_config(_doc()))
+    # ext_proc's immediate replies are told apart by their code details
+    assert handlers.COUNTING_BUDGET_DETAILS.startswith(r.EXT_PROC_REPLY_DETAILS_PREFIX)
+    assert not r.EXT_PROC_REPLY_DETAILS_PREFIX.startswith(r.EXT_PROC_FAILURE_DETAILS_PREFIX)
+    for m in mappers:
+        if m.filter.HasField("response_flag_filter"):
+            continue  # UO / upstream flags: ext_proc's replies never carry them
+        expr = _expression(m)
+        if expr.startswith("response.code_details.startsWith('ext_proc')"):
+            continue  # Envoy's own ext_proc failures
+        assert "!response.code_details.startsWith('inferlb_')" in expr, expr
+        assert "response.code_details != 'direct_response'" in expr, expr
+    # the 413 mapper is Envoy's buffer limit only: ext_proc's own 413 (counting budget) passes unchanged
+    too_large = mappers[2]
+    assert _expression(too_large).startswith("response.code == 413 && ")
+    assert _error(too_large.body.inline_string)["code"] == "request_too_large"
+
+
+def test_any_other_envoy_error_reply_becomes_json_by_class() -> None:
+    mappers = _mappers(parse_config(_doc()))
+    client, server = mappers[-2:]
+    assert "response.code >= 400 && response.code < 500" in _expression(client)
+    assert "response.code >= 500 && response.code < 600" in _expression(server)
+    for mapper, kind in ((client, "invalid_request_error"), (server, "server_error")):
+        fmt = mapper.body_format_override
+        assert fmt.content_type == "application/json"
+        err = dict(fmt.json_format["error"])
+        assert err == {"message": "%LOCAL_REPLY_BODY%", "type": kind, "code": "%RESPONSE_CODE_DETAILS%"}

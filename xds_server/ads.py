@@ -27,7 +27,7 @@ import grpc
 from envoy.service.discovery.v3 import ads_pb2_grpc, discovery_pb2
 
 from xds_server.cache import Snapshot, SnapshotCache
-from xds_server.delta import DeltaStream
+from xds_server.delta import DeltaStream, SharedDeltaResponses
 from xds_server.sotw import (
     AckReceived,
     NackReceived,
@@ -185,6 +185,10 @@ class AggregatedDiscoveryServicer(ads_pb2_grpc.AggregatedDiscoveryServiceService
         self.stats = AdsStats()
         self.clients: dict[int, ConnectedClient] = {}
         self.on_push = on_push
+        #: Delta responses built and serialized once, shared by the streams that send the same content
+        self.shared_delta = SharedDeltaResponses(cache.instance_id)
+        #: set by :func:`add_ads_to_server`: ADS writes may be pre-serialized bytes
+        self.pass_through_serializer = False
 
     def clients_json(self) -> list[dict[str, Any]]:
         """Every open stream as :meth:`ConnectedClient.to_json`, by stream id."""
@@ -208,9 +212,8 @@ class AggregatedDiscoveryServicer(ads_pb2_grpc.AggregatedDiscoveryServiceService
         ],
     ) -> None:
         """Serve one Delta (incremental) ADS stream until the client closes or cancels it."""
-        await self._serve(
-            "delta", DeltaStream(control_plane_id=self._cache.instance_id), request_iterator, context
-        )
+        stream = DeltaStream(control_plane_id=self._cache.instance_id, shared=self.shared_delta)
+        await self._serve("delta", stream, request_iterator, context)
 
     async def serve_stream(
         self,
@@ -226,7 +229,7 @@ class AggregatedDiscoveryServicer(ads_pb2_grpc.AggregatedDiscoveryServiceService
         stream: SotwStream | DeltaStream = (
             SotwStream(control_plane_id=cp, only_type=only_type)
             if mode == "sotw"
-            else DeltaStream(control_plane_id=cp, only_type=only_type)
+            else DeltaStream(control_plane_id=cp, only_type=only_type, shared=self.shared_delta)
         )
         await self._serve(mode, stream, request_iterator, context, only_type=only_type)
 
@@ -241,6 +244,7 @@ class AggregatedDiscoveryServicer(ads_pb2_grpc.AggregatedDiscoveryServiceService
     ) -> None:
         stream_id = next(self._stream_ids)
         proto: _Protocol = stream
+        pass_through = mode == "delta" and only_type is None and self.pass_through_serializer
         inputs: asyncio.Queue[_StreamInput] = asyncio.Queue()
         woken = [False]  # a wake-up is already queued: later publishes merge into it
 
@@ -284,7 +288,10 @@ class AggregatedDiscoveryServicer(ads_pb2_grpc.AggregatedDiscoveryServiceService
                     step = proto.handle_request(item, snapshot)
                 self._observe(stream_id, client, step.events)
                 for response in step.responses:
-                    await context.write(response)
+                    # on ADS (registered by add_ads_to_server) a shared Delta response goes out as the
+                    # bytes serialized once for every stream
+                    data = self.shared_delta.serialized(response) if pass_through else None
+                    await context.write(response if data is None else Serialized(data))
                 if pushed and step.responses and snapshot is not None and self.on_push is not None:
                     self.on_push(mode, time.monotonic() - snapshot.changed_at)
         finally:
@@ -359,6 +366,43 @@ class AggregatedDiscoveryServicer(ads_pb2_grpc.AggregatedDiscoveryServiceService
                     "ads %s stream %d node %r subscribed to %s %s",
                     mode, stream_id, node, _short(event.type_url), list(event.resource_names) or "(all)",
                 )  # fmt: skip
+
+
+@dataclass(frozen=True, slots=True)
+class Serialized:
+    """A response already serialized (bytes on the wire), written as is by :func:`serialize_response`."""
+
+    data: bytes
+
+
+def serialize_response(response: Any) -> bytes:
+    """The ADS response serializer: :class:`Serialized` bytes as they are, a proto serialized."""
+    if isinstance(response, Serialized):
+        return response.data
+    data: bytes = response.SerializeToString()
+    return data
+
+
+def add_ads_to_server(servicer: AggregatedDiscoveryServicer, server: grpc.aio.Server) -> None:
+    """Register ``servicer`` as ``envoy.service.discovery.v3.AggregatedDiscoveryService`` on ``server``,
+    like ``ads_pb2_grpc.add_AggregatedDiscoveryServiceServicer_to_server`` but with
+    :func:`serialize_response`, so shared Delta responses are serialized once for all streams."""
+    service = "envoy.service.discovery.v3.AggregatedDiscoveryService"
+    handlers = {
+        "StreamAggregatedResources": grpc.stream_stream_rpc_method_handler(
+            servicer.StreamAggregatedResources,
+            request_deserializer=discovery_pb2.DiscoveryRequest.FromString,
+            response_serializer=serialize_response,
+        ),
+        "DeltaAggregatedResources": grpc.stream_stream_rpc_method_handler(
+            servicer.DeltaAggregatedResources,
+            request_deserializer=discovery_pb2.DeltaDiscoveryRequest.FromString,
+            response_serializer=serialize_response,
+        ),
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service, handlers),))
+    server.add_registered_method_handlers(service, handlers)
+    servicer.pass_through_serializer = True
 
 
 async def _read_requests(

@@ -25,7 +25,7 @@ bytes), so a push sends only the resources whose bytes changed and names the one
 from __future__ import annotations
 
 import itertools
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from envoy.config.core.v3 import base_pb2
@@ -87,6 +87,84 @@ class DeltaTypeState:
         return self.wildcard or name in self.names
 
 
+class SharedDeltaResponses:
+    """Delta responses built once per content and shared by every stream that sends the same thing.
+
+    A snapshot push usually sends every Delta client the same changed resources (a 1% weight change on a
+    10,000-endpoint fleet: ~60 assignments, ~0.6 MB); building that response per stream costs ~0.7 ms of
+    copying and serializing it again ~0.8 ms, 150 ms per push over 100 streams. Here each distinct
+    response (type, system version, each resource's name and version, the removed names) is built once,
+    with a nonce from one counter shared by every stream (so nonces stay unique on each stream), and
+    serialized at most once (:meth:`serialized`, for the ADS servicer's pass-through serializer).
+
+    Args:
+        control_plane_id: ``control_plane.identifier`` of every response.
+        max_entries, max_bytes: the memo is emptied when it holds more responses, or more serialized
+            bytes, than this (pushes keep adding new contents).
+    """
+
+    def __init__(
+        self, control_plane_id: str = "", *, max_entries: int = 512, max_bytes: int = 64 * 1024 * 1024
+    ) -> None:
+        self.control_plane_id = control_plane_id
+        self.max_entries = max_entries
+        self.max_bytes = max_bytes
+        self._bytes_total = 0
+        self.nonces = itertools.count(1)
+        self._by_content: dict[tuple[object, ...], discovery_pb2.DeltaDiscoveryResponse] = {}
+        self._bytes: dict[int, tuple[discovery_pb2.DeltaDiscoveryResponse, bytes]] = {}
+        #: responses served from the memo / built
+        self.hits = 0
+        self.misses = 0
+
+    def response(
+        self, type_url: str, version: str, resources: Sequence[SnapshotResource], removed: Sequence[str]
+    ) -> discovery_pb2.DeltaDiscoveryResponse:
+        """The shared response carrying exactly these resources and removals (never mutate it)."""
+        key = (type_url, version, tuple((r.name, r.version) for r in resources), tuple(removed))
+        hit = self._by_content.get(key)
+        if hit is not None:
+            self.hits += 1
+            return hit
+        self.misses += 1
+        if len(self._by_content) >= self.max_entries or self._bytes_total >= self.max_bytes:
+            self._by_content.clear()
+            self._bytes.clear()
+            self._bytes_total = 0
+        response = discovery_pb2.DeltaDiscoveryResponse(
+            system_version_info=version,
+            type_url=type_url,
+            nonce=str(next(self.nonces)),
+            resources=[r.delta for r in resources],
+            removed_resources=removed,
+            control_plane=base_pb2.ControlPlane(identifier=self.control_plane_id),
+        )
+        self._by_content[key] = response
+        return response
+
+    def serialized(self, response: discovery_pb2.DeltaDiscoveryResponse) -> bytes | None:
+        """The wire bytes of a response this memo built (serialized on first use), else None."""
+        entry = self._bytes.get(id(response))
+        if entry is not None and entry[0] is response:
+            return entry[1]
+        built = self._by_content.get(self._key_of(response))
+        if built is None or built is not response:
+            return None
+        data: bytes = built.SerializeToString()
+        self._bytes[id(response)] = (response, data)
+        self._bytes_total += len(data)
+        return data
+
+    @staticmethod
+    def _key_of(response: discovery_pb2.DeltaDiscoveryResponse) -> tuple[object, ...]:
+        return (
+            response.type_url,
+            response.system_version_info,
+            tuple((r.name, r.version) for r in response.resources),
+            tuple(response.removed_resources),
+        )
+
+
 @dataclass
 class DeltaStream:
     """The Delta protocol state of one ADS stream. Not thread-safe; one per stream.
@@ -101,9 +179,18 @@ class DeltaStream:
     #: split a push whose resources add up to more than this into several responses (gRPC clients
     #: refuse messages over 4 MB by default; a single larger resource still goes alone)
     max_response_bytes: int = MAX_RESPONSE_BYTES
+    #: responses shared with other streams (None: this stream builds its own)
+    shared: SharedDeltaResponses | None = None
     node: base_pb2.Node | None = None
     types: dict[str, DeltaTypeState] = field(default_factory=dict)
     _nonces: itertools.count[int] = field(default_factory=lambda: itertools.count(1))
+    #: nonces of shared responses this stream sent (one content twice on a stream gets a fresh nonce)
+    _shared_sent: set[str] = field(default_factory=set)
+
+    def __post_init__(self) -> None:
+        if self.shared is not None:
+            # one nonce counter for shared and own responses: unique on this stream either way
+            self._nonces = self.shared.nonces
 
     @property
     def node_id(self) -> str:
@@ -251,27 +338,37 @@ class DeltaStream:
         out = []
         for i, chunk in enumerate(chunks):
             last = i == len(chunks) - 1
-            nonce = str(next(self._nonces))
+            gone = removed if last else []
+            response = self._response(t, version, chunk, gone)
             record: dict[str, str | None] = {r.name: r.version for r in chunk}
             for r in chunk:
                 state.client_versions[r.name] = r.version
-            if last:
-                for name in removed:
-                    state.client_versions.pop(name, None)
-                    record[name] = None
-            state.pending[nonce] = (version, record)
-            out.append(
-                discovery_pb2.DeltaDiscoveryResponse(
-                    system_version_info=version,
-                    type_url=t,
-                    nonce=nonce,
-                    resources=[r.delta for r in chunk],
-                    removed_resources=removed if last else [],
-                    control_plane=base_pb2.ControlPlane(identifier=self.control_plane_id),
-                )
-            )
+            for name in gone:
+                state.client_versions.pop(name, None)
+                record[name] = None
+            state.pending[response.nonce] = (version, record)
+            out.append(response)
         state.sent_version = version
         return out
+
+    def _response(
+        self, t: str, version: str, chunk: Sequence[SnapshotResource], removed: Sequence[str]
+    ) -> discovery_pb2.DeltaDiscoveryResponse:
+        if self.shared is not None:
+            response = self.shared.response(t, version, chunk, removed)
+            if response.nonce not in self._shared_sent:
+                if len(self._shared_sent) >= 4 * self.shared.max_entries:
+                    self._shared_sent.clear()  # older shared nonces are out of the memo by now
+                self._shared_sent.add(response.nonce)
+                return response
+        return discovery_pb2.DeltaDiscoveryResponse(
+            system_version_info=version,
+            type_url=t,
+            nonce=str(next(self._nonces)),
+            resources=[r.delta for r in chunk],
+            removed_resources=removed,
+            control_plane=base_pb2.ControlPlane(identifier=self.control_plane_id),
+        )
 
     @staticmethod
     def _sent(response: discovery_pb2.DeltaDiscoveryResponse) -> ResponseSent:

@@ -28,11 +28,10 @@ from typing import Any
 import grpc
 import yaml
 from aiohttp import web
-from envoy.service.discovery.v3 import ads_pb2_grpc
 
 from inferlb.config import Config, EndpointConfig, HostPort, parse_config
 from inferlb.errors import ConfigError
-from xds_server.ads import AggregatedDiscoveryServicer
+from xds_server.ads import AggregatedDiscoveryServicer, add_ads_to_server
 from xds_server.cache import DEFAULT_GROUP, SnapshotCache, SnapshotInconsistentError
 from xds_server.coalesce import PushCoalescer
 from xds_server.config_source import ConfigSourceRewriter
@@ -257,7 +256,7 @@ class XdsServer:
         self._started_listen = config.xds.listen
         host, port = self._bind or (config.xds.listen.host, config.xds.listen.port)
         server = grpc.aio.server()
-        ads_pb2_grpc.add_AggregatedDiscoveryServiceServicer_to_server(self.servicer, server)
+        add_ads_to_server(self.servicer, server)
         add_per_type_services(server, self.servicer, self.cache)
         address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
         try:

@@ -12,7 +12,7 @@ from google.rpc import status_pb2
 from inferlb.config import default_config_path, parse_config
 from xds_server import resources as r
 from xds_server.cache import Snapshot, SnapshotCache
-from xds_server.delta import DeltaStream, held_versions
+from xds_server.delta import DeltaStream, SharedDeltaResponses, held_versions
 from xds_server.sotw import AckReceived, NackReceived, StaleNonceIgnored, SubscriptionOpened
 
 CLUSTERS = ["llama-3.1-8b-instruct--v1", "llama-3.1-8b-instruct--v2", "qwen2.5-7b-instruct--v1"]
@@ -212,3 +212,56 @@ def test_a_push_larger_than_the_response_limit_is_split_into_chunks() -> None:
     for resp in step.responses:
         ack = stream.handle_request(_req(r.ENDPOINT_TYPE, nonce=resp.nonce), snap)
         assert isinstance(ack.events[0], AckReceived)
+
+
+def _shared_subscribed(cache: SnapshotCache, snap: Snapshot, shared: SharedDeltaResponses) -> DeltaStream:
+    stream = DeltaStream(control_plane_id=cache.instance_id, shared=shared)
+    for t, names in ((r.CLUSTER_TYPE, None), (r.ENDPOINT_TYPE, CLUSTERS)):
+        [resp] = stream.handle_request(_req(t, subscribe=names), snap).responses
+        assert stream.handle_request(_req(t, nonce=resp.nonce), snap).responses == ()
+    return stream
+
+
+def test_streams_sending_the_same_push_share_one_response_and_its_bytes() -> None:
+    cache = SnapshotCache()
+    snap = _snapshot(cache)
+    shared = SharedDeltaResponses(cache.instance_id)
+    streams = [_shared_subscribed(cache, snap, shared) for _ in range(3)]
+    doc = _doc()
+    doc["gpu_profiles"]["V100"]["relative_capacity"] = 1.5
+    newer = _snapshot(cache, doc)
+    pushes = [s.handle_snapshot(newer).responses for s in streams]
+    [first] = pushes[0]
+    assert all(p == (first,) and p[0] is first for p in pushes)  # one object for all three
+    assert first.type_url == r.ENDPOINT_TYPE
+    data = shared.serialized(first)
+    assert data == first.SerializeToString()
+    assert shared.serialized(first) is data  # serialized once
+    # each stream ACKs the shared nonce and is up to date
+    for s in streams:
+        step = s.handle_request(_req(r.ENDPOINT_TYPE, nonce=first.nonce), newer)
+        assert isinstance(step.events[0], AckReceived)
+        assert s.handle_snapshot(newer).responses == ()
+    # an own (unshared) response is never served as shared bytes
+    lone = DeltaStream()
+    [own] = lone.handle_request(_req(r.CLUSTER_TYPE), newer).responses
+    assert shared.serialized(own) is None
+
+
+def test_the_same_content_twice_on_one_stream_gets_a_fresh_nonce() -> None:
+    cache = SnapshotCache()
+    snap = _snapshot(cache)
+    shared = SharedDeltaResponses(cache.instance_id)
+    stream = _shared_subscribed(cache, snap, shared)
+    other = _shared_subscribed(cache, snap, shared)
+    # the client drops an assignment and asks for it again: the same content as a moment ago
+    stream.handle_request(_req(r.ENDPOINT_TYPE, unsubscribe=[CLUSTERS[0]]), snap)
+    [again] = stream.handle_request(_req(r.ENDPOINT_TYPE, subscribe=[CLUSTERS[0]]), snap).responses
+    stream.handle_request(_req(r.ENDPOINT_TYPE, unsubscribe=[CLUSTERS[0]]), snap)
+    [twice] = stream.handle_request(_req(r.ENDPOINT_TYPE, subscribe=[CLUSTERS[0]]), snap).responses
+    assert _names(again) == _names(twice) == [CLUSTERS[0]]
+    assert again.nonce != twice.nonce
+    # the other stream may still get the shared one
+    other.handle_request(_req(r.ENDPOINT_TYPE, unsubscribe=[CLUSTERS[0]]), snap)
+    [its] = other.handle_request(_req(r.ENDPOINT_TYPE, subscribe=[CLUSTERS[0]]), snap).responses
+    assert its is again

@@ -46,6 +46,20 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def parse_metrics_listen(text: str) -> HostPort:
+    """``--metrics-listen HOST:PORT``; unlike a config address, port 0 is allowed (the OS picks a free
+    port, logged as ``ext_proc metrics on HOST:PORT``).
+
+    Raises:
+        ValueError: not ``host:port`` (pydantic's ValidationError is a ValueError).
+    """
+    host, sep, port = text.strip().rpartition(":")
+    if sep and port == "0":
+        # validate the host the usual way, then take port 0 (HostPort itself requires 1-65535)
+        return HostPort.model_validate(f"{host}:1").model_copy(update={"port": 0})
+    return HostPort.model_validate(text)
+
+
 def _log_config_error(err: ConfigError, what: str) -> None:
     for field, msg in err.problems:
         log.error("%s: %s: %s: %s", what, err.source, field or "<document>", msg)
@@ -124,7 +138,7 @@ async def serve(
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    watcher = asyncio.create_task(_watch_config(poller, state, str(listen), poll_interval_s))
+    watcher = asyncio.create_task(_watch_config(poller, state, str(config.ext_proc.listen), poll_interval_s))
     try:
         await stop.wait()
         log.info("ext_proc stopping")
@@ -155,7 +169,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         digest, config = poller.read()
         listen = HostPort.model_validate(args.listen) if args.listen else config.ext_proc.listen
-        metrics_listen = HostPort.model_validate(args.metrics_listen) if args.metrics_listen else None
+        metrics_listen = parse_metrics_listen(args.metrics_listen) if args.metrics_listen else None
     except ConfigError as err:
         _log_config_error(err, "cannot start")
         return 1

@@ -1,9 +1,11 @@
 """The local stack: xds_server, ext_proc, the simulated GPU fleet and Envoy, run as child processes.
 
 ``inferlb up`` and the end-to-end tests use this module; docker-compose.yml describes the same four
-services as containers. Each service is started as ``python -m <service> --config FILE``; Envoy gets a
-bootstrap rendered from the same config (:func:`inferlb.bootstrap.render_bootstrap`) and takes everything
-else (listeners, routes, clusters, endpoints) from the xDS server.
+services as containers. Each service is started as ``python -m <service> --config FILE``; ext_proc runs
+as one process per address (``ext_proc.listen`` and each of ``ext_proc.extra_listen``), each its own
+endpoint of Envoy's ext_proc cluster. Envoy gets a bootstrap rendered from the same config
+(:func:`inferlb.bootstrap.render_bootstrap`) and takes everything else (listeners, routes, clusters,
+endpoints) from the xDS server.
 """
 
 from __future__ import annotations
@@ -276,11 +278,12 @@ class Stack:
                     lambda: all(port_open(e.address) for e in cfg.endpoints if e.simulated),
                     timeout_s,
                 )
-            for name in ("xds_server", "ext_proc"):
-                child = self._python_child(name, name)
+            started = []
+            for child, addr in self._control_children():
                 child.start(env)
                 self.children.append(child)
-            for child, addr in zip(self.children[-2:], (cfg.xds.listen, cfg.ext_proc.listen), strict=True):
+                started.append((child, addr))
+            for child, addr in started:
                 say(f"starting {child.name} on {addr}")
                 self._wait(child, f"listening on {addr}", functools.partial(port_open, addr), timeout_s)
             envoy = self._envoy_child()
@@ -298,6 +301,24 @@ class Stack:
         except BaseException:
             self.stop(keep_workdir=True)
             raise
+
+    def _control_children(self) -> list[tuple[Child, HostPort]]:
+        """The xDS server, ext_proc on ``ext_proc.listen`` and one more ext_proc per ``ext_proc.extra_listen``
+        address (``ext_proc-2``, ``ext_proc-3``, ...; each its own ``--listen`` and ``--metrics-listen``
+        from :meth:`inferlb.config.ExtProcConfig.extra_metrics_addresses`), with the address each serves."""
+        cfg = self.config.ext_proc
+        out = [
+            (self._python_child("xds_server", "xds_server"), self.config.xds.listen),
+            (self._python_child("ext_proc", "ext_proc"), cfg.listen),
+        ]
+        for i, (listen, metrics) in enumerate(
+            zip(cfg.extra_listen, cfg.extra_metrics_addresses(), strict=True), start=2
+        ):
+            child = self._python_child(
+                f"ext_proc-{i}", "ext_proc", "--listen", str(listen), "--metrics-listen", str(metrics)
+            )
+            out.append((child, listen))
+        return out
 
     def sockets(self) -> list[tuple[str, HostPort]]:
         """(config field, address) of every socket the stack's processes listen on."""
@@ -358,9 +379,10 @@ def sample_curl(config: Config, api_key: str | None = None) -> str:
 
 def describe(config: Config) -> Sequence[str]:
     """Lines printed by ``inferlb up`` once the stack is ready."""
+    ext_proc_addresses = (config.ext_proc.listen, *config.ext_proc.extra_listen)
     return (
         f"gateway  http://{config.gateway.listen}  (OpenAI-compatible: /v1/chat/completions, /v1/completions,"
         " /v1/embeddings, /v1/models)",
         f"admin    http://{config.gateway.admin}  (Envoy admin; `inferlb status` reads it)",
-        f"xds      {config.xds.listen}  ext_proc {config.ext_proc.listen}",
+        f"xds      {config.xds.listen}  ext_proc {', '.join(map(str, ext_proc_addresses))}",
     )

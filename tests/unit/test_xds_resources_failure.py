@@ -202,3 +202,41 @@ def test_any_other_envoy_error_reply_becomes_json_by_class() -> None:
         assert fmt.content_type == "application/json"
         err = dict(fmt.json_format["error"])
         assert err == {"message": "%LOCAL_REPLY_BODY%", "type": kind, "code": "%RESPONSE_CODE_DETAILS%"}
+
+
+def test_extra_ext_proc_processes_get_metrics_addresses_and_their_sockets_are_checked() -> None:
+    config = parse_config(_doc(extra_listen=["127.0.0.1:18090", "127.0.0.1:18091"]))
+    derived = [str(hp) for hp in config.ext_proc.extra_metrics_addresses()]
+    assert derived == ["127.0.0.1:18082", "127.0.0.1:18083"]  # metrics_listen 18081 + 1, + 2
+    sockets = dict(config.listen_sockets())
+    assert str(sockets["ext_proc.extra_listen[1]"]) == "127.0.0.1:18091"
+    assert str(sockets["ext_proc.extra_metrics_listen[0]"]) == "127.0.0.1:18082"
+    explicit = parse_config(_doc(extra_listen=["127.0.0.1:18090"], extra_metrics_listen=["127.0.0.1:19999"]))
+    assert [str(hp) for hp in explicit.ext_proc.extra_metrics_addresses()] == ["127.0.0.1:19999"]
+
+
+@pytest.mark.parametrize(
+    ("ext_proc", "field"),
+    [
+        ({"extra_listen": ["127.0.0.1:18080"]}, "ext_proc.extra_listen[0]"),  # = ext_proc.listen
+        ({"extra_listen": ["127.0.0.1:18001"]}, "ext_proc.extra_listen[0]"),  # = xds.api_listen
+        (
+            {
+                "extra_listen": ["127.0.0.1:18090", "127.0.0.1:18091"],
+                "extra_metrics_listen": ["127.0.0.1:19999"],
+            },
+            "ext_proc.extra_metrics_listen: 1 addresses for 2",
+        ),
+        (
+            {"extra_listen": ["127.0.0.1:18090"], "extra_metrics_listen": ["127.0.0.1:18080"]},
+            "ext_proc.extra_metrics_listen[0]",
+        ),
+    ],
+)
+def test_clashing_or_miscounted_extra_ext_proc_addresses_are_refused(
+    ext_proc: dict[str, Any], field: str
+) -> None:
+    with pytest.raises(ConfigError) as info:
+        parse_config(_doc(**ext_proc), "f.yaml")
+    text = "; ".join(f"{f}: {m}" for f, m in info.value.problems)
+    assert field in text, text

@@ -1,0 +1,121 @@
+"""The stack runs one ext_proc process per ``ext_proc.listen``/``extra_listen`` address, each with its own
+metrics address, and Envoy spreads requests over them; ``--metrics-listen HOST:0`` picks a free port."""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from inferlb.config import HostPort
+from inferlb.stack import Child, Stack, StackError, port_open
+from tests.conftest import free_ports, make_config_doc, write_config
+from tests.e2e.conftest import http_request
+
+pytestmark = pytest.mark.e2e
+
+REQUESTS = 24
+
+
+def _requests_served(metrics_addr: str) -> float:
+    """Sum of ``inferlb_requests_total`` on one ext_proc's ``/metrics``."""
+    with urllib.request.urlopen(f"http://{metrics_addr}/metrics", timeout=5) as resp:
+        text = resp.read().decode()
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("inferlb_requests_total{")
+    )
+
+
+def test_each_extra_listen_address_gets_its_own_ext_proc_process(tmp_path: Path) -> None:
+    doc = make_config_doc()
+    extra, extra_metrics = free_ports(2)
+    doc["ext_proc"]["extra_listen"] = [f"127.0.0.1:{extra}"]
+    doc["ext_proc"]["extra_metrics_listen"] = [f"127.0.0.1:{extra_metrics}"]
+    stack = Stack(write_config(tmp_path / "c.yaml", doc), workdir=tmp_path)
+    assert ("ext_proc.extra_listen[0]", stack.config.ext_proc.extra_listen[0]) in stack.sockets()
+    stack.start(timeout_s=60)
+    try:
+        second = stack.child("ext_proc-2")
+        assert second.exited() is None
+        assert "--listen" in second.argv and f"127.0.0.1:{extra}" in second.argv
+        for i in range(REQUESTS):
+            r = http_request(
+                str(stack.config.gateway.listen),
+                "POST",
+                "/v1/chat/completions",
+                {"model": "qwen", "messages": [{"role": "user", "content": f"hi {i}"}], "max_tokens": 2},
+                {"Authorization": "Bearer sk-demo-a"},
+                timeout_s=15,
+            )
+            assert r.status == 200, r.body
+        first = _requests_served(str(stack.config.ext_proc.metrics_listen))
+        other = _requests_served(f"127.0.0.1:{extra_metrics}")
+        # Envoy round-robins streams over the ext_proc cluster's two endpoints: both processes work
+        assert first > 0 and other > 0, (first, other)
+        assert first + other == REQUESTS
+    finally:
+        stack.stop()
+
+
+def test_a_busy_extra_ext_proc_address_is_refused_up_front(tmp_path: Path) -> None:
+    doc = make_config_doc()
+    (extra,) = free_ports(1)
+    doc["ext_proc"]["extra_listen"] = [f"127.0.0.1:{extra}"]
+    doc["ext_proc"]["extra_metrics_listen"] = [f"127.0.0.1:{free_ports(1)[0]}"]
+    with socket.socket() as squatter:
+        squatter.bind(("127.0.0.1", extra))
+        squatter.listen()
+        stack = Stack(write_config(tmp_path / "c.yaml", doc), workdir=tmp_path)
+        with pytest.raises(StackError, match=r"ext_proc\.extra_listen\[0\]"):
+            stack.start(timeout_s=20)
+        assert stack.children == []
+
+
+def test_metrics_listen_port_zero_picks_a_free_port(tmp_path: Path) -> None:
+    doc = make_config_doc()
+    path = write_config(tmp_path / "c.yaml", doc)
+    (listen,) = free_ports(1)
+    child = Child(
+        "ext_proc",
+        [
+            sys.executable,
+            "-m",
+            "ext_proc",
+            "--config",
+            str(path),
+            "--listen",
+            f"127.0.0.1:{listen}",
+            "--metrics-listen",
+            "127.0.0.1:0",
+        ],
+        tmp_path / "ext_proc.log",
+    )
+    child.start({**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        deadline = time.monotonic() + 30
+        found = None
+        while found is None and time.monotonic() < deadline:
+            assert child.exited() is None, child.log_tail()
+            found = re.search(r"ext_proc metrics on 127\.0\.0\.1:(\d+)", child.log_tail(50))
+            time.sleep(0.05)
+        assert found is not None, child.log_tail()
+        port = int(found[1])
+        assert port != 0
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
+            assert resp.status == 200
+            assert b"inferlb_ext_proc_processing_seconds" in resp.read()
+        grpc_addr = HostPort(host="127.0.0.1", port=listen)
+        while not port_open(grpc_addr) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert port_open(grpc_addr)
+    finally:
+        child.stop()
+    assert child.exited() == 0, child.log_tail()

@@ -125,6 +125,11 @@ def test_codec_errors_come_back_as_openai_json(failure_stack: RunningStack) -> N
     assert hdrs["content-type"] == "application/json"
     err = Reply(status, hdrs, body).json()["error"]
     assert (err["type"], err["code"]) == ("invalid_request_error", "http1.codec_error")
+    # HTTP/1.0 is refused with 426 (Envoy's accept_http_10 is off)
+    status, hdrs, body = _status_and_json(_raw(gw, b"GET /v1/models HTTP/1.0\r\n\r\n"))
+    assert status == 426
+    assert hdrs["content-type"] == "application/json"
+    assert Reply(status, hdrs, body).json()["error"]["type"] == "invalid_request_error"
 
 
 def test_ext_procs_own_json_replies_pass_unchanged(failure_stack: RunningStack) -> None:

@@ -243,13 +243,15 @@ def measure(
 
 def gateway_config(work: Path, backend: int, processes: int) -> Path:
     doc = yaml.safe_load(default_config_path().read_text(encoding="utf-8"))
-    ports = free_ports(5 + processes)  # the 6th and later: the extra ext_proc processes
+    extra = processes - 1
+    ports = free_ports(6 + 2 * extra)  # then each extra ext_proc process: its gRPC and its metrics port
     doc["gateway"].update(listen=f"127.0.0.1:{ports[0]}", admin=f"127.0.0.1:{ports[1]}")
     doc["xds"].update(listen=f"127.0.0.1:{ports[2]}", api_listen=f"127.0.0.1:{ports[3]}")
     doc["ext_proc"].update(
         listen=f"127.0.0.1:{ports[4]}",
         metrics_listen=f"127.0.0.1:{ports[5]}",
-        extra_listen=[f"127.0.0.1:{p}" for p in ports[6:]],
+        extra_listen=[f"127.0.0.1:{p}" for p in ports[6 : 6 + extra]],
+        extra_metrics_listen=[f"127.0.0.1:{p}" for p in ports[6 + extra :]],
     )
     doc["models"] = [{"name": MODEL}]
     doc["endpoints"] = [{"address": f"127.0.0.1:{backend}", "model": MODEL, "gpu": "H100"}]
@@ -306,35 +308,7 @@ def main(argv: list[str] | None = None) -> int:
         for n in (int(x) for x in args.processes.split(",")):
             cfg = gateway_config(work, backend_port, n)
             stack = Stack(cfg, workdir=work / f"stack-{n}", log_level="warning")
-            extras = []
-            for i, hp in enumerate(stack.config.ext_proc.extra_listen):
-                extra = Child(
-                    f"ext_proc-{i + 2}",
-                    [
-                        sys.executable,
-                        "-m",
-                        "ext_proc",
-                        "--config",
-                        str(cfg),
-                        "--listen",
-                        str(hp),
-                        "--metrics-listen",
-                        f"127.0.0.1:{free_ports(1)[0]}",
-                        "--log-level",
-                        "warning",
-                    ],
-                    stack.workdir / f"ext_proc-{i + 2}.log",
-                )
-                stack.workdir.mkdir(parents=True, exist_ok=True)
-                extra.start({**os.environ, "PYTHONUNBUFFERED": "1"})
-                extras.append(extra)
             try:
-                for e, hp in zip(extras, stack.config.ext_proc.extra_listen, strict=True):
-                    deadline = time.monotonic() + 30
-                    while not port_open(hp):
-                        if e.exited() is not None or time.monotonic() > deadline:
-                            raise RuntimeError(f"{e.name} did not start:\n{e.log_tail()}")
-                        time.sleep(0.05)
                 stack.start(timeout_s=60)
                 pids = {c.name: c.proc.pid for c in stack.children if c.proc is not None}
                 url = f"http://{stack.config.gateway.listen}/v1/chat/completions"
@@ -354,14 +328,13 @@ def main(argv: list[str] | None = None) -> int:
                     duration_s=duration,
                     procs={
                         "gateway envoy": [pids["envoy"]],
-                        "ext_proc": [pids["ext_proc"], *(e.proc.pid for e in extras if e.proc)],
+                        # the Stack starts one ext_proc process per address: ext_proc, ext_proc-2, ...
+                        "ext_proc": [pid for name, pid in pids.items() if name.startswith("ext_proc")],
                         "backend": [backend.proc.pid],
                     },
                 )
             finally:
                 stack.stop(keep_workdir=True)
-                for e in extras:
-                    e.stop()
     finally:
         for c in children:
             c.stop()

@@ -201,7 +201,8 @@ async def test_envoy_takes_config_weights_pushes_and_survives_a_nack(stack: Stac
     cds_before = ready["cluster_manager.cds.update_success"]
     assert ready.get("cluster_manager.warming_clusters", 0) == 0
 
-    # 2. a client-sent routing header is stripped before routing: the catch-all 404 answers, in OpenAI JSON
+    # 2. a client-sent routing header is stripped before routing: with no ext_proc running (fail-open) and no
+    #    fail-open model, the path's failure route answers 503 in OpenAI JSON instead of reaching qwen
     status, body = await asyncio.to_thread(
         _http,
         stack.gateway + "/v1/chat/completions",
@@ -212,8 +213,8 @@ async def test_envoy_takes_config_weights_pushes_and_survives_a_nack(stack: Stac
         },
         body=b'{"model": "qwen2.5-7b-instruct", "messages": []}',
     )
-    assert status == 404
-    assert json.loads(body)["error"]["code"] == "no_route"
+    assert status == 503
+    assert json.loads(body)["error"]["code"] == "gateway_processor_unavailable"
 
     # 3. a config edit (a weight and a cluster setting) is pushed live; the changed clusters warm and
     #    come back with their endpoints (EDS resent after CDS)

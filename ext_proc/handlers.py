@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 
 from inferlb import headers as h
-from inferlb.affinity import affinity_keys
+from inferlb.affinity import HASH_LB_POLICIES, NO_KEYS, affinity_keys
 from inferlb.config import Config, ModelConfig, TenantConfig
 from inferlb.errors import RequestError
 from inferlb.openai_api import INFERENCE_PATHS, EndpointKind, InferenceRequest, echo, parse_request
@@ -504,7 +504,12 @@ def route(
     version = gateway.routing.pick_version(
         prepared.model, prepared.pending.session or prepared.request.user, rng
     )
-    keys = affinity_keys(prepared.request, prepared.pending.session)
+    # the keys cost a SHA-256 over the conversation's opening; only ring_hash/maglev routes read them (and
+    # every model route strips them before the upstream), so other models skip the work
+    if prepared.model.cluster.lb_policy in HASH_LB_POLICIES:
+        keys = affinity_keys(prepared.request, prepared.pending.session)
+    else:
+        keys = NO_KEYS
     headers: tuple[tuple[str, str], ...] = (
         (h.MODEL, prepared.model.name),
         (h.VERSION, version),

@@ -34,6 +34,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 from envoy.type.v3 import http_status_pb2
 
 from ext_proc import handlers
+from inferlb import headers as h
 from inferlb.config import Config, GatewayConfig
 from inferlb.metrics import ExtProcMetrics
 from inferlb.quota import Admitted, MemoryQuotaStore, QuotaStore, Refused, limits_from_config
@@ -148,6 +149,31 @@ def _header_option(name: str, value: str) -> base_pb2.HeaderValueOption:
     )
 
 
+#: Headers whose values come from the config (model, version, tenant, priority names), so the set of
+#: (name, value) pairs is bounded: their ``HeaderValueOption`` is built once and copied into each response
+#: (a copy costs well under a third of building one from keyword arguments).
+_CONFIG_VALUED_HEADERS: frozenset[str] = frozenset({h.MODEL, h.VERSION, h.TENANT, h.PRIORITY})
+#: Entries of the option cache before it is emptied (a reload that renames models and tenants many times
+#: over must not grow it without bound).
+_OPTION_CACHE_ENTRIES = 4096
+_option_cache: dict[tuple[str, str], base_pb2.HeaderValueOption] = {}
+
+
+def _header_options(pairs: tuple[tuple[str, str], ...]) -> list[base_pb2.HeaderValueOption]:
+    out = []
+    for name, value in pairs:
+        if name in _CONFIG_VALUED_HEADERS:
+            option = _option_cache.get((name, value))
+            if option is None:
+                if len(_option_cache) >= _OPTION_CACHE_ENTRIES:
+                    _option_cache.clear()
+                option = _option_cache[(name, value)] = _header_option(name, value)
+            out.append(option)
+        else:
+            out.append(_header_option(name, value))
+    return out
+
+
 def immediate_response(reply: handlers.ImmediateReply) -> ep.ProcessingResponse:
     """The ``ProcessingResponse`` carrying ``reply`` as an ``ImmediateResponse``."""
     return ep.ProcessingResponse(
@@ -166,18 +192,31 @@ def _common(
     remove: tuple[str, ...] = (),
     clear_route_cache: bool = False,
 ) -> ep.CommonResponse:
-    common = ep.CommonResponse(clear_route_cache=clear_route_cache)
-    if set_headers or remove:
-        common.header_mutation.CopyFrom(
-            ep.HeaderMutation(
-                set_headers=[_header_option(k, v) for k, v in set_headers], remove_headers=list(remove)
-            )
-        )
-    return common
+    if not (set_headers or remove):
+        return ep.CommonResponse(clear_route_cache=clear_route_cache)
+    return ep.CommonResponse(
+        clear_route_cache=clear_route_cache,
+        header_mutation=ep.HeaderMutation(set_headers=_header_options(set_headers), remove_headers=remove),
+    )
+
+
+# Answers that never vary are built once: grpc only serializes a response, it never changes it.
+_HEADERS_CONTINUE = ep.ProcessingResponse(request_headers=ep.HeadersResponse(response=_common()))
+_REQUEST_BODY_CONTINUE = ep.ProcessingResponse(request_body=ep.BodyResponse())
+_RESPONSE_HEADERS_CONTINUE = ep.ProcessingResponse(response_headers=ep.HeadersResponse())
+_RESPONSE_HEADERS_KEEP_LENGTH = ep.ProcessingResponse(response_headers=ep.HeadersResponse(response=_common()))
+_RESPONSE_HEADERS_DROP_LENGTH = ep.ProcessingResponse(
+    response_headers=ep.HeadersResponse(response=_common(remove=("content-length",)))
+)
+_RESPONSE_BODY_CONTINUE = ep.ProcessingResponse(response_body=ep.BodyResponse())
+_REQUEST_TRAILERS_CONTINUE = ep.ProcessingResponse(request_trailers=ep.TrailersResponse())
+_RESPONSE_TRAILERS_CONTINUE = ep.ProcessingResponse(response_trailers=ep.TrailersResponse())
 
 
 def headers_continue(remove: tuple[str, ...]) -> ep.ProcessingResponse:
     """Continue after the request headers, removing the named headers."""
+    if not remove:
+        return _HEADERS_CONTINUE
     return ep.ProcessingResponse(request_headers=ep.HeadersResponse(response=_common(remove=remove)))
 
 
@@ -196,14 +235,13 @@ def body_continue(decision: handlers.ContinueRequest) -> ep.ProcessingResponse:
 
 def response_headers_continue(*, remove_content_length: bool) -> ep.ProcessingResponse:
     """Continue after the response headers; drop ``content-length`` when the body will be rewritten."""
-    remove = ("content-length",) if remove_content_length else ()
-    return ep.ProcessingResponse(response_headers=ep.HeadersResponse(response=_common(remove=remove)))
+    return _RESPONSE_HEADERS_DROP_LENGTH if remove_content_length else _RESPONSE_HEADERS_KEEP_LENGTH
 
 
 def response_body_continue(chunk: bytes, out: bytes) -> ep.ProcessingResponse:
     """Continue after one response body chunk, replacing it with ``out`` when it differs."""
     if out == chunk:
-        return ep.ProcessingResponse(response_body=ep.BodyResponse())
+        return _RESPONSE_BODY_CONTINUE
     common = ep.CommonResponse()
     common.body_mutation.CopyFrom(ep.BodyMutation(body=out))
     return ep.ProcessingResponse(response_body=ep.BodyResponse(response=common))
@@ -217,6 +255,23 @@ def header_map(msg: ep.HttpHeaders) -> dict[str, str]:
         raw = hv.raw_value
         out[hv.key.lower()] = raw.decode("utf-8", "replace") if raw else hv.value
     return out
+
+
+def response_status_and_type(msg: ep.HttpHeaders) -> tuple[str, str]:
+    """The ``:status`` and ``content-type`` values of a response header list, read as :func:`header_map`
+    reads them (names case-insensitive, ``raw_value`` preferred, last value wins; "" when absent) without
+    decoding the other headers."""
+    status = content_type = ""
+    for hv in msg.headers.headers:
+        name = hv.key.lower()
+        if name == ":status" or name == "content-type":  # noqa: PLR1714  # two str compares beat a set
+            raw = hv.raw_value
+            value = raw.decode("utf-8", "replace") if raw else hv.value
+            if name == ":status":
+                status = value
+            else:
+                content_type = value
+    return status, content_type
 
 
 _INTERNAL_ERROR = handlers.ImmediateReply(
@@ -308,12 +363,22 @@ class ExternalProcessor(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc
         self,
         request_iterator: AsyncIterator[ep.ProcessingRequest],
         context: grpc.aio.ServicerContext[ep.ProcessingRequest, ep.ProcessingResponse],
-    ) -> AsyncIterator[ep.ProcessingResponse]:
-        """Answer each ``ProcessingRequest`` of one HTTP request's stream, in order."""
+    ) -> None:
+        """Answer each ``ProcessingRequest`` of one HTTP request's stream, in order.
+
+        Written against the servicer context's ``read()``/``write()`` rather than as an async generator over
+        ``request_iterator``: grpc aio then skips its two async-generator layers per message (one for the
+        requests, one for the responses), which were a measurable part of the per-message cost
+        (bench/extproc_cpu.py).
+        """
         ex = _Exchange()
-        histogram = self.state.metrics.processing_seconds
+        metrics = self.state.metrics
+        read, write = context.read, context.write
         try:
-            async for req in request_iterator:
+            while True:
+                req = await read()
+                if req is grpc.aio.EOF:
+                    return
                 phase = req.WhichOneof("request")
                 started = time.perf_counter()
                 try:
@@ -326,21 +391,22 @@ class ExternalProcessor(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc
                     elif phase == "response_body":
                         out = await self._on_response_body(ex, req.response_body)
                     elif phase == "request_trailers":
-                        out = ep.ProcessingResponse(request_trailers=ep.TrailersResponse())
+                        out = _REQUEST_TRAILERS_CONTINUE
                     elif phase == "response_trailers":
                         await self._finish(ex, aborted=False)
-                        out = ep.ProcessingResponse(response_trailers=ep.TrailersResponse())
+                        out = _RESPONSE_TRAILERS_CONTINUE
                     else:
                         log.warning("ext_proc message without a known phase (%r); ignoring it", phase)
                         continue
                 except Exception:
                     log.exception("ext_proc failed on a %s message; answering 500", phase)
                     out = immediate_response(_INTERNAL_ERROR)
-                histogram.labels(phase).observe(time.perf_counter() - started)
-                if phase == "request_body" or out.HasField("immediate_response"):
+                metrics.processed(phase, time.perf_counter() - started)
+                immediate = out.HasField("immediate_response")
+                if immediate or phase == "request_body":
                     ex.decided = True
-                yield out
-                if out.HasField("immediate_response"):
+                await write(out)
+                if immediate:
                     if ex.admitted is not None and not ex.settled:
                         # refused after admission (an internal error): nothing went upstream
                         ex.meter = None
@@ -378,11 +444,11 @@ class ExternalProcessor(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc
         return headers_continue(decision.remove_headers)
 
     def _count_reply(self, reply: handlers.ImmediateReply, *, tenant: str, model: str) -> None:
-        self.state.metrics.requests.labels(tenant, model, str(reply.status)).inc()
+        self.state.metrics.request_ended(tenant, model, str(reply.status))
 
     async def _on_body(self, ex: _Exchange, msg: ep.HttpBody) -> ep.ProcessingResponse:
         if ex.passthrough:
-            return ep.ProcessingResponse(request_body=ep.BodyResponse())
+            return _REQUEST_BODY_CONTINUE
         pending = ex.pending
         if pending is None:
             # a body without an accepted headers phase: Envoy is configured to skip headers, which breaks
@@ -449,19 +515,19 @@ class ExternalProcessor(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc
     def _on_response_headers(self, ex: _Exchange, msg: ep.HttpHeaders) -> ep.ProcessingResponse:
         meter = ex.meter
         if meter is None or ex.settled:
-            return ep.ProcessingResponse(response_headers=ep.HeadersResponse())
-        hdrs = header_map(msg)
+            return _RESPONSE_HEADERS_CONTINUE
+        status_text, content_type = response_status_and_type(msg)
         try:
-            status = int(hdrs.get(":status", "0"))
+            status = int(status_text or "0")
         except ValueError:
             status = 0
-        meter.on_headers(status, hdrs.get("content-type", ""))
+        meter.on_headers(status, content_type)
         return response_headers_continue(remove_content_length=meter.rewrites_body)
 
     async def _on_response_body(self, ex: _Exchange, msg: ep.HttpBody) -> ep.ProcessingResponse:
         meter = ex.meter
         if meter is None or ex.settled:
-            return ep.ProcessingResponse(response_body=ep.BodyResponse())
+            return _RESPONSE_BODY_CONTINUE
         out = meter.on_body(msg.body, end_of_stream=msg.end_of_stream)
         if msg.end_of_stream or meter.complete:
             await self._finish(ex, aborted=False)
@@ -488,11 +554,10 @@ class ExternalProcessor(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc
         used = admitted.tokens if usage is None else usage.total_tokens
         metrics = self.state.metrics
         tenant, model = admitted.tenant, ex.model
-        metrics.requests.labels(tenant, model, status).inc()
+        metrics.request_ended(tenant, model, status)
         if usage is not None:
             metrics.usage_settled.labels(usage.source.value).inc()
-            metrics.prompt_tokens.labels(tenant, model).inc(usage.prompt_tokens)
-            metrics.completion_tokens.labels(tenant, model).inc(usage.completion_tokens)
+            metrics.tokens_charged(tenant, model, usage.prompt_tokens, usage.completion_tokens)
         try:
             await self.state.quotas.settle(admitted, used)
         except Exception:

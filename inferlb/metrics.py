@@ -76,6 +76,39 @@ class ExtProcMetrics:
             registry=r,
         )
 
+        # label children by label values: prometheus_client's labels() validates and locks on every call
+        # (~2-5 us); a child is the same object for the same values, so caching it changes nothing else.
+        # Cardinality is bounded by the config (tenant and model names) and HTTP statuses.
+        self._requests: dict[tuple[str, str, str], Counter] = {}
+        self._tokens: dict[tuple[str, str], tuple[Counter, Counter]] = {}
+        self._phases: dict[str, Histogram] = {}
+
+    def request_ended(self, tenant: str, model: str, status: str) -> None:
+        """Count one request ended with ``status`` (``inferlb_requests_total``)."""
+        child = self._requests.get((tenant, model, status))
+        if child is None:
+            child = self._requests[(tenant, model, status)] = self.requests.labels(tenant, model, status)
+        child.inc()
+
+    def tokens_charged(self, tenant: str, model: str, prompt_tokens: int, completion_tokens: int) -> None:
+        """Add one request's charged tokens to ``inferlb_prompt_tokens_total`` and
+        ``inferlb_completion_tokens_total`` (tokens)."""
+        pair = self._tokens.get((tenant, model))
+        if pair is None:
+            pair = self._tokens[(tenant, model)] = (
+                self.prompt_tokens.labels(tenant, model),
+                self.completion_tokens.labels(tenant, model),
+            )
+        pair[0].inc(prompt_tokens)
+        pair[1].inc(completion_tokens)
+
+    def processed(self, phase: str, seconds: float) -> None:
+        """Observe the time to answer one ext_proc message of ``phase`` (seconds)."""
+        child = self._phases.get(phase)
+        if child is None:
+            child = self._phases[phase] = self.processing_seconds.labels(phase)
+        child.observe(seconds)
+
     def quota_backend_error(self, backend: str, operation: str) -> None:
         """Count one failed call to the quota backend (the callback :mod:`inferlb.quota_redis` takes)."""
         self.quota_backend_errors.labels(backend, operation).inc()

@@ -45,7 +45,9 @@ byte, so ``ceil(len(text) / max_token_bytes)`` tokens is a floor that costs noth
 from __future__ import annotations
 
 import functools
+import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from typing import Final, Protocol
 
@@ -75,6 +77,75 @@ LONG_RUN_CHUNK_CHARS: Final = 512
 UNCLEAN_CUT_MARGIN: Final = 1
 #: How many spaces the clean-cut search tries per window before treating the window as one long run.
 _CUT_TRIES: Final = 64
+#: Budget of a counter's count cache (:class:`CountCache`), in characters of cached text plus
+#: :data:`COUNT_CACHE_ENTRY_CHARS` per entry: 4 Mi characters, at most 16 MiB of text (CPython stores
+#: at most 4 bytes per character) plus the entries' overhead.
+COUNT_CACHE_CHARS: Final = 4 * 1024 * 1024
+#: Characters charged per cache entry on top of its text, for the dict entry and the int (~100 bytes),
+#: so a flood of tiny texts is bounded too.
+COUNT_CACHE_ENTRY_CHARS: Final = 64
+#: Texts longer than this are not cached: :func:`count_text` hands a counter at most
+#: :data:`SEGMENT_CHARS` characters at a time, so longer texts come only from other callers.
+COUNT_CACHE_MAX_TEXT_CHARS: Final = SEGMENT_CHARS
+
+
+class CountCache:
+    """A bounded LRU of text -> token count for one tokenizer, shared by threads.
+
+    Why: chat clients resend the whole conversation every turn (system prompt, earlier turns), and many
+    requests share a system prompt, so most texts a gateway tokenizes it has tokenized before; BPE on a
+    3 KB text costs ~250 us here, a lookup well under 1 us. The key is the text itself (dict lookup by
+    hash, then equality), so a hit returns exactly what the tokenizer returned for an equal text: the count
+    is a pure function of the text. Bounded by ``max_chars`` (characters of the cached texts plus
+    :data:`COUNT_CACHE_ENTRY_CHARS` per entry); the least recently used entries go first. Texts over
+    :data:`COUNT_CACHE_MAX_TEXT_CHARS` are counted without caching.
+
+    Args:
+        count: the uncached counting function (tokens of one text).
+        max_chars: the budget (characters); 0 disables caching.
+    """
+
+    __slots__ = ("_chars", "_count", "_entries", "_lock", "max_chars")
+
+    def __init__(self, count: Callable[[str], int], max_chars: int = COUNT_CACHE_CHARS) -> None:
+        self._count = count
+        self.max_chars = max_chars
+        self._entries: OrderedDict[str, int] = OrderedDict()
+        self._chars = 0
+        # prepare_body may run in worker threads (big bodies): the LRU's compound updates need a lock
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    @property
+    def cached_chars(self) -> int:
+        """Characters charged against ``max_chars`` right now (texts + per-entry overhead)."""
+        return self._chars
+
+    def count(self, text: str) -> int:
+        """Tokens of ``text``: the cached count of an equal text, else the tokenizer's (then cached)."""
+        size = len(text)
+        if size > COUNT_CACHE_MAX_TEXT_CHARS or self.max_chars <= 0:
+            return self._count(text)
+        entries = self._entries
+        with self._lock:
+            n = entries.get(text)
+            if n is not None:
+                entries.move_to_end(text)
+                return n
+        n = self._count(text)
+        cost = size + COUNT_CACHE_ENTRY_CHARS
+        if cost > self.max_chars:
+            return n
+        with self._lock:
+            if text not in entries:
+                entries[text] = n
+                self._chars += cost
+                while self._chars > self.max_chars:
+                    old, _ = entries.popitem(last=False)
+                    self._chars -= len(old) + COUNT_CACHE_ENTRY_CHARS
+        return n
 
 
 class CountingBudgetExceededError(Exception):
@@ -121,20 +192,32 @@ def _max_token_bytes(encoding: tiktoken.Encoding) -> int:
 
 
 class TiktokenCounter:
-    """:class:`TextTokenCounter` over a tiktoken encoding (default: the bundled cl100k_base)."""
+    """:class:`TextTokenCounter` over a tiktoken encoding (default: the bundled cl100k_base), with a
+    :class:`CountCache` of ``cache_chars`` characters (0: no cache)."""
 
-    __slots__ = ("_encode", "max_token_bytes")
+    __slots__ = ("_cache", "_encode", "max_token_bytes")
 
-    def __init__(self, encoding: tiktoken.Encoding | None = None) -> None:
+    def __init__(
+        self, encoding: tiktoken.Encoding | None = None, *, cache_chars: int = COUNT_CACHE_CHARS
+    ) -> None:
         enc = encoding or offline_encoding()
         self._encode = enc.encode_ordinary
         self.max_token_bytes = _max_token_bytes(enc)
+        self._cache = CountCache(self._uncached, cache_chars)
+
+    @property
+    def cache(self) -> CountCache:
+        """The count cache (its size, for tests and metrics)."""
+        return self._cache
+
+    def _uncached(self, text: str) -> int:
+        return len(self._encode(text))
 
     def count(self, text: str) -> int:
         """Tokens of ``text`` with special-token strings counted as plain text."""
         if not text:
             return 0
-        return len(self._encode(text))
+        return self._cache.count(text)
 
 
 @functools.cache
@@ -247,9 +330,9 @@ class HfTokenizerCounter:
         ValueError: the ``tokenizers`` package is missing or the file cannot be loaded.
     """
 
-    __slots__ = ("_tokenizer", "max_token_bytes")
+    __slots__ = ("_cache", "_tokenizer", "max_token_bytes")
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, *, cache_chars: int = COUNT_CACHE_CHARS) -> None:
         try:
             # optional dependency, only for hf: models
             from tokenizers import Tokenizer  # type: ignore[import-not-found,unused-ignore]  # noqa: PLC0415
@@ -264,12 +347,21 @@ class HfTokenizerCounter:
         # a token's vocabulary string has one character per byte (byte-level) or per character
         # (sentencepiece): its length bounds the characters it covers
         self.max_token_bytes = max((len(t) for t in self._tokenizer.get_vocab()), default=1)
+        self._cache = CountCache(self._uncached, cache_chars)
+
+    @property
+    def cache(self) -> CountCache:
+        """The count cache (its size, for tests and metrics)."""
+        return self._cache
+
+    def _uncached(self, text: str) -> int:
+        return len(self._tokenizer.encode(text, add_special_tokens=False).ids)
 
     def count(self, text: str) -> int:
         """Tokens of ``text`` without the tokenizer's added special tokens."""
         if not text:
             return 0
-        return len(self._tokenizer.encode(text, add_special_tokens=False).ids)
+        return self._cache.count(text)
 
 
 #: ``tiktoken:<name>`` -> the encoding bundled offline for it.

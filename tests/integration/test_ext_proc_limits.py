@@ -113,14 +113,17 @@ def chat_body(text: str) -> bytes:
 async def test_counting_over_its_budget_is_answered_413_before_envoys_timeout(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    # message_timeout 100 ms -> a 60 ms counting budget; a ~3.6 MB prompt of short words takes longer here
+    # message_timeout 100 ms -> a 60 ms counting budget; a ~3.6 MB prompt of short words takes longer here.
+    # Every word differs, so no two 8 KiB segments are equal: equal segments would be counted once and then
+    # served from the counter's count cache (inferlb.tokens.CountCache), which is not what this test is about
     config = parse_config({**CONFIG, "ext_proc": {"message_timeout_ms": 100}})
     server, channel = await serve_state(ExtProcState(config))
     caplog.set_level(logging.INFO, logger="ext_proc")
     try:
         stub = ep_grpc.ExternalProcessorStub(channel)
         started = time.monotonic()
-        resp = await exchange(stub, "/v1/chat/completions", chat_body("hi, " * 900_000))
+        prompt = " ".join(f"hi{i}," for i in range(400_000))
+        resp = await exchange(stub, "/v1/chat/completions", chat_body(prompt))
         elapsed = time.monotonic() - started
     finally:
         await channel.close()
@@ -141,8 +144,9 @@ async def test_a_stream_envoy_gives_up_on_is_logged(caplog: pytest.LogCaptureFix
         await call.write(headers_msg("/v1/chat/completions"))
         assert (await asyncio.wait_for(call.read(), timeout=10)).HasField("request_headers")
         # a big body is counted in a worker thread; reset the stream before the answer, as Envoy does
-        # when its message_timeout fires
-        await call.write(body_msg(chat_body("word " * 600_000)))
+        # when its message_timeout fires (distinct words: equal 8 KiB segments would be counted once and
+        # then served from the count cache, answering before the reset)
+        await call.write(body_msg(chat_body(" ".join(f"word{i}" for i in range(300_000)))))
         await asyncio.sleep(0.05)
         call.cancel()
         for _ in range(100):

@@ -332,27 +332,28 @@ def _samples(text: str, names: frozenset[str] | None = None) -> _Samples:
     return out
 
 
-def _sum(samples: _Samples, *names: str, where: Mapping[str, str] | None = None) -> float | None:
-    """Sum over label sets of the first name present (labels filtered by ``where``)."""
+def _picked(samples: _Samples, names: tuple[str, ...], where: Mapping[str, str] | None) -> list[float]:
+    """Values of the first of ``names`` that has samples matching ``where`` (all its label sets), or []."""
     for name in names:
         rows = samples.get(name)
         if rows is None:
             continue
         picked = [v for labels, v in rows if not where or all(labels.get(k) == w for k, w in where.items())]
         if picked:
-            return sum(picked)
-    return None
+            return picked
+    return []
+
+
+def _sum(samples: _Samples, *names: str, where: Mapping[str, str] | None = None) -> float | None:
+    """Sum over label sets of the first name present (labels filtered by ``where``)."""
+    picked = _picked(samples, names, where)
+    return sum(picked) if picked else None
 
 
 def _max(samples: _Samples, *names: str, where: Mapping[str, str] | None = None) -> float | None:
-    for name in names:
-        rows = samples.get(name)
-        if rows is None:
-            continue
-        picked = [v for labels, v in rows if not where or all(labels.get(k) == w for k, w in where.items())]
-        if picked:
-            return max(picked)
-    return None
+    """Largest value over label sets of the first name present (labels filtered by ``where``)."""
+    picked = _picked(samples, names, where)
+    return max(picked) if picked else None
 
 
 def parse_server_metrics(text: str) -> ServerMetrics:

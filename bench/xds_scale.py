@@ -77,8 +77,17 @@ def cluster_names(clusters: int) -> list[str]:
     return [f"model-{i:03d}--v1" for i in range(clusters)]
 
 
-def write_config(path: Path, *, endpoints: int, clusters: int, debounce_ms: int, ports: list[int]) -> None:
-    """A fleet of ``endpoints`` GPUs spread evenly over ``clusters`` single-version models."""
+def write_config(
+    path: Path,
+    *,
+    endpoints: int,
+    clusters: int,
+    debounce_ms: int,
+    ports: list[int],
+    scrape_interval_ms: int = 500,
+) -> None:
+    """A fleet of ``endpoints`` GPUs spread evenly over ``clusters`` single-version models; the xDS server's
+    telemetry loop scrapes every endpoint's ``/metrics`` each ``scrape_interval_ms`` (nothing listens)."""
     gw, admin, xds, api, ext_proc = ports
     eps = []
     for i in range(endpoints):
@@ -100,6 +109,7 @@ def write_config(path: Path, *, endpoints: int, clusters: int, debounce_ms: int,
             "push_max_delay_ms": max(debounce_ms * 4, 200),
         },
         "ext_proc": {"listen": f"127.0.0.1:{ext_proc}", "failure_mode_allow": True},
+        "telemetry": {"scrape_interval_ms": scrape_interval_ms},
         "models": [{"name": f"model-{i:03d}"} for i in range(clusters)],
         "endpoints": eps,
     }
@@ -281,13 +291,20 @@ class Result:
     errors: int
     server_push_p50_ms: float
     server_push_p99_ms: float
+    #: the distinct client errors (gRPC status and details), printed under the table
+    error_kinds: list[str] = field(default_factory=list)
 
 
 async def run_mode(mode: str, args: argparse.Namespace, work: Path) -> Result:
     ports = free_ports(5)
     cfg_path = work / f"fleet-{mode}.yaml"
     write_config(
-        cfg_path, endpoints=args.endpoints, clusters=args.clusters, debounce_ms=args.debounce_ms, ports=ports
+        cfg_path,
+        endpoints=args.endpoints,
+        clusters=args.clusters,
+        debounce_ms=args.debounce_ms,
+        ports=ports,
+        scrape_interval_ms=args.scrape_interval_ms,
     )
     config = load_config(cfg_path)
     _gw, admin, xds, api, _ = ports
@@ -386,6 +403,7 @@ async def run_mode(mode: str, args: argparse.Namespace, work: Path) -> Result:
             server_rss_mb=rss,
             eds_bytes=snapshot_eds,
             errors=sum(1 for c in clients if c.error),
+            error_kinds=sorted({c.error for c in clients if c.error}),
             server_push_p50_ms=server_p50 * 1000,
             server_push_p99_ms=server_p99 * 1000,
         )
@@ -425,7 +443,8 @@ def print_table(results: list[Result], args: argparse.Namespace) -> None:
         f"\nxds_scale: {args.endpoints} endpoints in {args.clusters} clusters, {args.clients} ADS clients "
         f"+ {'1 Envoy' if args.envoy else 'no Envoy'}, {args.rounds} rounds of a 1% weight change "
         f"({args.spread} endpoints), "
-        f"push_debounce_ms={args.debounce_ms}, {os.cpu_count()} CPUs"
+        f"push_debounce_ms={args.debounce_ms}, telemetry.scrape_interval_ms={args.scrape_interval_ms}, "
+        f"{os.cpu_count()} CPUs"
     )
     cols = [
         ("mode", "{:<6}"), ("full sync s", "{:>11.2f}"), ("Envoy sync s", "{:>12.2f}"),
@@ -443,6 +462,9 @@ def print_table(results: list[Result], args: argparse.Namespace) -> None:
             push, r.server_cpu_s, r.server_rss_mb, r.eds_bytes / 1e6, r.errors,
         ]  # fmt: skip
         print(" | ".join(fmt.format(v) for (_, fmt), v in zip(cols, values, strict=True)))
+    for r in results:
+        for kind in r.error_kinds:
+            print(f"{r.mode} client error: {kind}")
     print(
         "targets: full sync <= 2 s, 1% change <= 200 ms p99 (Delta), server RSS <= 300 MB. "
         "Server CPU covers start-up, the syncs and every round."
@@ -463,6 +485,13 @@ def main(argv: list[str] | None = None) -> int:
         help="which 1%% changes: random endpoints (touching ~63%% of the clusters) or one cluster's",
     )
     p.add_argument("--debounce-ms", type=int, default=50, help="xds.push_debounce_ms")
+    p.add_argument(
+        "--scrape-interval-ms",
+        type=int,
+        default=500,
+        help="telemetry.scrape_interval_ms (the xDS server scrapes every endpoint's /metrics in its own "
+        "event loop; 600000 keeps the scrape out of the xDS measurement)",
+    )
     p.add_argument("--settle-s", type=float, default=0.5, help="pause before each change (s)")
     p.add_argument("--no-envoy", dest="envoy", action="store_false")
     p.add_argument(

@@ -188,3 +188,39 @@ def test_per_type_variant_defaults_to_the_ads_snapshot() -> None:
     cache = SnapshotCache()
     snap = cache.set_resources(r.build_resources(_config()))
     assert cache.snapshot_for("x", per_type=True) is snap
+
+
+def test_memoized_assignments_rebuild_only_clusters_whose_inputs_changed() -> None:
+    config = _config()
+    memo = r.LbEndpointCache()
+    first = r.build_resources(config, lb_cache=memo).by_type[r.ENDPOINT_TYPE]
+    qwen_key = next(r.endpoint_key(e) for e in config.endpoints if e.model == "qwen2.5-7b-instruct")
+    qwen = "qwen2.5-7b-instruct--v1"
+    # (overrides, whether the qwen assignment changes)
+    steps: list[tuple[dict[str, r.EndpointOverride], bool]] = [
+        ({qwen_key: r.EndpointOverride(weight=7)}, True),
+        ({qwen_key: r.EndpointOverride(weight=7, draining=True)}, True),
+        ({qwen_key: r.EndpointOverride(weight=7, draining=True)}, False),  # an equal, new override
+        ({}, True),  # the override is cleared
+    ]
+    previous = first
+    for overrides, qwen_changes in steps:
+        table = r.build_resources(config, overrides=overrides, lb_cache=memo).by_type[r.ENDPOINT_TYPE]
+        # the memo's answer is exactly what a build without it gives
+        plain = r.build_resources(config, overrides=overrides).by_type[r.ENDPOINT_TYPE]
+        assert {n: m.SerializeToString(deterministic=True) for n, m in table.items()} == {
+            n: m.SerializeToString(deterministic=True) for n, m in plain.items()
+        }
+        for name, cla in table.items():
+            # unchanged inputs: the very same object (its serialization is reused by the snapshot)
+            assert (cla is previous[name]) == (name != qwen or not qwen_changes), name
+        previous = table
+    # a new config object (a reload) is grouped again: nothing stale is served
+    doc = _doc()
+    doc["gpu_profiles"]["V100"]["relative_capacity"] = 2.0
+    reloaded = parse_config(doc)
+    table = r.build_resources(reloaded, lb_cache=r.LbEndpointCache()).by_type[r.ENDPOINT_TYPE]
+    again = r.build_resources(reloaded, lb_cache=memo).by_type[r.ENDPOINT_TYPE]
+    assert {n: m.SerializeToString(deterministic=True) for n, m in again.items()} == {
+        n: m.SerializeToString(deterministic=True) for n, m in table.items()
+    }

@@ -185,12 +185,14 @@ class Snapshot:
         """``{name: digest}`` of one type: equal dicts mean byte-identical resources."""
         return {n: r.digest for n, r in self.resources.get(type_url, {}).items()}
 
-    def check_consistent(self) -> None:
+    def check_consistent(self, *checked: Snapshot | None) -> None:
         """Refuse a snapshot Envoy would choke on (go-control-plane ``Consistent()``, extended).
 
         Checks: every EDS cluster has a ClusterLoadAssignment under its service name; every route
         configuration a listener's HTTP connection manager names over RDS exists; every endpoint weight
-        (and locality weight, when set) is at least 1 (Envoy NACKs 0).
+        (and locality weight, when set) is at least 1 (Envoy NACKs 0). An assignment that is the very
+        same resource as in one of the ``checked`` snapshots (already checked, reused unchanged) is not
+        walked again: at 10,000 endpoints the walk costs ~7 ms a publish.
 
         Raises:
             SnapshotInconsistentError: listing every problem found.
@@ -218,7 +220,10 @@ class Snapshot:
                         problems.append(
                             f"listener {listener.name!r}: no RouteConfiguration {hcm.rds.route_config_name!r}"
                         )
-        for r in assignments.values():
+        seen = [c.resources.get(ENDPOINT_TYPE, {}) for c in checked if c is not None]
+        for name, r in assignments.items():
+            if any(t.get(name) is r for t in seen):
+                continue
             cla = r.message
             assert isinstance(cla, endpoint_pb2.ClusterLoadAssignment)
             for loc in cla.endpoints:
@@ -317,9 +322,9 @@ class SnapshotCache:
             or previous.digests(t) != draft.digests(t)
             or previous_pt.digests(t) != draft_pt.digests(t)
         ]
-        draft.check_consistent()
+        draft.check_consistent(previous)
         if draft_pt is not draft:
-            draft_pt.check_consistent()
+            draft_pt.check_consistent(draft)
         if previous is not None and not changed:
             return previous
         serial = next(self._counter)

@@ -26,7 +26,7 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from inferlb.bootstrap import render_bootstrap_yaml
+from inferlb.bootstrap import ADS_MODES, render_bootstrap_yaml
 from inferlb.config import Config, default_config_path, load_config
 from inferlb.errors import ConfigError, InferlbError
 from inferlb.replay import EndpointShare, ReplaySummary
@@ -500,9 +500,10 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--node-id", default="inferlb-gateway-0")
     b.add_argument(
         "--ads-mode",
-        choices=["sotw", "delta"],
+        choices=list(ADS_MODES),
         default="sotw",
-        help="state-of-the-world or Delta (incremental) ADS",
+        help="sotw: ADS, state of the world; delta: Delta (incremental) ADS; xds: one gRPC stream per type "
+        "(LDS, CDS, RDS, EDS), no ADS",
     )
     b.set_defaults(fn=cmd_bootstrap)
 

@@ -83,11 +83,14 @@ def cmd_up(args: argparse.Namespace, out: Console) -> int:
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         out.print(f"[bold]inferlb[/bold] starting the local stack from {path}")
+        out.print(f"  logs in {stack.workdir}", soft_wrap=True)
         try:
             stack.start(timeout_s=args.timeout, progress=lambda m: out.print(f"  {m}"))
         except StackError as exc:
             failed = True
             out.print("[red]failed to start:[/red] " + escape(str(exc)))
+            if stack.workdir.exists():
+                out.print(f"logs kept in {stack.workdir}", soft_wrap=True)
             return EXIT_FAIL
         out.print("[green]ready[/green]: Envoy holds every cluster with its endpoints")
         for line in describe(stack.config):
@@ -275,7 +278,8 @@ def print_replay(out: Console, s: ReplaySummary, shares: Sequence[EndpointShare]
         )
     out.print(t)
     statuses = sorted(s.by_status)
-    tt = Table(title="per tenant: requests by HTTP status", caption="0 = transport error")
+    caption = "0 = transport error" if 0 in statuses else None
+    tt = Table(title="per tenant: requests by HTTP status", caption=caption)
     tt.add_column("tenant")
     for st in statuses:
         tt.add_column(str(st), justify="right")

@@ -260,6 +260,8 @@ class Stack:
         cfg = self.config
         busy = [f"{addr} ({field})" for field, addr in self.sockets() if port_open(addr)]
         if busy:
+            if self._own_tmp:
+                shutil.rmtree(self.workdir, ignore_errors=True)  # nothing ran: no logs to keep
             raise StackError(
                 "stack",
                 f"already in use: {', '.join(busy)}. Is another inferlb stack running? Stop it, or move "

@@ -54,7 +54,8 @@ def _health(host: dict[str, Any]) -> str:
 def host_rows(config: Config, clusters: dict[str, Any], *, only_models: bool = True) -> list[HostRow]:
     """Rows for every host of every cluster in an admin ``/clusters?format=json`` document.
 
-    With ``only_models`` the internal clusters (xDS, ext_proc) are left out.
+    With ``only_models`` the internal clusters (xDS, ext_proc) are left out. Rows are sorted by cluster and
+    endpoint name, so repeated calls list them in the same order (Envoy's own order varies).
     """
     by_addr = {str(e.address): e for e in config.endpoints}
     model_clusters = {m.cluster_name(v.name) for m in config.models for v in m.versions}
@@ -84,6 +85,7 @@ def host_rows(config: Config, clusters: dict[str, Any], *, only_models: bool = T
                     rq_error=_stat(h, "rq_error"),
                 )
             )
+    rows.sort(key=lambda r: (r.cluster, r.name))
     return rows
 
 

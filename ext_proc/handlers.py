@@ -6,7 +6,9 @@ Envoy sends each HTTP request to ext_proc as request headers (SEND) and then the
   (401 before the body is read), answers ``GET /v1/models`` itself, lets POSTs to the inference paths go on
   to the body phase and refuses anything else (400/404/405).
 - :func:`on_request_body` = :func:`prepare_body` (size check, parse, model resolution, prompt token
-  count: pure and thread-safe, so a big body can be prepared off the event loop) then :func:`admit`
+  count, and the upstream body rewrite: an alias becomes the canonical model name and a metered stream gets
+  ``stream_options.include_usage``, see :mod:`inferlb.request_rewrite`; pure and thread-safe, so a big body
+  can be prepared off the event loop) then :func:`admit`
   (quota and version choice, which mutate the :class:`~inferlb.quota.QuotaBook` and so run on the loop).
   It ends with the routing headers and ``clear_route_cache`` or with an immediate refusal.
 
@@ -30,6 +32,7 @@ from inferlb.config import Config, ModelConfig, TenantConfig
 from inferlb.errors import RequestError
 from inferlb.openai_api import INFERENCE_PATHS, EndpointKind, InferenceRequest, echo, parse_request
 from inferlb.quota import Admitted, Limit, QuotaBook, Refused
+from inferlb.request_rewrite import rewrite_request
 from inferlb.routing import RoutingTable, model_not_found, priority_header_value
 from inferlb.tokens import (
     CountingBudgetExceededError,
@@ -40,7 +43,7 @@ from inferlb.tokens import (
     make_counter,
     min_prompt_tokens,
 )
-from inferlb.usage import Reservation, add_include_usage
+from inferlb.usage import Reservation
 
 MODELS_PATH = "/v1/models"
 #: Endpoints whose streams take ``stream_options.include_usage`` (the Responses API always sends usage in
@@ -111,8 +114,11 @@ class PreparedRequest:
     prompt_tokens: int
     #: prompt + the largest completion the request may produce (tokens): what admission reserves.
     reserved_tokens: int
-    #: the body to send upstream instead of the client's (``stream_options.include_usage`` added), or None.
+    #: the body to send upstream instead of the client's (the canonical model name in place of an alias,
+    #: ``stream_options.include_usage`` added), or None to forward the client's body as sent.
     upstream_body: bytes | None = None
+    #: the gateway added ``include_usage`` to ``upstream_body``: the usage chunk is hidden from the client.
+    usage_event_added: bool = False
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -123,7 +129,8 @@ class ContinueRequest:
         set_headers: headers to set, overwriting any value.
         remove_headers: header names to remove.
         clear_route_cache: make Envoy pick the route again from the changed headers.
-        body: a replacement request body (``set_headers`` then carries its ``content-length``), or None.
+        body: a replacement request body (``set_headers`` then carries its ``content-length``), or None to
+            forward the client's body unchanged.
         admitted: the quota reservation taken, to settle with the response's usage, or None.
         reservation: what the response meter needs to settle it (prompt, reservation, stream), or None.
         model: the canonical model name ("" before one is known), for metrics.
@@ -404,17 +411,27 @@ def prepare_body(
         return over
     prompt_tokens = sum(each)
     output_cap = request.output_token_cap(model.default_max_tokens)
-    upstream_body = None
-    if gateway.account_responses and request.stream and pending.kind in _INCLUDE_USAGE_KINDS:
-        # ask the model server for the usage event so the stream is billed from its own numbers
-        upstream_body = add_include_usage(body)
+    # the model server knows the model by its canonical name only (vLLM answers 404 for an alias)
+    rename = request.model != model.name
+    # ask the model server for the usage event so the stream is billed from its own numbers
+    want_usage = (
+        gateway.account_responses
+        and request.stream
+        and not request.include_usage
+        and pending.kind in _INCLUDE_USAGE_KINDS
+    )
+    rewritten = None
+    if rename or want_usage:
+        # one pass for both changes; the body parsed above, so it is a JSON object
+        rewritten = rewrite_request(body, model=model.name if rename else None, include_usage=want_usage)
     return PreparedRequest(
         pending=pending,
         request=request,
         model=model,
         prompt_tokens=prompt_tokens,
         reserved_tokens=prompt_tokens + output_cap,
-        upstream_body=upstream_body,
+        upstream_body=None if rewritten is None else rewritten.body,
+        usage_event_added=rewritten is not None and rewritten.include_usage_added,
     )
 
 
@@ -498,7 +515,8 @@ def route(
     gateway: Gateway, prepared: PreparedRequest, admitted: Admitted, *, rng: random.Random
 ) -> ContinueRequest:
     """The routing headers of an admitted request (and its rewritten body with its new
-    ``content-length``, when the gateway added ``include_usage``)."""
+    ``content-length``, when the gateway renamed an alias to the canonical model name or added
+    ``include_usage``)."""
     tenant = prepared.pending.tenant
     # the canary version is sticky per session (the session header, else the user field), like affinity
     version = gateway.routing.pick_version(
@@ -536,7 +554,7 @@ def route(
             prompt_tokens=prepared.prompt_tokens,
             reserved_tokens=prepared.reserved_tokens,
             stream=prepared.request.stream,
-            strip_usage_event=body is not None,
+            strip_usage_event=prepared.usage_event_added,
         ),
         model=prepared.model.name,
     )

@@ -49,9 +49,9 @@ OFFLOAD_BODY_BYTES = 128 * 1024
 _OVERWRITE = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
 
 #: Room above the body limit for what a ``ProcessingRequest``/``ProcessingResponse`` carries besides the
-#: body: the protobuf envelope, the response's header mutations and the few bytes the include_usage
-#: rewrite adds (bytes). Headers travel in their own message, bounded by Envoy's max_request_headers_kb
-#: (60 KiB by default), well inside this.
+#: body: the protobuf envelope, the response's header mutations and the few bytes the request body
+#: rewrite adds (the canonical model name for an alias, ``include_usage``) (bytes). Headers travel in
+#: their own message, bounded by Envoy's max_request_headers_kb (60 KiB by default), well inside this.
 GRPC_ENVELOPE_HEADROOM_BYTES = 1024 * 1024
 
 

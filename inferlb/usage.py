@@ -32,14 +32,13 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any, Final
 
+from inferlb.request_rewrite import rewrite_request
 from inferlb.tokens import TextTokenCounter
 
 #: JSON bodies up to this size are kept to read their ``usage`` (bytes); larger ones charge the reservation.
 MAX_JSON_BYTES: Final = 8 * 1024 * 1024
 #: A single SSE line longer than this is not an OpenAI event; it is skipped, not buffered (bytes).
 MAX_SSE_LINE_BYTES: Final = 4 * 1024 * 1024
-
-_INCLUDE_USAGE_MEMBER: Final = b'"stream_options":{"include_usage":true},'
 
 
 class UsageSource(StrEnum):
@@ -76,32 +75,20 @@ class Usage:
 # -- the request side -----------------------------------------------------------------------------
 def add_include_usage(body: bytes) -> bytes | None:
     """The request body with ``stream_options.include_usage: true``, or None when it already asks for it or
-    does not stream.
+    does not stream: :func:`inferlb.request_rewrite.rewrite_request` with only that change (ext_proc calls
+    that function directly, so a model rename and this flag are one rewrite).
 
-    A body without a ``stream_options`` member gets one spliced in right after its opening brace, so every
-    other byte is kept as the client sent it; a body with ``stream_options`` is re-serialised with the flag
-    set. The result is valid JSON; its length differs from the original, so the caller must set the
-    upstream ``content-length`` to ``len(result)``.
+    A body without a ``stream_options`` member gets one spliced in right after its opening brace; a body
+    with one has only that member's value replaced; every other byte is kept as the client sent it. The
+    result is valid JSON; its length differs from the original, so the caller must set the upstream
+    ``content-length`` to ``len(result)``.
 
     Raises:
         ValueError: ``body`` is not a JSON object (parse it with :func:`inferlb.openai_api.parse_request`
             first: this function assumes a valid request).
     """
-    data = json.loads(body)
-    if not isinstance(data, dict):
-        raise ValueError("the request body is not a JSON object")
-    if data.get("stream") is not True:
-        return None
-    options = data.get("stream_options")
-    if options is None and "stream_options" not in data:
-        start = body.index(b"{") + 1
-        return body[:start] + _INCLUDE_USAGE_MEMBER + body[start:]
-    if isinstance(options, dict) and options.get("include_usage") is True:
-        return None
-    new_options = dict(options) if isinstance(options, dict) else {}
-    new_options["include_usage"] = True
-    data["stream_options"] = new_options
-    return json.dumps(data, separators=(",", ":"), ensure_ascii=False).encode()
+    rewritten = rewrite_request(body, include_usage=True)
+    return None if rewritten is None else rewritten.body
 
 
 # -- SSE ------------------------------------------------------------------------------------------

@@ -110,6 +110,9 @@ async def test_every_v1_route_needs_the_bearer_token(http: Callable[..., Any]) -
 
 
 async def test_without_a_token_the_fleet_api_is_closed(config_file: Path) -> None:
+    doc = _doc()
+    doc["xds"].pop("api_token", None)  # the default config carries a demo token
+    _write(config_file, doc)
     srv = await _server(config_file, None)
     try:
         url = f"http://127.0.0.1:{srv.api_port}/v1/endpoints"

@@ -7,8 +7,10 @@ seconds; tests adjust the dict and write it with ``write_config``.
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import socket
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -74,3 +76,15 @@ def config_doc() -> dict[str, Any]:
 def config_file(tmp_path: Path) -> Callable[[dict[str, Any]], Path]:
     """Write a config document under ``tmp_path``; returns a writer."""
     return lambda doc: write_config(tmp_path / "inferlb.yaml", doc)
+
+
+async def wait_until(
+    predicate: Callable[[], bool], what: str, timeout_s: float = 5.0, poll_s: float = 0.02
+) -> None:
+    """Poll ``predicate`` every ``poll_s`` seconds until it holds; fail the test naming ``what`` after
+    ``timeout_s`` seconds. Every wait in the async tests goes through this, so none can hang."""
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
+        await asyncio.sleep(poll_s)

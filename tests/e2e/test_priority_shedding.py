@@ -91,5 +91,5 @@ def test_saturated_default_budget_sheds_low_priority_and_serves_high(small_pool_
     served = [x for x in lows if x[0] == 200]
     shed = [x for x in lows if x[0] != 200]
     # at most max_requests + max_pending_requests low-priority requests get in at once
-    assert 1 <= len(served) <= DEFAULT_BUDGET["max_requests"] + DEFAULT_BUDGET["max_pending_requests"]
+    assert DEFAULT_BUDGET["max_requests"] + DEFAULT_BUDGET["max_pending_requests"] >= len(served) >= 1
     assert shed and all(x == (503, str(RETRY_AFTER_S), "overloaded") for x in shed), shed

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
@@ -19,6 +18,7 @@ from envoy.service.discovery.v3 import ads_pb2_grpc, discovery_pb2
 from google.rpc import status_pb2
 
 from inferlb.config import default_config_path
+from tests.conftest import wait_until
 from xds_server import resources as r
 from xds_server.server import XdsServer
 
@@ -38,11 +38,7 @@ def _write(path: Path, doc: dict[str, Any]) -> None:
 
 
 async def _until(predicate: Callable[[], bool], what: str, timeout_s: float = WAIT_S) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
-        await asyncio.sleep(0.02)
+    await wait_until(predicate, what, timeout_s, poll_s=0.02)
 
 
 class AdsClient:

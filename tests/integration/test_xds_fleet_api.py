@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
@@ -19,6 +18,7 @@ from envoy.config.endpoint.v3 import endpoint_pb2
 from envoy.service.discovery.v3 import ads_pb2_grpc, discovery_pb2
 
 from inferlb.config import default_config_path
+from tests.conftest import wait_until
 from xds_server import resources as r
 from xds_server.server import XdsServer
 
@@ -40,11 +40,7 @@ def _write(path: Path, doc: dict[str, Any]) -> None:
 
 
 async def _until(predicate: Callable[[], bool], what: str, timeout_s: float = WAIT_S) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
-        await asyncio.sleep(0.01)
+    await wait_until(predicate, what, timeout_s, poll_s=0.01)
 
 
 def _hosts(server: XdsServer, cluster: str) -> dict[str, endpoint_pb2.LbEndpoint]:

@@ -4,7 +4,6 @@ and fall back to the default snapshot when their group leaves the config."""
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -16,6 +15,7 @@ from envoy.config.endpoint.v3 import endpoint_pb2
 from envoy.service.discovery.v3 import ads_pb2_grpc, discovery_pb2
 
 from inferlb.config import default_config_path
+from tests.conftest import wait_until
 from xds_server import resources as r
 from xds_server.cache import DEFAULT_GROUP
 from xds_server.server import XdsServer
@@ -34,10 +34,7 @@ def _doc(groups: bool) -> dict[str, Any]:
 
 
 async def _until(predicate: Callable[[], bool], what: str) -> None:
-    deadline = time.monotonic() + WAIT_S
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        await asyncio.sleep(0.02)
+    await wait_until(predicate, what, WAIT_S, poll_s=0.02)
 
 
 def _priorities(resp: discovery_pb2.DeltaDiscoveryResponse) -> dict[str, int]:

@@ -4,7 +4,6 @@ back to the profile weight, ``GET /v1/weights``, failures counted in ``/metrics`
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator, Callable
@@ -20,7 +19,7 @@ from envoy.config.endpoint.v3 import endpoint_pb2
 from gpusim.faults import FaultCommand
 from gpusim.server import SimulatedEndpoint
 from inferlb.config import parse_config
-from tests.conftest import free_ports
+from tests.conftest import free_ports, wait_until
 from xds_server import resources as r
 from xds_server.server import XdsServer
 from xds_server.telemetry import TelemetryCollector
@@ -85,11 +84,7 @@ class Running:
 
 
 async def _until(predicate: Callable[[], bool], what: str, timeout_s: float = WAIT_S) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
-        await asyncio.sleep(0.02)
+    await wait_until(predicate, what, timeout_s, poll_s=0.02)
 
 
 def _snapshot_weights(server: XdsServer) -> dict[str, int]:

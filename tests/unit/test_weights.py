@@ -107,10 +107,10 @@ def run(
 def test_weight_is_always_an_integer_within_bounds(inp: WeightInputs, state: WeightState, dt: float) -> None:
     new, w = step(state, inp, state.updated_at + dt)
     assert isinstance(w, int)
-    assert 1 <= w <= DEFAULT_PARAMS.max_weight
+    assert DEFAULT_PARAMS.max_weight >= w >= 1
     assert new.weight == w
     _, w0 = step(None, inp, 0.0)
-    assert 1 <= w0 <= DEFAULT_PARAMS.max_weight
+    assert DEFAULT_PARAMS.max_weight >= w0 >= 1
 
 
 @given(inputs(fresh=True))

@@ -3,9 +3,10 @@
 Not a test: it prints tables and writes PNG plots. For a fleet of ``--gpus`` GPUs in the config's GPU mix,
 each a ``gpusim.engine.BatchEngine`` with the config's ``simulation:`` timing, it replays the bundled Azure
 LLM inference trace 2023 (conversation; Patel et al., "Splitwise", ISCA 2024; CC-BY 4.0) scaled to each
-``--loads`` fraction of the fleet's capacity, under four Envoy balancers (round robin, least request (P2C),
-weighted least request with static capacity weights, and with telemetry-driven weights from
-``inferlb.weights.step``), then a second run per policy at ``--throttle-load`` where ``--throttle-fraction``
+``--loads`` fraction of the fleet's capacity, under five Envoy balancers (round robin, least request (P2C),
+weighted least request with static capacity weights, with telemetry-driven weights from
+``inferlb.weights.step``, and length-aware placement: long completions to the fast GPUs, by those weights),
+then a second run per policy at ``--throttle-load`` where ``--throttle-fraction``
 of the H100s slow to half speed mid-way. See inferlb/fleetsim.py for the model and every definition.
 
 Usage: ``.venv/bin/python bench/fleet_sim.py [--gpus 1000] [--duration 60] [--out bench/out]``
@@ -53,8 +54,12 @@ def _table(title: str, results: list[tuple[str, FleetRunResult]], *, throttle: b
     t = Table(title=title, caption=ATTRIBUTION)
     for col in ("load", "policy", "e2e p50 s", "e2e p99 s", "TTFT p50 s", "TTFT p99 s", "tokens/s"):
         t.add_column(col, justify="right" if col not in ("policy",) else "left")
-    for col in ("busy spread pts", "work spread pts", "work p95-p5 pts", "work % H/A/V", "refused"):
+    for col in ("p99 / RR", "p99 / LR", "busy spread pts", "work spread pts", "work p95-p5 pts"):
         t.add_column(col, justify="right")
+    for col in ("work % H/A/V", "refused", "long > tok (fallback)"):
+        t.add_column(col, justify="right")
+    # p99 ratios against round robin and least request at the same load (and scenario)
+    ref = {(load, r.policy): r.e2e_p99_s for load, r in results}
     if throttle:
         for col in ("share fell after s", "window s", "weight fell after s", "share post/pre"):
             t.add_column(col, justify="right")
@@ -68,11 +73,16 @@ def _table(title: str, results: list[tuple[str, FleetRunResult]], *, throttle: b
             _fmt(r.ttft_p50_s),
             _fmt(r.ttft_p99_s),
             f"{r.throughput_tokens_per_s:,.0f}",
+            _fmt(r.e2e_p99_s / ref.get((load, "round_robin"), math.nan)),
+            _fmt(r.e2e_p99_s / ref.get((load, "least_request"), math.nan)),
             _fmt(r.busy_spread_pts, 1),
             _fmt(r.work_spread_pts, 1),
             _fmt(r.work_p95_p5_pts, 1),
             "/".join(f"{wt.get(k, math.nan):.0f}" for k in ("H100", "A100", "V100")),
             f"{r.refused}" + (f" (+{r.unfinished} unfinished)" if r.unfinished else ""),
+            "-"
+            if r.long_output_threshold is None
+            else f"{r.long_output_threshold}: {r.long_requests:,} ({r.long_fallbacks:,})",
         ]
         if throttle:
             s = r.shift
@@ -189,6 +199,12 @@ def main() -> None:
     ap.add_argument("--throttle-at", type=float, default=None, help="default: the middle of the run")
     ap.add_argument("--push-delay", type=float, default=None, help="s; default: xds.push_debounce_ms")
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument(
+        "--long-percentile", type=float, default=70.0, help="length_aware: completions above it are long"
+    )
+    ap.add_argument(
+        "--long-min-capacity", type=float, default=1.5, help="length_aware: fast set's min relative capacity"
+    )
     ap.add_argument("--out", type=Path, default=Path("bench/out"))
     args = ap.parse_args()
 
@@ -285,6 +301,8 @@ def _scenario(
         throttle_at_s=throttle_at,
         throttle_gpus=targets,
         seed=args.seed,
+        long_output_percentile=args.long_percentile,
+        long_min_relative_capacity=args.long_min_capacity,
     )
 
 

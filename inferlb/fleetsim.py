@@ -30,6 +30,18 @@ import gpusim) with one of four balancers that reproduce what Envoy does, withou
   rate from :func:`inferlb.weights.fleet_reference_rate`, and the NVML view of a throttle (SM clock at
   ``1 / slowdown`` of its maximum, the SW-thermal reason set). New weights take effect ``push_delay_s``
   later (xDS debounce and delivery).
+* ``length_aware``: the telemetry weights, plus placement by the request's length, which the gateway knows
+  before routing (the prompt, and the ``max_tokens`` cap on the completion; the trace's completion tokens
+  stand in for ``max_tokens``, i.e. a client whose cap is tight). A request whose completion tokens exceed
+  ``long_output_threshold`` (by default the ``long_output_percentile``-th nearest-rank percentile of the
+  arrivals' completion tokens) is "long" and goes to the *fast set*, the GPUs whose ``relative_capacity``
+  is at least ``long_min_relative_capacity``, by weighted least request among them only (its own EDF
+  schedule, as Envoy runs one load balancer per subset); when every GPU of the fast set already has at
+  least ``max_batch`` active requests (a new request would queue on any of them), it falls back to the whole
+  fleet. Every other request goes to the whole fleet by weighted least request. In Envoy: ext_proc sets a
+  size-class header from ``max_tokens`` and the route picks a subset of the cluster by GPU-class endpoint
+  metadata (``lb_subset_config``), or a second cluster of the same endpoints (:class:`LengthAwareBalancer`).
+  The saturation test here reads live active requests; ext_proc would read them from the last scrape.
 
 **The fleet** (:func:`fleet_mix`): ``N`` GPUs split over the GPU types of the config's endpoints in the
 config's proportions (the bundled config has 2 H100, 3 A100, 3 V100, so 1,000 GPUs are 250/375/375).
@@ -63,7 +75,7 @@ import random
 from bisect import bisect_left
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Literal, Protocol, runtime_checkable
+from typing import Literal, Protocol, overload, runtime_checkable
 
 from inferlb.config import Config, EndpointConfig, HostPort
 from inferlb.fleet import capacity_weight
@@ -71,8 +83,16 @@ from inferlb.replay import TraceRow, percentile
 from inferlb.telemetry import REASON_SW_THERMAL, GpuTelemetry, ServerMetrics, weight_inputs
 from inferlb.weights import WeightParams, WeightState, fleet_reference_rate, step
 
-Policy = Literal["round_robin", "least_request", "static_weights", "telemetry_weights"]
-POLICIES: tuple[Policy, ...] = ("round_robin", "least_request", "static_weights", "telemetry_weights")
+Policy = Literal["round_robin", "least_request", "static_weights", "telemetry_weights", "length_aware"]
+POLICIES: tuple[Policy, ...] = (
+    "round_robin",
+    "least_request",
+    "static_weights",
+    "telemetry_weights",
+    "length_aware",
+)
+#: The policies whose weights follow the telemetry (:func:`inferlb.weights.step`).
+TELEMETRY_POLICIES: frozenset[Policy] = frozenset({"telemetry_weights", "length_aware"})
 
 #: Nominal maximum SM clock reported for every simulated GPU (MHz). Only the ratio current / maximum reaches
 #: the weight policy, so one nominal value serves every type.
@@ -462,6 +482,121 @@ def _check_weights(weights: Sequence[int], n: int) -> None:
         raise ValueError("EDS weights must be >= 1 (Envoy NACKs 0)")
 
 
+class _SubsetActive(Sequence[int]):
+    """The active requests of a subset of hosts, indexed by position in the subset (no copy)."""
+
+    def __init__(self, hosts: Sequence[int], active: Sequence[int]) -> None:
+        self._hosts = hosts
+        self._active = active
+
+    def __len__(self) -> int:
+        return len(self._hosts)
+
+    @overload
+    def __getitem__(self, i: int) -> int: ...
+
+    @overload
+    def __getitem__(self, i: slice) -> Sequence[int]: ...
+
+    def __getitem__(self, i: int | slice) -> int | Sequence[int]:
+        if isinstance(i, slice):
+            return [self._active[h] for h in self._hosts[i]]
+        return self._active[self._hosts[i]]
+
+
+class LengthAwareBalancer:
+    """Length-aware placement: long requests to a fast set of hosts, the rest to all, each by Envoy's
+    weighted least request (:class:`LeastRequestBalancer`, one schedule per host set, as Envoy keeps one
+    load balancer per subset).
+
+    A request is long when its completion tokens (``max_tokens`` at the gateway) exceed
+    ``long_output_threshold``. A long request goes to ``fast_hosts`` unless every one of them has at least
+    its ``saturation_active[h]`` active requests (for the simulation: the engine's ``max_batch``, beyond
+    which a new request waits in the queue); then it falls back to the whole fleet. ``fallbacks`` and
+    ``long_picks`` count those decisions.
+
+    Raises:
+        ValueError: ``n_hosts < 1``, an empty ``fast_hosts`` or one out of range, a negative threshold, or
+            ``saturation_active`` not of length ``n_hosts``.
+    """
+
+    def __init__(
+        self,
+        n_hosts: int,
+        *,
+        fast_hosts: Sequence[int],
+        long_output_threshold: int,
+        saturation_active: Sequence[int],
+        rng: random.Random,
+        active_request_bias: float = 1.0,
+        choice_count: int = 2,
+    ) -> None:
+        if n_hosts < 1:
+            raise ValueError(f"n_hosts must be >= 1, got {n_hosts}")
+        if not fast_hosts:
+            raise ValueError("the fast set is empty: no GPU reaches the capacity asked for long requests")
+        if any(not 0 <= h < n_hosts for h in fast_hosts):
+            raise ValueError(f"fast_hosts must be in [0, {n_hosts})")
+        if long_output_threshold < 0:
+            raise ValueError(f"long_output_threshold must be >= 0, got {long_output_threshold}")
+        if len(saturation_active) != n_hosts:
+            raise ValueError(f"expected {n_hosts} saturation bounds, got {len(saturation_active)}")
+        self._n = n_hosts
+        self.fast_hosts: tuple[int, ...] = tuple(sorted(set(fast_hosts)))
+        self.long_output_threshold = long_output_threshold
+        self._bound = tuple(saturation_active)
+        self._all = LeastRequestBalancer(
+            n_hosts, rng=rng, active_request_bias=active_request_bias, choice_count=choice_count
+        )
+        self._fast = LeastRequestBalancer(
+            len(self.fast_hosts), rng=rng, active_request_bias=active_request_bias, choice_count=choice_count
+        )
+        self.long_picks = 0
+        self.fallbacks = 0
+
+    def set_weights(self, weights: Sequence[int], active: Sequence[int]) -> None:
+        """New EDS weights for every host (each >= 1): both schedules are rebuilt."""
+        _check_weights(weights, self._n)
+        self._all.set_weights(weights, active)
+        self._fast.set_weights([weights[h] for h in self.fast_hosts], _SubsetActive(self.fast_hosts, active))
+
+    def is_long(self, completion_tokens: int) -> bool:
+        """Whether a request with this completion cap goes to the fast set."""
+        return completion_tokens > self.long_output_threshold
+
+    def fast_set_saturated(self, active: Sequence[int]) -> bool:
+        """Every fast host has at least its saturation bound of active requests."""
+        bound = self._bound
+        return all(active[h] >= bound[h] for h in self.fast_hosts)
+
+    def pick(self, active: Sequence[int]) -> int:
+        """A request of unknown length: the whole fleet."""
+        return self._all.pick(active)
+
+    def pick_for(self, active: Sequence[int], completion_tokens: int) -> int:
+        """The host for a request with ``completion_tokens`` (see the class doc)."""
+        if not self.is_long(completion_tokens):
+            return self._all.pick(active)
+        self.long_picks += 1
+        if self.fast_set_saturated(active):
+            self.fallbacks += 1
+            return self._all.pick(active)
+        return self.fast_hosts[self._fast.pick(_SubsetActive(self.fast_hosts, active))]
+
+
+def long_output_threshold(rows: Sequence[TraceRow], percentile_rank: float) -> int:
+    """The nearest-rank ``percentile_rank``-th percentile (0..100) of the rows' completion tokens.
+
+    Raises:
+        ValueError: no rows, or a rank outside [0, 100].
+    """
+    if not rows:
+        raise ValueError("no rows to take a percentile of")
+    if not 0 <= percentile_rank <= 100:
+        raise ValueError(f"percentile_rank must be in [0, 100], got {percentile_rank}")
+    return int(percentile([float(r.output_tokens) for r in rows], percentile_rank))
+
+
 # -- the scenario and its result ----------------------------------------------------------------------------
 
 
@@ -483,10 +618,19 @@ class Scenario:
         throttle_gpus: indexes of the GPUs that throttle.
         throttle_factor: their slowdown (2.0 = half speed), shown by NVML as a clock at ``1 / factor``.
         seed: seeds every random choice (balancer start points, P2C draws).
+        long_output_percentile: for ``length_aware``: requests whose completion tokens exceed this
+            nearest-rank percentile (0..100) of the arrivals' completion tokens are long.
+        long_output_tokens: for ``length_aware``: the threshold in tokens, instead of the percentile.
+        long_min_relative_capacity: for ``length_aware``: the fast set is the GPUs of at least this
+            ``relative_capacity`` (V100 = 1.0; the bundled profiles: A100 1.7, H100 3.4).
+            The defaults (70th percentile, 1.5: V100s get only the shortest 70% of completions, which
+            A100s and H100s also share) were the best of percentiles 50-95 and sets {H100}, {A100, H100}
+            in 100-GPU runs at 90% load (60 s, seed 1); the H100 set alone saturates (a third of long
+            requests fell back to the whole fleet).
 
     Raises:
-        ValueError: a non-positive duration, period or factor, a negative delay, or a warm-up not before the
-            end.
+        ValueError: a non-positive duration, period or factor, a negative delay, a warm-up not before the
+            end, or a percentile outside [0, 100].
     """
 
     policy: Policy
@@ -501,6 +645,9 @@ class Scenario:
     throttle_gpus: tuple[int, ...] = ()
     throttle_factor: float = 2.0
     seed: int = 1
+    long_output_percentile: float = 70.0
+    long_output_tokens: int | None = None
+    long_min_relative_capacity: float = 1.5
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -511,6 +658,10 @@ class Scenario:
             raise ValueError(f"warmup_s must be in [0, duration_s), got {self.warmup_s}")
         if self.push_delay_s < 0 or self.drain_s < 0:
             raise ValueError("push_delay_s and drain_s must be >= 0")
+        if not 0 <= self.long_output_percentile <= 100:
+            raise ValueError(f"long_output_percentile must be in [0, 100], got {self.long_output_percentile}")
+        if self.long_output_tokens is not None and self.long_output_tokens < 0:
+            raise ValueError(f"long_output_tokens must be >= 0, got {self.long_output_tokens}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -565,6 +716,10 @@ class FleetRunResult:
             ``shift.threshold`` times its pre-fault value; None otherwise or when it never did.
         events: events processed (a measure of the simulation's work).
         sim_end_s: simulated time at the end (the last event or the drain bound).
+        long_output_threshold: for ``length_aware``: completion tokens above which a request was long
+            (None for the other policies).
+        long_requests / long_fallbacks: for ``length_aware``: arrivals routed as long, and those of them
+            sent to the whole fleet because the fast set was saturated (0 for the other policies).
     """
 
     policy: Policy
@@ -593,15 +748,45 @@ class FleetRunResult:
     weight_shift_s: float | None
     events: int
     sim_end_s: float
+    long_output_threshold: int | None = None
+    long_requests: int = 0
+    long_fallbacks: int = 0
 
 
-def make_balancer(scenario: Scenario, gpus: Sequence[FleetGpu], rng: random.Random) -> Balancer:
+def make_balancer(
+    scenario: Scenario,
+    gpus: Sequence[FleetGpu],
+    rng: random.Random,
+    *,
+    long_output_threshold: int = 0,
+    saturation_active: Sequence[int] | None = None,
+) -> Balancer:
     """The balancer of ``scenario.policy`` over ``gpus``, with its initial weights (equal, or the static
-    capacity weights for the two weighted policies: the telemetry policy starts from the profile weights,
-    as the xDS server does before any telemetry)."""
+    capacity weights for the weighted policies: the telemetry policies start from the profile weights,
+    as the xDS server does before any telemetry).
+
+    For ``length_aware``: a :class:`LengthAwareBalancer` whose fast set is the GPUs of ``relative_capacity
+    >= scenario.long_min_relative_capacity``, with ``long_output_threshold`` (tokens) and
+    ``saturation_active`` (per GPU; default 16, the bundled ``max_batch``).
+
+    Raises:
+        ValueError: for ``length_aware``, no GPU in the fast set.
+    """
     n = len(gpus)
     if scenario.policy == "round_robin":
         return RoundRobinBalancer(n, rng=rng)
+    if scenario.policy == "length_aware":
+        la = LengthAwareBalancer(
+            n,
+            fast_hosts=[g.index for g in gpus if g.relative_capacity >= scenario.long_min_relative_capacity],
+            long_output_threshold=long_output_threshold,
+            saturation_active=saturation_active if saturation_active is not None else [16] * n,
+            rng=rng,
+            active_request_bias=scenario.active_request_bias,
+            choice_count=scenario.choice_count,
+        )
+        la.set_weights([g.static_weight for g in gpus], [0] * n)
+        return la
     lr = LeastRequestBalancer(
         n, rng=rng, active_request_bias=scenario.active_request_bias, choice_count=scenario.choice_count
     )
@@ -667,7 +852,23 @@ def simulate(
     params = weight_params or WeightParams()
     rng = random.Random(scenario.seed)
     engines = [make_engine(g) for g in gpus]
-    balancer = make_balancer(scenario, gpus, rng)
+    threshold: int | None = None
+    if scenario.policy == "length_aware":
+        threshold = (
+            scenario.long_output_tokens
+            if scenario.long_output_tokens is not None
+            else long_output_threshold(rows, scenario.long_output_percentile)
+            if rows
+            else 0
+        )
+    balancer = make_balancer(
+        scenario,
+        gpus,
+        rng,
+        long_output_threshold=threshold or 0,
+        saturation_active=[e.model.max_batch for e in engines],
+    )
+    length_aware = balancer if isinstance(balancer, LengthAwareBalancer) else None
     m = len(rows)
     active = [0] * n
     arrival_gpu = [-1] * m
@@ -678,7 +879,7 @@ def simulate(
     heap: list[tuple[float, int, int, int]] = []
     seq = 0
     events = 0
-    weight_pushes = 1 if scenario.policy in ("static_weights", "telemetry_weights") else 0
+    weight_pushes = 1 if scenario.policy == "static_weights" or scenario.policy in TELEMETRY_POLICIES else 0
     end = scenario.duration_s + scenario.drain_s
 
     def push(t: float, kind: int, payload: int) -> None:
@@ -715,7 +916,7 @@ def simulate(
     targets = frozenset(scenario.throttle_gpus) if scenario.throttle_at_s is not None else frozenset()
     weight_share: list[tuple[float, float]] = []  # (time applied, throttled GPUs' share of the weights)
 
-    if scenario.policy == "telemetry_weights":
+    if scenario.policy in TELEMETRY_POLICIES:
         # The fleet has been up for a while: no slow start, smoothing from the profile weight.
         for fg in gpus:
             w = fg.relative_capacity * params.scale
@@ -838,7 +1039,7 @@ def simulate(
                 marks[payload] = sample_all(t)
             continue
         r = rows[ai]
-        g = balancer.pick(active)
+        g = balancer.pick(active) if length_aware is None else length_aware.pick_for(active, r.output_tokens)
         rid = str(ai)
         arrival_gpu[ai] = g
         eng = engines[g]
@@ -932,6 +1133,9 @@ def simulate(
         weight_shift_s=weight_shift_s,
         events=events,
         sim_end_s=now,
+        long_output_threshold=threshold,
+        long_requests=0 if length_aware is None else length_aware.long_picks,
+        long_fallbacks=0 if length_aware is None else length_aware.fallbacks,
     )
 
 

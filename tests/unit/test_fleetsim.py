@@ -21,10 +21,12 @@ from inferlb.fleetsim import (
     FleetGpu,
     FleetRunResult,
     LeastRequestBalancer,
+    LengthAwareBalancer,
     RoundRobinBalancer,
     Scenario,
     fleet_capacity_rps,
     fleet_mix,
+    long_output_threshold,
     request_service_seconds,
     scale_trace,
     share_series,
@@ -151,6 +153,102 @@ def test_weights_below_one_are_refused() -> None:
         LeastRequestBalancer(2, rng=random.Random(0)).set_weights([0, 3], [0, 0])
 
 
+# -- length-aware placement ---------------------------------------------------------------------------------
+
+
+def length_aware(n: int = 6, fast: tuple[int, ...] = (1, 4), *, seed: int = 0) -> LengthAwareBalancer:
+    la = LengthAwareBalancer(
+        n, fast_hosts=fast, long_output_threshold=500, saturation_active=[3] * n, rng=random.Random(seed)
+    )
+    la.set_weights([10 + h for h in range(n)], [0] * n)  # unequal: weighted least request (EDF)
+    return la
+
+
+@given(
+    active=st.lists(st.integers(0, 2), min_size=6, max_size=6),
+    tokens=st.integers(501, 5000),
+    seed=st.integers(0, 2**32),
+)
+def test_a_long_request_goes_to_the_fast_set_while_it_has_room(
+    active: list[int], tokens: int, seed: int
+) -> None:
+    # Every host below the bound of 3: a long request must land on a fast host (1 or 4), never elsewhere.
+    la = length_aware(seed=seed)
+    for _ in range(20):
+        assert la.pick_for(active, tokens) in (1, 4)
+    assert (la.long_picks, la.fallbacks) == (20, 0)
+
+
+def test_short_requests_use_the_whole_fleet_and_the_threshold_is_exclusive() -> None:
+    la = length_aware()
+    idle = [0] * 6
+    picks = Counter(la.pick_for(idle, 500) for _ in range(600))  # 500 is not above the threshold
+    assert set(picks) == set(range(6))
+    assert la.long_picks == 0
+    assert la.is_long(501) and not la.is_long(500)
+
+
+def test_a_long_request_falls_back_to_the_fleet_only_when_every_fast_host_is_saturated() -> None:
+    la = length_aware()
+    one_fast_free = [0, 3, 0, 0, 2, 0]  # host 4 is below the bound of 3
+    assert not la.fast_set_saturated(one_fast_free)
+    assert {la.pick_for(one_fast_free, 1000) for _ in range(50)} <= {1, 4}
+    assert la.fallbacks == 0
+    saturated = [0, 3, 0, 0, 7, 0]
+    assert la.fast_set_saturated(saturated)
+    picks = Counter(la.pick_for(saturated, 1000) for _ in range(300))
+    assert la.fallbacks == 300 and la.long_picks == 350
+    # the fallback is the fleet's weighted least request: the idle slow hosts get the traffic
+    assert sum(picks[h] for h in (0, 2, 3, 5)) > 0.8 * 300
+
+
+def test_within_the_fast_set_weighted_least_request_steers_by_active_requests() -> None:
+    la = length_aware(fast=(1, 4))
+    active = [0, 2, 0, 0, 0, 0]  # weights 11 and 14: effective 11 / 3 against 14 / 1
+    picks = Counter(la.pick_for(active, 1000) for _ in range(1000))
+    assert picks[4] > 3 * picks[1] > 0
+
+
+def test_length_aware_refuses_an_empty_fast_set_and_bad_bounds() -> None:
+    with pytest.raises(ValueError, match="fast set is empty"):
+        LengthAwareBalancer(3, fast_hosts=(), long_output_threshold=1, saturation_active=[1] * 3,
+                            rng=random.Random(0))  # fmt: skip
+    with pytest.raises(ValueError, match="saturation bounds"):
+        LengthAwareBalancer(3, fast_hosts=(0,), long_output_threshold=1, saturation_active=[1],
+                            rng=random.Random(0))  # fmt: skip
+    with pytest.raises(ValueError, match="fast_hosts"):
+        LengthAwareBalancer(3, fast_hosts=(3,), long_output_threshold=1, saturation_active=[1] * 3,
+                            rng=random.Random(0))  # fmt: skip
+
+
+def test_long_output_threshold_is_a_nearest_rank_percentile_of_completion_tokens() -> None:
+    rows = [TraceRow(offset_s=float(i), prompt_tokens=10, output_tokens=i + 1) for i in range(100)]
+    assert long_output_threshold(rows, 90) == 90
+    assert long_output_threshold(rows, 100) == 100
+    with pytest.raises(ValueError, match="percentile_rank"):
+        long_output_threshold(rows, 101)
+    with pytest.raises(ValueError, match="no rows"):
+        long_output_threshold([], 50)
+
+
+def test_a_length_aware_run_places_long_outputs_on_the_fast_gpus_and_conserves_requests() -> None:
+    r = run("length_aware", duration=60.0)
+    fleet = fleet_mix(config(), 8)
+    assert r.long_output_threshold is not None
+    assert r.finished + r.refused + r.unfinished == r.arrivals
+    assert r.long_requests > 0
+    models = [TimingModel.for_endpoint(config(), g.endpoint) for g in fleet]
+    rows = scale_trace(trace(), rate_rps=0.9 * fleet_capacity_rps(models, trace()), duration_s=60.0)
+    long_ = [i for i, row in enumerate(rows) if row.output_tokens > r.long_output_threshold]
+    assert len(long_) == r.long_requests
+    fast = sum(fleet[r.arrival_gpus[i]].relative_capacity >= 1.5 for i in long_)
+    # every long request not counted as a fallback went to the fast set (A100s and H100s, capacity >= 1.5)
+    assert fast >= r.long_requests - r.long_fallbacks
+    assert r.long_fallbacks < r.long_requests
+    short_gpus = {fleet[r.arrival_gpus[i]].gpu_type for i, row in enumerate(rows) if i not in set(long_)}
+    assert short_gpus == {"H100", "A100", "V100"}
+
+
 # -- fleet, trace, capacity ---------------------------------------------------------------------------------
 
 
@@ -221,7 +319,9 @@ def test_simulation_is_deterministic_for_a_seed() -> None:
     assert a.arrival_gpus != c.arrival_gpus
 
 
-@pytest.mark.parametrize("policy", ["round_robin", "least_request", "static_weights", "telemetry_weights"])
+@pytest.mark.parametrize(
+    "policy", ["round_robin", "least_request", "static_weights", "telemetry_weights", "length_aware"]
+)
 def test_every_arrival_finishes_or_is_refused(policy: str) -> None:
     r = run(policy, duration=40.0, load=1.3, max_queue=2)
     assert r.arrivals > 0

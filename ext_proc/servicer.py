@@ -29,6 +29,7 @@ from collections.abc import AsyncIterator, Callable
 
 import grpc
 from envoy.config.core.v3 import base_pb2
+from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 from envoy.type.v3 import http_status_pb2
@@ -213,6 +214,34 @@ _REQUEST_TRAILERS_CONTINUE = ep.ProcessingResponse(request_trailers=ep.TrailersR
 _RESPONSE_TRAILERS_CONTINUE = ep.ProcessingResponse(response_trailers=ep.TrailersResponse())
 
 
+_Mode = processing_mode_pb2.ProcessingMode
+#: ``mode_override`` for a request ext_proc lets through untouched (not an inference path): Envoy sends no
+#: request body and no response phases for it (honoured only with the filter's ``allow_mode_override``,
+#: which :func:`xds_server.resources.build_listener` sets; Envoy applies an override sent in answer to a
+#: headers message and ignores one sent with a body answer).
+PASSTHROUGH_MODE = _Mode(
+    request_header_mode=_Mode.SEND,
+    response_header_mode=_Mode.SKIP,
+    request_body_mode=_Mode.NONE,
+    response_body_mode=_Mode.NONE,
+    request_trailer_mode=_Mode.SKIP,
+    response_trailer_mode=_Mode.SKIP,
+)
+#: ``mode_override`` in the answer to the response headers of a response that is charged nothing (a
+#: non-2xx status): Envoy sends none of its body, saving a message per body chunk.
+NO_RESPONSE_BODY_MODE = _Mode(
+    request_header_mode=_Mode.SEND,
+    response_header_mode=_Mode.SEND,
+    request_body_mode=_Mode.BUFFERED,
+    response_body_mode=_Mode.NONE,
+    request_trailer_mode=_Mode.SKIP,
+    response_trailer_mode=_Mode.SKIP,
+)
+_PASSTHROUGH_CONTINUE = ep.ProcessingResponse(
+    request_headers=ep.HeadersResponse(response=_common()), mode_override=PASSTHROUGH_MODE
+)
+
+
 def headers_continue(remove: tuple[str, ...]) -> ep.ProcessingResponse:
     """Continue after the request headers, removing the named headers."""
     if not remove:
@@ -231,6 +260,21 @@ def body_continue(decision: handlers.ContinueRequest) -> ep.ProcessingResponse:
     if decision.body is not None:
         common.body_mutation.CopyFrom(ep.BodyMutation(body=decision.body))
     return ep.ProcessingResponse(request_body=ep.BodyResponse(response=common))
+
+
+def passthrough_continue(remove: tuple[str, ...]) -> ep.ProcessingResponse:
+    """Continue after the request headers of a request let through untouched, removing the named headers,
+    with :data:`PASSTHROUGH_MODE` so Envoy sends nothing more of this request or its response."""
+    if not remove:
+        return _PASSTHROUGH_CONTINUE
+    return ep.ProcessingResponse(
+        request_headers=ep.HeadersResponse(response=_common(remove=remove)), mode_override=PASSTHROUGH_MODE
+    )
+
+
+_RESPONSE_HEADERS_NO_BODY = ep.ProcessingResponse(
+    response_headers=ep.HeadersResponse(response=_common()), mode_override=NO_RESPONSE_BODY_MODE
+)
 
 
 def response_headers_continue(*, remove_content_length: bool) -> ep.ProcessingResponse:
@@ -388,6 +432,10 @@ class ExternalProcessor(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc
                         out = await self._on_body(ex, req.request_body)
                     elif phase == "response_headers":
                         out = self._on_response_headers(ex, req.response_headers)
+                        if out is _RESPONSE_HEADERS_NO_BODY:
+                            # a non-2xx response is charged nothing whatever its body says
+                            # (inferlb.usage.ResponseMeter.finish): settle now, no body will come
+                            await self._finish(ex, aborted=False)
                     elif phase == "response_body":
                         out = await self._on_response_body(ex, req.response_body)
                     elif phase == "request_trailers":
@@ -438,7 +486,7 @@ class ExternalProcessor(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc
             return immediate_response(decision)
         if isinstance(decision, handlers.PassThrough):
             ex.passthrough = ex.decided = True
-            return headers_continue(decision.remove_headers)
+            return passthrough_continue(decision.remove_headers)
         ex.pending = decision.pending
         ex.started = time.monotonic()
         return headers_continue(decision.remove_headers)
@@ -522,6 +570,9 @@ class ExternalProcessor(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc
         except ValueError:
             status = 0
         meter.on_headers(status, content_type)
+        if not 200 <= status < 300:
+            # tell Envoy not to send the body (Process settles the stream on this answer)
+            return _RESPONSE_HEADERS_NO_BODY
         return response_headers_continue(remove_content_length=meter.rewrites_body)
 
     async def _on_response_body(self, ex: _Exchange, msg: ep.HttpBody) -> ep.ProcessingResponse:

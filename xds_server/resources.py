@@ -395,7 +395,10 @@ def build_listener(config: Config) -> listener_pb2.Listener:
         message_timeout=_duration_ms(config.ext_proc.message_timeout_ms),
         # the default for paths without a failure-mode route (failure_mode_routes sets it per path)
         failure_mode_allow=config.ext_proc.failure_mode_allow,
-        allow_mode_override=False,
+        # ext_proc answers some headers messages with a mode_override (ext_proc.servicer): a let-through
+        # request gets no body or response phases, a non-2xx response (charged nothing) no body messages;
+        # each message skipped is one gRPC round trip less
+        allow_mode_override=True,
     )
     hcm = http_connection_manager_pb2.HttpConnectionManager(
         stat_prefix=LISTENER_NAME,

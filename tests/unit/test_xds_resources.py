@@ -217,7 +217,8 @@ def test_ext_proc_filter_settings() -> None:
     assert (pm.response_header_mode, pm.response_body_mode) == (mode.SKIP, mode.NONE)
     assert ep.message_timeout.ToMilliseconds() == 7000
     assert ep.failure_mode_allow is True
-    assert ep.allow_mode_override is False
+    # ext_proc's mode_override answers (fewer messages for let-through requests and non-2xx responses)
+    assert ep.allow_mode_override is True
     # ext_proc meters responses (quota settled with the real usage): Envoy sends it response headers and
     # streams the body; that is the default
     del doc["ext_proc"]["account_responses"]

@@ -64,6 +64,8 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 from rich.console import Console
 from rich.table import Table
 
+from ext_proc.__main__ import run_event_loop
+
 MODEL = "bench-model"
 API_KEY = "sk-bench-key-0001"
 REPLY: dict[str, Any] = {
@@ -388,7 +390,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--label", default="", help="a name for this run in the table title")
     args = p.parse_args(argv)
     if args.serve:
-        asyncio.run(_serve(args.profile_out))
+        # the same event loop `python -m ext_proc` runs on (uvloop when installed)
+        run_event_loop(_serve(args.profile_out))
         return 0
 
     console = Console(width=150)

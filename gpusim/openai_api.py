@@ -9,6 +9,15 @@ is the count the gateway reserved quota for. This module builds what goes back (
   of ``chat.completion.chunk`` / ``text_completion`` objects ending with ``data: [DONE]``, with a last chunk
   carrying ``usage`` (and empty ``choices``) when ``stream_options.include_usage`` is true. A completions
   request with several prompts gets ``n`` choices per prompt, indexed prompt by prompt (OpenAI's order).
+* ``response`` objects of the Responses API (OpenAI API reference, "Responses" and "Streaming events"): one
+  assistant ``message`` output item holding one ``output_text`` part, and ``usage`` in the Responses terms
+  (``input_tokens``, ``output_tokens``, ``total_tokens``). Streamed, they are typed server-sent events
+  (``event: <type>`` then ``data: <json>``, each JSON carrying its ``type`` and a ``sequence_number``
+  counting from 0): ``response.created``, ``response.in_progress``, ``response.output_item.added``,
+  ``response.content_part.added``, one ``response.output_text.delta`` per token, the matching ``.done``
+  events, and ``response.completed`` carrying the whole response with its ``usage``. There is no
+  ``data: [DONE]`` in a Responses stream. Status is "completed" (the simulated model stops at its token
+  count, as vLLM with ``ignore_eos``).
 * ``list`` bodies of ``embedding`` objects: deterministic pseudo-embeddings (:func:`pseudo_embedding`) as
   JSON floats or as base64 of little-endian float32 (``encoding_format``), with ``usage`` of prompt tokens.
 
@@ -184,6 +193,161 @@ def sse(event: Mapping[str, Any]) -> bytes:
 
 #: The stream terminator OpenAI sends.
 SSE_DONE = b"data: [DONE]\n\n"
+
+
+# -- responses (the Responses API) ----------------------------------------------------------------------
+
+
+def responses_usage(input_tokens: int, output_tokens: int) -> dict[str, Any]:
+    """The Responses API ``usage`` object (tokens); no cached or reasoning tokens in the simulation."""
+    return {
+        "input_tokens": input_tokens,
+        "input_tokens_details": {"cached_tokens": 0},
+        "output_tokens": output_tokens,
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": input_tokens + output_tokens,
+    }
+
+
+class ResponseBuilder:
+    """Builds the ``response`` object and the stream events of one ``POST /v1/responses`` request.
+
+    Args:
+        req: the parsed request (kind :attr:`EndpointKind.RESPONSES`).
+        request_id: the server's id of the request (hex); the response id is ``resp_<request_id>``, the
+            message item's ``msg_<request_id>`` (OpenAI's prefixes).
+        created_at: Unix time of creation (s).
+
+    Streamed events are numbered by :attr:`sequence_number` in the order the methods return them; call
+    :meth:`opening_events`, then :meth:`delta_events` as tokens come, then :meth:`closing_events` once.
+    """
+
+    __slots__ = ("created_at", "item_id", "req", "response_id", "sequence_number")
+
+    def __init__(self, req: InferenceRequest, *, request_id: str, created_at: int) -> None:
+        self.req = req
+        self.response_id = f"resp_{request_id}"
+        self.item_id = f"msg_{request_id}"
+        self.created_at = created_at
+        self.sequence_number = 0
+
+    def _message(self, text: str, status: str) -> dict[str, Any]:
+        return {
+            "type": "message",
+            "id": self.item_id,
+            "status": status,
+            "role": "assistant",
+            "content": [] if status == "in_progress" else [self._part(text)],
+        }
+
+    @staticmethod
+    def _part(text: str) -> dict[str, Any]:
+        return {"type": "output_text", "text": text, "annotations": []}
+
+    def response(
+        self, *, status: str, output_tokens: int | None = None, input_tokens: int | None = None
+    ) -> dict[str, Any]:
+        """The ``response`` object: with ``output_tokens`` tokens of text in one message and ``usage`` when
+        both counts are given, else with no output and ``usage: null`` (the state in ``response.created``).
+        """
+        output: list[dict[str, Any]] = []
+        usage_doc: dict[str, Any] | None = None
+        if output_tokens is not None and input_tokens is not None:
+            output = [self._message(completion_text(output_tokens), "completed")]
+            usage_doc = responses_usage(input_tokens, output_tokens)
+        return {
+            "id": self.response_id,
+            "object": "response",
+            "created_at": self.created_at,
+            "status": status,
+            "error": None,
+            "incomplete_details": None,
+            "instructions": None,
+            "max_output_tokens": self.req.max_output_tokens,
+            "model": self.req.model,
+            "output": output,
+            "parallel_tool_calls": True,
+            "previous_response_id": None,
+            "temperature": 1.0,
+            "tool_choice": "auto",
+            "tools": [],
+            "top_p": 1.0,
+            "truncation": "disabled",
+            "usage": usage_doc,
+        }
+
+    def _event(self, kind: str, **fields: Any) -> dict[str, Any]:
+        event = {"type": kind, "sequence_number": self.sequence_number, **fields}
+        self.sequence_number += 1
+        return event
+
+    def opening_events(self) -> list[dict[str, Any]]:
+        """``response.created``, ``response.in_progress``, then the message item and its text part added."""
+        return [
+            self._event("response.created", response=self.response(status="in_progress")),
+            self._event("response.in_progress", response=self.response(status="in_progress")),
+            self._event("response.output_item.added", output_index=0, item=self._message("", "in_progress")),
+            self._event(
+                "response.content_part.added",
+                item_id=self.item_id,
+                output_index=0,
+                content_index=0,
+                part=self._part(""),
+            ),
+        ]
+
+    def delta_events(self, start: int, stop: int) -> list[dict[str, Any]]:
+        """One ``response.output_text.delta`` per token ``start .. stop-1``."""
+        return [
+            self._event(
+                "response.output_text.delta",
+                item_id=self.item_id,
+                output_index=0,
+                content_index=0,
+                delta=token_text(t),
+                logprobs=[],
+            )
+            for t in range(start, stop)
+        ]
+
+    def closing_events(self, *, input_tokens: int, output_tokens: int) -> list[dict[str, Any]]:
+        """The ``.done`` events of the text, part and item, then ``response.completed`` with ``usage``."""
+        text = completion_text(output_tokens)
+        return [
+            self._event(
+                "response.output_text.done",
+                item_id=self.item_id,
+                output_index=0,
+                content_index=0,
+                text=text,
+                logprobs=[],
+            ),
+            self._event(
+                "response.content_part.done",
+                item_id=self.item_id,
+                output_index=0,
+                content_index=0,
+                part=self._part(text),
+            ),
+            self._event("response.output_item.done", output_index=0, item=self._message(text, "completed")),
+            self._event(
+                "response.completed",
+                response=self.response(
+                    status="completed", input_tokens=input_tokens, output_tokens=output_tokens
+                ),
+            ),
+        ]
+
+
+def typed_sse(event: Mapping[str, Any]) -> bytes:
+    """One typed server-sent event as the Responses API sends it: ``event: <type>\\ndata: <json>\\n\\n``."""
+    return (
+        b"event: "
+        + str(event["type"]).encode()
+        + b"\ndata: "
+        + json.dumps(event, separators=(",", ":")).encode()
+        + b"\n\n"
+    )
 
 
 # -- embeddings -------------------------------------------------------------------------------------------

@@ -8,6 +8,10 @@ Routes (what vLLM's OpenAI server answers, in its shapes):
   prompt, as vLLM with ``ignore_eos``. Time to first token = queueing + prefill; then one token per engine
   step. Errors are OpenAI JSON: 400 malformed body, 404 unknown model (vLLM also answers 404), 503 with
   ``retry-after`` when the queue is full.
+* ``POST /v1/responses`` (the Responses API): the same generation (``max_output_tokens``, else the model's
+  ``default_max_tokens``; one output message), as a ``response`` object with ``usage.input_tokens`` /
+  ``output_tokens``, or streamed as typed events ending in ``response.completed``
+  (:class:`gpusim.openai_api.ResponseBuilder`). Timed and counted like chat.
 * ``POST /v1/embeddings``: one pseudo-embedding per input (:func:`gpusim.openai_api.pseudo_embedding`,
   :data:`~gpusim.openai_api.EMBEDDING_DIMENSIONS` long unless the request sets ``dimensions``), as floats or
   base64. Timed as a prefill with zero completion tokens through the same engine (the inputs of one request
@@ -305,6 +309,7 @@ class SimulatedEndpoint:
         app = web.Application(middlewares=[self._errors_as_json], client_max_size=self._client_max_size)
         app.router.add_post("/v1/chat/completions", self._chat)
         app.router.add_post("/v1/completions", self._completions)
+        app.router.add_post("/v1/responses", self._responses)
         app.router.add_post("/v1/embeddings", self._embeddings)
         app.router.add_get("/v1/models", self._models)
         app.router.add_get("/health", self._health)
@@ -399,6 +404,9 @@ class SimulatedEndpoint:
     async def _completions(self, request: web.Request) -> web.StreamResponse:
         return await self._serve(request, EndpointKind.COMPLETIONS)
 
+    async def _responses(self, request: web.Request) -> web.StreamResponse:
+        return await self._serve(request, EndpointKind.RESPONSES)
+
     async def _embeddings(self, request: web.Request) -> web.StreamResponse:
         return await self._serve(request, EndpointKind.EMBEDDINGS)
 
@@ -433,10 +441,13 @@ class SimulatedEndpoint:
         tokens = req.max_output_tokens
         if tokens is None:
             tokens = self.model.default_max_tokens
+        cap_param = "max_output_tokens" if req.kind is EndpointKind.RESPONSES else "max_tokens"
         if tokens < 1:
-            raise bad_request(f"'max_tokens' must be at least 1, got {tokens}", param="max_tokens")
+            raise bad_request(f"'{cap_param}' must be at least 1, got {tokens}", param=cap_param)
         if req.kind is EndpointKind.CHAT_COMPLETIONS:
             self._check_context(prompt_tokens, tokens, param="messages")
+        elif req.kind is EndpointKind.RESPONSES:
+            self._check_context(prompt_tokens, tokens, param="input")
         else:
             self._check_context(max(count_each_prompt(req)), tokens, param="prompt")
         width = choice_count(req)
@@ -543,6 +554,13 @@ class SimulatedEndpoint:
             dimensions = req.dimensions or EMBEDDING_DIMENSIONS
             vectors = [openai_api.pseudo_embedding(self.model.name, p, dimensions) for p in req.prompts]
             body = openai_api.embedding_response(req, vectors=vectors, prompt_tokens=prompt_tokens)
+        elif req.kind is EndpointKind.RESPONSES:
+            builder = openai_api.ResponseBuilder(
+                req, request_id=flight.request_id, created_at=int(time.time())
+            )
+            body = builder.response(
+                status="completed", input_tokens=prompt_tokens, output_tokens=flight.tokens_per_choice
+            )
         else:
             body = openai_api.full_response(
                 req,
@@ -561,6 +579,10 @@ class SimulatedEndpoint:
         )
         await response.prepare(request)
         created = int(time.time())
+        builder: openai_api.ResponseBuilder | None = None
+        if req.kind is EndpointKind.RESPONSES:
+            builder = openai_api.ResponseBuilder(req, request_id=flight.request_id, created_at=created)
+            await response.write(b"".join(openai_api.typed_sse(e) for e in builder.opening_events()))
         sent = 0
         while True:
             await flight.progressed.wait()
@@ -573,7 +595,11 @@ class SimulatedEndpoint:
                 emitted = self.engine.tokens_emitted(flight.request_id)
             else:
                 emitted = sent
-            if emitted > sent:
+            if emitted > sent and builder is not None:
+                deltas = builder.delta_events(sent, emitted)
+                await response.write(b"".join(openai_api.typed_sse(e) for e in deltas))
+                sent = emitted
+            elif emitted > sent:
                 chunks = openai_api.token_chunks(
                     req, request_id=flight.request_id, created=created, start=sent, stop=emitted
                 )
@@ -582,6 +608,13 @@ class SimulatedEndpoint:
             if flight.finished_at is not None:
                 break
         self._record_finish(flight, req.kind)
+        if builder is not None:
+            closing = builder.closing_events(
+                input_tokens=prompt_tokens, output_tokens=flight.tokens_per_choice
+            )
+            await response.write(b"".join(openai_api.typed_sse(e) for e in closing))
+            await response.write_eof()
+            return response
         tail = [openai_api.sse(openai_api.final_chunk(req, request_id=flight.request_id, created=created))]
         if req.include_usage:
             usage = openai_api.usage_chunk(

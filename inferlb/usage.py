@@ -9,11 +9,17 @@ Where the numbers come from, best first (:class:`UsageSource`):
 1. ``REPORTED``: the model server's OpenAI ``usage`` object: the top-level ``usage`` of a JSON body, or the
    last non-null ``usage`` of an SSE stream (OpenAI sends it in a final chunk with empty ``choices`` when
    ``stream_options.include_usage`` is true; vLLM's ``continuous_usage_stats`` puts a running total on every
-   chunk, so the last one wins).
+   chunk, so the last one wins). Responses API answers (``POST /v1/responses``) report ``usage`` as
+   ``input_tokens`` / ``output_tokens`` (read as prompt / completion): at the top of a JSON ``response``
+   body, and in a stream in the ``response`` object of its terminal event (``response.completed``, or
+   ``response.incomplete`` / ``response.failed``); that event also ends the stream (Responses streams have
+   no ``data: [DONE]``).
 2. ``COUNTED``: no usage was reported (the stream was cut before its usage event, or the server does not
    report it): prompt tokens as counted at admission, completion tokens counted from what was produced:
    the text of each choice delta (``content``, ``reasoning_content``, ``refusal``, tool call names and
-   arguments) of every complete SSE event, or the choices of a JSON body. Each event is counted on its own
+   arguments) of every complete SSE event, or the choices of a JSON body; for the Responses API the
+   ``delta`` of its text, refusal, reasoning and tool-argument delta events, or the text of a JSON body's
+   output items. Each event is counted on its own
    (vLLM sends about one token per event), so the count is the same however the bytes were chunked.
 3. ``RESERVED``: a JSON body too large to keep (over ``max_json_bytes``) or not parseable: the admission
    reservation is charged as is (never less than the request could have used).
@@ -128,12 +134,55 @@ def _choice_texts(choice: Any) -> list[str]:
     return out
 
 
+#: Responses API stream events whose ``delta`` is generated text (OpenAI API reference, "Streaming events").
+_RESPONSES_TEXT_DELTAS: Final = frozenset(
+    {
+        "response.output_text.delta",
+        "response.refusal.delta",
+        "response.reasoning_text.delta",
+        "response.reasoning_summary_text.delta",
+        "response.function_call_arguments.delta",
+        "response.custom_tool_call_input.delta",
+    }
+)
+#: Responses API stream events that end a response; their ``response`` carries the final ``usage``.
+_RESPONSES_TERMINAL: Final = frozenset({"response.completed", "response.incomplete", "response.failed"})
+
+
+def _output_item_texts(item: Any) -> list[str]:
+    """Generated text of one Responses API output item: message text and refusals, reasoning text, tool
+    call arguments."""
+    out: list[str] = []
+    if not isinstance(item, dict):
+        return out
+    for key in ("arguments", "input"):  # function_call, custom_tool_call
+        value = item.get(key)
+        if isinstance(value, str):
+            out.append(value)
+    for key in ("content", "summary"):  # message and reasoning parts
+        parts = item.get(key)
+        if isinstance(parts, list):
+            for part in parts:
+                if isinstance(part, dict):
+                    for field in ("text", "refusal"):
+                        value = part.get(field)
+                        if isinstance(value, str):
+                            out.append(value)
+    return out
+
+
 def _reported(doc: dict[str, Any]) -> tuple[int, int] | None:
+    """``(prompt, completion)`` of a ``usage`` member in chat/completions terms, or in Responses API terms
+    (``input_tokens``, ``output_tokens``) when it has no ``prompt_tokens``; None when absent or invalid."""
     usage = doc.get("usage")
     if not isinstance(usage, dict):
         return None
-    prompt = usage.get("prompt_tokens")
-    completion = usage.get("completion_tokens", 0)  # embeddings report prompt and total only
+    if "prompt_tokens" not in usage and "input_tokens" in usage:
+        prompt = usage.get("input_tokens")
+        completion = usage.get("output_tokens")
+    else:
+        prompt = usage.get("prompt_tokens")
+        completion = usage.get("completion_tokens", 0)  # embeddings report prompt and total only
     if (
         isinstance(prompt, int)
         and isinstance(completion, int)
@@ -258,6 +307,9 @@ class SseMeter:
         doc = _event_json(data)
         if doc is None:
             return True
+        kind = doc.get("type")
+        if isinstance(kind, str) and kind.startswith("response."):
+            return self._end_responses_event(kind, doc)
         reported = _reported(doc)
         if reported is not None:
             self.reported = reported
@@ -267,6 +319,21 @@ class SseMeter:
                 for text in _choice_texts(choice):
                     self.completion_tokens += self._counter.count(text)
         return not (self.strip_usage_event and is_usage_only_event(doc))
+
+    def _end_responses_event(self, kind: str, doc: dict[str, Any]) -> bool:
+        """Account one Responses API event (its ``type`` is ``response.*``); always passed to the client."""
+        if kind in _RESPONSES_TEXT_DELTAS:
+            delta = doc.get("delta")
+            if isinstance(delta, str):
+                self.completion_tokens += self._counter.count(delta)
+        elif kind in _RESPONSES_TERMINAL:
+            response = doc.get("response")
+            if isinstance(response, dict):
+                reported = _reported(response)
+                if reported is not None:
+                    self.reported = reported
+            self.done = True
+        return True
 
 
 # -- one response ---------------------------------------------------------------------------------
@@ -316,9 +383,10 @@ class ResponseMeter:
 
     @property
     def complete(self) -> bool:
-        """True once an SSE stream's ``data: [DONE]`` terminator was read: nothing more will be generated,
-        so the request can be settled without waiting for the end of the body (Envoy does not always
-        deliver an end-of-stream body message before it resets the stream)."""
+        """True once an SSE stream's ``data: [DONE]`` terminator (or a Responses API stream's terminal
+        ``response.completed`` / ``.incomplete`` / ``.failed`` event) was read: nothing more will be
+        generated, so the request can be settled without waiting for the end of the body (Envoy does not
+        always deliver an end-of-stream body message before it resets the stream)."""
         return self._sse is not None and self._sse.done
 
     @property
@@ -407,9 +475,12 @@ class ResponseMeter:
                     aborted=aborted,
                 )
             choices = doc.get("choices")
+            output = doc.get("output")
             completion = 0
             if isinstance(choices, list):
                 completion = sum(self._counter.count(t) for c in choices for t in _choice_texts(c))
+            elif isinstance(output, list):  # a Responses API body without usage
+                completion = sum(self._counter.count(t) for i in output for t in _output_item_texts(i))
             return Usage(
                 prompt_tokens=res.prompt_tokens,
                 completion_tokens=completion,

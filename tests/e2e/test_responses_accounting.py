@@ -1,0 +1,78 @@
+"""Responses API accounting through a real Envoy: the official ``openai`` SDK's ``client.responses.create``
+(streamed and not) against the simulated fleet; ext_proc must charge exactly the ``usage`` the SDK saw
+(``input_tokens`` as prompt, ``output_tokens`` as completion), read back from its ``/metrics``."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import openai
+import pytest
+
+from inferlb.stack import Stack
+from tests.conftest import make_config_doc, write_config
+from tests.e2e.conftest import RunningStack
+from tests.e2e.test_extproc_accounting import charged, wait_charged
+
+pytestmark = pytest.mark.e2e
+
+QWEN = "qwen2.5-7b-instruct"
+TENANTS = ("resp-json", "resp-sse")
+
+
+@pytest.fixture(scope="module")
+def responses_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningStack]:
+    """The default fleet with the default response accounting, plus one tenant per test."""
+    work = tmp_path_factory.mktemp("responses")
+    doc = make_config_doc()
+    doc["ext_proc"].pop("account_responses", None)  # the default is what is under test
+    doc["tenants"] += [{"name": t, "api_keys": [f"sk-{t}-key"]} for t in TENANTS]
+    path = write_config(work / "inferlb.yaml", doc)
+    stack = Stack(path, workdir=work, log_level="info")
+    stack.start(timeout_s=60)
+    try:
+        assert stack.config.ext_proc.account_responses
+        yield RunningStack(stack, stack.config, path, doc)
+    finally:
+        stack.stop()
+
+
+def client(rs: RunningStack, key: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"http://{rs.gateway}/v1", api_key=key, max_retries=0, timeout=30)
+
+
+def test_a_response_body_is_charged_its_usage(responses_stack: RunningStack) -> None:
+    rs = responses_stack
+    before = charged(rs.config, "resp-json", QWEN)
+    with client(rs, "sk-resp-json-key") as c:
+        resp = c.responses.create(
+            model=QWEN, instructions="Be brief.", input="count my response tokens", max_output_tokens=9
+        )
+    assert resp.status == "completed" and resp.output_text
+    assert resp.usage is not None and resp.usage.output_tokens == 9
+    assert wait_charged(rs.config, "resp-json", QWEN, before) == (
+        resp.usage.input_tokens,
+        resp.usage.output_tokens,
+    )
+
+
+def test_a_response_stream_is_charged_the_usage_of_its_completed_event(responses_stack: RunningStack) -> None:
+    rs = responses_stack
+    before = charged(rs.config, "resp-sse", QWEN)
+    with client(rs, "sk-resp-sse-key") as c:
+        events = list(
+            c.responses.create(
+                model=QWEN,
+                input=[{"role": "user", "content": "stream a response"}],
+                max_output_tokens=11,
+                stream=True,
+            )
+        )
+    deltas = [e.delta for e in events if e.type == "response.output_text.delta"]
+    assert len(deltas) == 11
+    completed = [e.response for e in events if e.type == "response.completed"]
+    assert len(completed) == 1 and events[-1].type == "response.completed"
+    usage = completed[0].usage
+    assert usage is not None and usage.output_tokens == 11
+    assert completed[0].output_text == "".join(deltas)
+    assert wait_charged(rs.config, "resp-sse", QWEN, before) == (usage.input_tokens, usage.output_tokens)

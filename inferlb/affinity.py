@@ -48,9 +48,9 @@ KEY_HEX_CHARS: Final = 32
 COMPLETION_PREFIX_CHARS: Final = 1024
 #: Token ids of a legacy completion's first token-array prompt that make its prefix key.
 COMPLETION_PREFIX_TOKENS: Final = 256
-#: ``cluster.lb_policy`` values whose routes hash on the affinity headers (the same set as
-#: ``xds_server.resources.HASH_LB_POLICIES``, which gives only those routes a ``hash_policy``); the keys of
-#: a request to any other model are never read, so they need not be computed.
+#: ``cluster.lb_policy`` values whose routes hash on the affinity headers (xds_server.resources gives only
+#: those routes a ``hash_policy``, from this same set); the keys of a request to any other model are never
+#: read, so they need not be computed.
 HASH_LB_POLICIES: Final = frozenset({"ring_hash", "maglev"})
 
 

@@ -61,6 +61,8 @@ from google.protobuf import any_pb2, duration_pb2, struct_pb2, wrappers_pb2
 from google.protobuf.message import Message
 
 from inferlb import headers
+
+from inferlb.affinity import HASH_LB_POLICIES
 from inferlb.config import (
     CircuitBreaker,
     ClusterPolicy,
@@ -121,9 +123,6 @@ REPLACED_CLIENT_HEADERS: Final[tuple[str, ...]] = ("x-forwarded-for",)
 #: Headers removed on model routes, after ext_proc has read them: the tenant's API key never reaches a
 #: model server.
 UPSTREAM_REMOVED_HEADERS: Final[tuple[str, ...]] = ("authorization",)
-#: lb_policy values whose clusters balance by a request hash: their routes get :func:`affinity_hash_policy`
-#: and their clusters a bounded load (``hash_balance_factor``).
-HASH_LB_POLICIES: Final[frozenset[str]] = frozenset({"ring_hash", "maglev"})
 #: Envoy's retry conditions for inference requests: only failures where the request provably did not reach
 #: a model server (or was reset), so a retry cannot double-generate. 5xx answers are not retried.
 RETRY_ON: Final = "connect-failure,refused-stream,reset"

@@ -61,7 +61,6 @@ from google.protobuf import any_pb2, duration_pb2, struct_pb2, wrappers_pb2
 from google.protobuf.message import Message
 
 from inferlb import headers
-
 from inferlb.affinity import HASH_LB_POLICIES
 from inferlb.config import (
     CircuitBreaker,

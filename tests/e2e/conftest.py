@@ -6,6 +6,7 @@ tenants or models no other test in the module relies on.
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 from collections.abc import Iterator
@@ -13,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import openai
 import pytest
 
 from inferlb.config import Config
@@ -68,6 +70,10 @@ class RunningStack:
     def gateway(self) -> str:
         return str(self.config.gateway.listen)
 
+    def openai_client(self, key: str = "sk-demo-a") -> openai.OpenAI:
+        """The official OpenAI SDK pointed at the gateway (no retries, 30 s timeout)."""
+        return openai.OpenAI(base_url=f"http://{self.gateway}/v1", api_key=key, max_retries=0, timeout=30)
+
     def chat(
         self,
         model: str,
@@ -93,11 +99,9 @@ class RunningStack:
         )
 
 
-@pytest.fixture(scope="module")
-def running_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningStack]:
-    """The default fleet, fast simulated GPUs, on free ports; stopped after the module."""
-    work = tmp_path_factory.mktemp("stack")
-    doc = make_config_doc()
+@contextlib.contextmanager
+def started_stack(work: Path, doc: dict[str, Any]) -> Iterator[RunningStack]:
+    """Write ``doc`` to ``work/inferlb.yaml``, start the whole stack on it, stop it on exit."""
     path = write_config(work / "inferlb.yaml", doc)
     stack = Stack(path, workdir=work, log_level="info")
     stack.start(timeout_s=60)
@@ -105,3 +109,10 @@ def running_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningS
         yield RunningStack(stack, stack.config, path, doc)
     finally:
         stack.stop()
+
+
+@pytest.fixture(scope="module")
+def running_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningStack]:
+    """The default fleet, fast simulated GPUs, on free ports; stopped after the module."""
+    with started_stack(tmp_path_factory.mktemp("stack"), make_config_doc()) as rs:
+        yield rs

@@ -17,9 +17,8 @@ import openai
 import pytest
 
 from inferlb.headers import ENDPOINT
-from inferlb.stack import Stack
-from tests.conftest import make_config_doc, write_config
-from tests.e2e.conftest import RunningStack
+from tests.conftest import make_config_doc
+from tests.e2e.conftest import RunningStack, started_stack
 
 pytestmark = pytest.mark.e2e
 
@@ -32,13 +31,8 @@ def ring_hash_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Runnin
     doc = make_config_doc()
     llama = next(m for m in doc["models"] if m["name"] == LLAMA)
     llama["cluster"] = {"lb_policy": "ring_hash", "hash_balance_factor": 150}
-    path = write_config(work / "inferlb.yaml", doc)
-    stack = Stack(path, workdir=work, log_level="info")
-    stack.start(timeout_s=60)
-    try:
-        yield RunningStack(stack, stack.config, path, doc)
-    finally:
-        stack.stop()
+    with started_stack(work, doc) as rs:
+        yield rs
 
 
 def version_of(rs: RunningStack) -> dict[str, str]:

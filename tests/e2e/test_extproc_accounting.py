@@ -18,9 +18,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from inferlb.config import Config
-from inferlb.stack import Stack
-from tests.conftest import make_config_doc, write_config
-from tests.e2e.conftest import RunningStack, http_request
+from tests.conftest import make_config_doc
+from tests.e2e.conftest import RunningStack, http_request, started_stack
 
 pytestmark = pytest.mark.e2e
 
@@ -64,18 +63,13 @@ def accounting_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Runni
     doc["ext_proc"].pop("account_responses", None)  # the default is what is under test
     doc["simulation"]["decode_tokens_per_s"] = 2_000
     doc["tenants"] += [{"name": t, "api_keys": [f"sk-{t}-key"]} for t in TENANTS]
-    path = write_config(work / "inferlb.yaml", doc)
-    stack = Stack(path, workdir=work, log_level="info")
-    stack.start(timeout_s=60)
-    try:
-        assert stack.config.ext_proc.account_responses
-        yield RunningStack(stack, stack.config, path, doc)
-    finally:
-        stack.stop()
+    with started_stack(work, doc) as rs:
+        assert rs.config.ext_proc.account_responses
+        yield rs
 
 
 def client(rs: RunningStack, key: str) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"http://{rs.gateway}/v1", api_key=key, max_retries=0, timeout=30)
+    return rs.openai_client(key)
 
 
 def test_a_json_response_is_charged_its_usage(accounting_stack: RunningStack) -> None:

@@ -16,9 +16,9 @@ import grpc
 import pytest
 from envoy.service.ext_proc.v3 import external_processor_pb2, external_processor_pb2_grpc
 
-from inferlb.stack import Stack, port_open
-from tests.conftest import make_config_doc, write_config
-from tests.e2e.conftest import Reply, RunningStack, http_request
+from inferlb.stack import port_open
+from tests.conftest import make_config_doc
+from tests.e2e.conftest import Reply, RunningStack, http_request, started_stack
 
 pytestmark = pytest.mark.e2e
 
@@ -40,13 +40,8 @@ def failure_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningS
         path_failure_modes={"/v1/embeddings": "open"},
         fail_open_model=FAIL_OPEN_MODEL,
     )
-    path = write_config(work / "inferlb.yaml", doc)
-    stack = Stack(path, workdir=work)
-    stack.start(timeout_s=60)
-    try:
-        yield RunningStack(stack, stack.config, path, doc)
-    finally:
-        stack.stop()
+    with started_stack(work, doc) as rs:
+        yield rs
 
 
 def _timed(fn: Any, *args: Any, **kwargs: Any) -> tuple[Reply, float]:

@@ -16,9 +16,8 @@ from collections.abc import Iterator
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from inferlb.stack import Stack
-from tests.conftest import make_config_doc, write_config
-from tests.e2e.conftest import RunningStack, http_request
+from tests.conftest import make_config_doc
+from tests.e2e.conftest import RunningStack, http_request, started_stack
 
 pytestmark = pytest.mark.e2e
 
@@ -35,14 +34,9 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningStack]:
     doc["ext_proc"].pop("account_responses", None)
     doc["ext_proc"]["non_inference_paths"] = "allow"
     doc["tenants"] += [{"name": TENANT, "api_keys": [KEY]}]
-    path = write_config(work / "inferlb.yaml", doc)
-    running = Stack(path, workdir=work, log_level="info")
-    running.start(timeout_s=60)
-    try:
-        assert running.config.ext_proc.account_responses
-        yield RunningStack(running, running.config, path, doc)
-    finally:
-        running.stop()
+    with started_stack(work, doc) as rs:
+        assert rs.config.ext_proc.account_responses
+        yield rs
 
 
 def messages_answered(rs: RunningStack) -> dict[str, int]:

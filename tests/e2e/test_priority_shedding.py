@@ -14,9 +14,8 @@ from collections.abc import Iterator
 import openai
 import pytest
 
-from inferlb.stack import Stack
-from tests.conftest import make_config_doc, write_config
-from tests.e2e.conftest import RunningStack
+from tests.conftest import make_config_doc
+from tests.e2e.conftest import RunningStack, started_stack
 
 pytestmark = pytest.mark.e2e
 
@@ -38,13 +37,8 @@ def small_pool_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Runni
         "circuit_breaker_default": DEFAULT_BUDGET,
         "circuit_breaker_high": {"max_connections": 256, "max_pending_requests": 256, "max_requests": 256},
     }
-    path = write_config(work / "inferlb.yaml", doc)
-    stack = Stack(path, workdir=work, log_level="info")
-    stack.start(timeout_s=60)
-    try:
-        yield RunningStack(stack, stack.config, path, doc)
-    finally:
-        stack.stop()
+    with started_stack(work, doc) as rs:
+        yield rs
 
 
 async def _low(c: openai.AsyncOpenAI, i: int) -> tuple[int, str | None, str | None]:

@@ -9,9 +9,8 @@ from collections.abc import Iterator
 import openai
 import pytest
 
-from inferlb.stack import Stack
-from tests.conftest import make_config_doc, write_config
-from tests.e2e.conftest import RunningStack
+from tests.conftest import make_config_doc
+from tests.e2e.conftest import RunningStack, started_stack
 from tests.e2e.test_extproc_accounting import charged, wait_charged
 
 pytestmark = pytest.mark.e2e
@@ -27,18 +26,13 @@ def responses_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Runnin
     doc = make_config_doc()
     doc["ext_proc"].pop("account_responses", None)  # the default is what is under test
     doc["tenants"] += [{"name": t, "api_keys": [f"sk-{t}-key"]} for t in TENANTS]
-    path = write_config(work / "inferlb.yaml", doc)
-    stack = Stack(path, workdir=work, log_level="info")
-    stack.start(timeout_s=60)
-    try:
-        assert stack.config.ext_proc.account_responses
-        yield RunningStack(stack, stack.config, path, doc)
-    finally:
-        stack.stop()
+    with started_stack(work, doc) as rs:
+        assert rs.config.ext_proc.account_responses
+        yield rs
 
 
 def client(rs: RunningStack, key: str) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"http://{rs.gateway}/v1", api_key=key, max_retries=0, timeout=30)
+    return rs.openai_client(key)
 
 
 def test_a_response_body_is_charged_its_usage(responses_stack: RunningStack) -> None:

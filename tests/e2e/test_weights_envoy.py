@@ -15,10 +15,10 @@ from typing import Any
 import pytest
 
 from inferlb.cli import main
-from inferlb.stack import Stack, clusters_json
+from inferlb.stack import clusters_json
 from inferlb.status import host_rows
-from tests.conftest import make_config_doc, write_config
-from tests.e2e.conftest import RunningStack, http_request
+from tests.conftest import make_config_doc
+from tests.e2e.conftest import RunningStack, http_request, started_stack
 
 pytestmark = pytest.mark.e2e
 
@@ -34,13 +34,8 @@ def telemetry_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Runnin
     doc["xds"]["api_token"] = TOKEN
     doc["weights"] = {"mode": "telemetry", "stale_after_ms": 1_500, "smoothing_tau_ms": 300}
     doc["telemetry"] = {"scrape_interval_ms": 200, "scrape_timeout_ms": 500}
-    path = write_config(work / "inferlb.yaml", doc)
-    stack = Stack(path, workdir=work, log_level="info")
-    stack.start(timeout_s=60)
-    try:
-        yield RunningStack(stack, stack.config, path, doc)
-    finally:
-        stack.stop()
+    with started_stack(work, doc) as rs:
+        yield rs
 
 
 def _envoy_weight(rs: RunningStack, name: str) -> int:

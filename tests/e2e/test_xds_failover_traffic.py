@@ -16,9 +16,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from inferlb.stack import Stack
-from tests.conftest import make_config_doc, write_config
-from tests.e2e.conftest import RunningStack, http_request
+from tests.conftest import make_config_doc
+from tests.e2e.conftest import RunningStack, http_request, started_stack
 
 pytestmark = pytest.mark.e2e
 
@@ -49,13 +48,8 @@ def failover_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Running
     for e in doc["endpoints"]:
         if e["name"] in localities:
             e["region"], e["zone"] = localities[e["name"]]
-    path = write_config(work / "inferlb.yaml", doc)
-    stack = Stack(path, workdir=work, log_level="info")
-    stack.start(timeout_s=60)
-    try:
-        yield RunningStack(stack, stack.config, path, doc)
-    finally:
-        stack.stop()
+    with started_stack(work, doc) as rs:
+        yield rs
 
 
 def _address(rs: RunningStack, name: str) -> str:

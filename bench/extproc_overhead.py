@@ -40,10 +40,9 @@ from rich.console import Console
 from rich.table import Table
 
 from inferlb.config import HostPort, default_config_path
-from inferlb.stack import Child, Stack, find_envoy, port_open
+from inferlb.stack import Child, Stack, find_envoy, free_ports, port_open
 
 sys.path.insert(0, str(Path(__file__).parents[1]))
-from tests.conftest import free_ports  # the repo's free-port helper
 
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 ROUTER_TYPE = "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"

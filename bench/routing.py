@@ -56,7 +56,6 @@ import asyncio
 import contextlib
 import json
 import math
-import socket
 import statistics
 import sys
 import tempfile
@@ -86,7 +85,7 @@ from inferlb.replay import (
     send_all,
     window,
 )
-from inferlb.stack import Stack, clusters_json
+from inferlb.stack import Stack, clusters_json, free_ports
 from inferlb.status import host_rows
 
 MODEL = "bench-model"
@@ -99,20 +98,6 @@ POLICIES = ("rr-equal", "lr-equal", "static", "telemetry")
 ATTRIBUTION = (
     "Trace: Azure LLM inference trace 2023 (conversation), Patel et al., 'Splitwise', ISCA 2024; CC-BY 4.0"
 )
-
-
-def free_ports(n: int) -> list[int]:
-    """``n`` distinct free TCP ports on 127.0.0.1 (bound together, then released)."""
-    socks = []
-    try:
-        for _ in range(n):
-            s = socket.socket()
-            s.bind(("127.0.0.1", 0))
-            socks.append(s)
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 def config_doc(policy: str, *, prefill_tps: float, decode_tps: float, max_batch: int) -> dict[str, Any]:

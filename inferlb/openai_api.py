@@ -426,9 +426,7 @@ def _parse_message(i: int, msg: object, unknown: list[str]) -> ChatMessage:
     where = f"messages[{i}]"
     if not isinstance(msg, dict):
         raise _bad(f"'{where}' must be an object, got {_type_name(msg)}.", where)
-    role = msg.get("role")
-    if not isinstance(role, str) or not role:
-        raise _bad(f"'{where}.role' must be a non-empty string, got {_type_name(role)}.", f"{where}.role")
+    role = _message_role(where, msg)
     name = msg.get("name")
     if name is not None and not isinstance(name, str):
         raise _bad(f"'{where}.name' must be a string, got {_type_name(name)}.", f"{where}.name")
@@ -436,23 +434,15 @@ def _parse_message(i: int, msg: object, unknown: list[str]) -> ChatMessage:
     texts: list[str] = []
     images: list[ImageDetail] = []
     content = msg.get("content")
-    if isinstance(content, str):
-        texts.append(content)
-    elif isinstance(content, list):
-        for j, part in enumerate(content):
-            _parse_part(f"{where}.content[{j}]", part, texts, images, unknown)
-    elif content is None:
+    if not _collect_content(where, content, texts, images, unknown):
+        if content is not None:
+            raise _bad_content(where, content)
         if role != "assistant":
             raise _bad(
                 f"'{where}.content' is required for a {echo(role, 32)!r} message (null is allowed only "
                 "for an assistant message with tool_calls).",
                 f"{where}.content",
             )
-    else:
-        raise _bad(
-            f"'{where}.content' must be a string or an array of content parts, got {_type_name(content)}.",
-            f"{where}.content",
-        )
 
     tool_calls = msg.get("tool_calls")
     if tool_calls is not None:
@@ -598,23 +588,43 @@ def _parse_input_item(i: int, item: object, unknown: list[str]) -> ChatMessage:
     return ChatMessage(role="assistant", texts=(json.dumps(item, separators=(",", ":"), ensure_ascii=False),))
 
 
-def _parse_message_like(where: str, msg: Mapping[str, Any], unknown: list[str]) -> ChatMessage:
+def _message_role(where: str, msg: Mapping[str, Any]) -> str:
+    """A message's ``role``: a non-empty string, else a 400 naming ``<where>.role``."""
     role = msg.get("role")
     if not isinstance(role, str) or not role:
         raise _bad(f"'{where}.role' must be a non-empty string, got {_type_name(role)}.", f"{where}.role")
+    return role
+
+
+def _bad_content(where: str, content: object) -> RequestError:
+    return _bad(
+        f"'{where}.content' must be a string or an array of content parts, got {_type_name(content)}.",
+        f"{where}.content",
+    )
+
+
+def _collect_content(
+    where: str, content: object, texts: list[str], images: list[ImageDetail], unknown: list[str]
+) -> bool:
+    """Add a message's content (a string, or an array of content parts) to ``texts``/``images``; False when
+    the content is neither (the caller decides whether null is allowed)."""
+    if isinstance(content, str):
+        texts.append(content)
+        return True
+    if isinstance(content, list):
+        for j, part in enumerate(content):
+            _parse_part(f"{where}.content[{j}]", part, texts, images, unknown)
+        return True
+    return False
+
+
+def _parse_message_like(where: str, msg: Mapping[str, Any], unknown: list[str]) -> ChatMessage:
+    role = _message_role(where, msg)
     texts: list[str] = []
     images: list[ImageDetail] = []
     content = msg.get("content")
-    if isinstance(content, str):
-        texts.append(content)
-    elif isinstance(content, list):
-        for j, part in enumerate(content):
-            _parse_part(f"{where}.content[{j}]", part, texts, images, unknown)
-    else:
-        raise _bad(
-            f"'{where}.content' must be a string or an array of content parts, got {_type_name(content)}.",
-            f"{where}.content",
-        )
+    if not _collect_content(where, content, texts, images, unknown):
+        raise _bad_content(where, content)
     return ChatMessage(role=role, texts=tuple(texts), images=tuple(images))
 
 

@@ -68,14 +68,10 @@ def accounting_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Runni
         yield rs
 
 
-def client(rs: RunningStack, key: str) -> openai.OpenAI:
-    return rs.openai_client(key)
-
-
 def test_a_json_response_is_charged_its_usage(accounting_stack: RunningStack) -> None:
     rs = accounting_stack
     before = charged(rs.config, "acct-json", QWEN)
-    with client(rs, "sk-acct-json-key") as c:
+    with rs.openai_client("sk-acct-json-key") as c:
         resp = c.chat.completions.create(
             model="qwen", messages=[{"role": "user", "content": "count my tokens"}], max_tokens=9
         )
@@ -89,7 +85,7 @@ def test_a_json_response_is_charged_its_usage(accounting_stack: RunningStack) ->
 def test_a_stream_that_asked_for_usage_is_charged_it_and_sees_it(accounting_stack: RunningStack) -> None:
     rs = accounting_stack
     before = charged(rs.config, "acct-sse", LLAMA)
-    with client(rs, "sk-acct-sse-key") as c:
+    with rs.openai_client("sk-acct-sse-key") as c:
         chunks = list(
             c.chat.completions.create(
                 model=LLAMA,
@@ -112,7 +108,7 @@ def test_a_stream_that_did_not_ask_is_charged_but_never_sees_the_usage_chunk(
 ) -> None:
     rs = accounting_stack
     messages: Any = [{"role": "user", "content": "stream without usage"}]
-    with client(rs, "sk-acct-sse-hidden-key") as c:
+    with rs.openai_client("sk-acct-sse-hidden-key") as c:
         # the same prompt non-streamed tells the prompt count the stream must be charged
         ref = c.chat.completions.create(model=QWEN, messages=messages, max_tokens=1)
         assert ref.usage is not None
@@ -129,7 +125,7 @@ def test_an_aborted_stream_is_charged_for_what_was_produced(accounting_stack: Ru
     rs = accounting_stack
     max_tokens = 4_000  # >= 1.2 s of decode on the fastest GPU at 2,000 tokens/s x 3.4
     before = charged(rs.config, "acct-abort", QWEN)
-    with client(rs, "sk-acct-abort-key") as c:
+    with rs.openai_client("sk-acct-abort-key") as c:
         stream = c.chat.completions.create(
             model=QWEN,
             messages=[{"role": "user", "content": "a long story please"}],

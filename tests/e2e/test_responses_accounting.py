@@ -6,7 +6,6 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-import openai
 import pytest
 
 from tests.conftest import make_config_doc
@@ -31,14 +30,10 @@ def responses_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Runnin
         yield rs
 
 
-def client(rs: RunningStack, key: str) -> openai.OpenAI:
-    return rs.openai_client(key)
-
-
 def test_a_response_body_is_charged_its_usage(responses_stack: RunningStack) -> None:
     rs = responses_stack
     before = charged(rs.config, "resp-json", QWEN)
-    with client(rs, "sk-resp-json-key") as c:
+    with rs.openai_client("sk-resp-json-key") as c:
         resp = c.responses.create(
             model=QWEN, instructions="Be brief.", input="count my response tokens", max_output_tokens=9
         )
@@ -53,7 +48,7 @@ def test_a_response_body_is_charged_its_usage(responses_stack: RunningStack) -> 
 def test_a_response_stream_is_charged_the_usage_of_its_completed_event(responses_stack: RunningStack) -> None:
     rs = responses_stack
     before = charged(rs.config, "resp-sse", QWEN)
-    with client(rs, "sk-resp-sse-key") as c:
+    with rs.openai_client("sk-resp-sse-key") as c:
         events = list(
             c.responses.create(
                 model=QWEN,

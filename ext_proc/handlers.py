@@ -30,6 +30,7 @@ from inferlb import headers as h
 from inferlb.affinity import HASH_LB_POLICIES, NO_KEYS, affinity_keys
 from inferlb.config import Config, ModelConfig, TenantConfig
 from inferlb.errors import RequestError
+from inferlb.length_aware import length_class
 from inferlb.openai_api import INFERENCE_PATHS, EndpointKind, InferenceRequest, echo, parse_request
 from inferlb.quota import Admitted, Limit, QuotaBook, Refused
 from inferlb.request_rewrite import rewrite_request
@@ -478,8 +479,9 @@ def admit(
 
     Returns:
         :class:`ContinueRequest` setting ``x-inferlb-model``, ``-version``, ``-tenant``, ``-priority``,
-        ``-prompt-tokens`` with ``clear_route_cache``; or a 429 ``rate_limit_error``/``rate_limit_exceeded``
-        :class:`ImmediateReply` with ``retry-after`` (none when the request can never fit the quota).
+        ``-prompt-tokens`` (and ``-length-class`` for a length-aware model) with ``clear_route_cache``;
+        or a 429 ``rate_limit_error``/``rate_limit_exceeded`` :class:`ImmediateReply` with ``retry-after``
+        (none when the request can never fit the quota).
     """
     decision = quotas.try_admit(prepared.pending.tenant.name, prepared.reserved_tokens, now)
     if isinstance(decision, Refused):
@@ -540,6 +542,11 @@ def route(
         headers = (*headers, (h.PREFIX_KEY, keys.prefix))
     if keys.session is not None:
         headers = (*headers, (h.SESSION_KEY, keys.session))
+    length_aware = prepared.model.cluster.length_aware
+    if length_aware is not None:
+        # the whole output cap (x n x prompts, as admission reserves): n choices share one GPU's batch
+        cap = prepared.request.output_token_cap(prepared.model.default_max_tokens)
+        headers = (*headers, (h.LENGTH_CLASS, length_class(cap, length_aware)))
     body = prepared.upstream_body
     if body is not None:
         # Envoy's ProcessingMode docs: with a BUFFERED body and SEND headers, the processor that mutates

@@ -351,6 +351,23 @@ class HealthCheck(_Frozen):
     no_traffic_interval_ms: Annotated[int, Field(ge=100, le=600_000)] = 5_000
 
 
+class LengthAwareRouting(_Frozen):
+    """Length-aware placement for one model (:mod:`inferlb.length_aware`): a request whose output cap
+    (``max_completion_tokens``/``max_tokens``/``max_output_tokens``, else ``default_max_tokens``, x ``n``)
+    exceeds ``long_output_tokens`` is balanced among the model's fast GPUs only (Envoy subset load
+    balancing on GPU-class endpoint metadata); other requests are balanced over every GPU.
+
+    The defaults come from the 1,000-GPU simulation (bench/fleet_sim.py, Azure 2023 conversation trace):
+    384 tokens is that trace's 70th percentile of completion lengths, and 1.5 puts A100s (1.7) and H100s
+    (3.4) in the fast tier and V100s (1.0) outside it.
+    """
+
+    #: Output caps above this are long (tokens).
+    long_output_tokens: Annotated[int, Field(ge=1, le=10_000_000)] = 384
+    #: GPUs whose profile's ``relative_capacity`` is at least this form the fast tier (V100 = 1.0).
+    fast_min_relative_capacity: Annotated[float, Field(gt=0, le=100)] = 1.5
+
+
 class ClusterPolicy(_Frozen):
     """How Envoy balances and protects one model's clusters."""
 
@@ -390,6 +407,9 @@ class ClusterPolicy(_Frozen):
     failover: Literal["off", "zone", "region"] = "off"
     #: Envoy ``ClusterLoadAssignment.policy.overprovisioning_factor`` (%; Envoy's default 140).
     overprovisioning_factor: Annotated[int, Field(ge=100, le=1000)] = 140
+    #: Long generations to the fast GPUs (:class:`LengthAwareRouting`); None (default): every request is
+    #: balanced over every endpoint. Needs ``least_request`` or ``round_robin``.
+    length_aware: LengthAwareRouting | None = None
 
     @model_validator(mode="after")
     def _check_slow_start(self) -> Self:
@@ -397,6 +417,16 @@ class ClusterPolicy(_Frozen):
             raise ValueError(
                 f"slow_start_window_ms: slow start needs lb_policy least_request or round_robin, "
                 f"not {self.lb_policy}"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _check_length_aware(self) -> Self:
+        # ring_hash/maglev place a request by its affinity key; a length subset would break that affinity
+        if self.length_aware is not None and self.lb_policy not in ("least_request", "round_robin"):
+            raise ValueError(
+                f"length_aware: length-aware placement needs lb_policy least_request or round_robin, "
+                f"not {self.lb_policy} (its affinity keys pick the GPU)"
             )
         return self
 

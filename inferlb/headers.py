@@ -24,5 +24,8 @@ SESSION_KEY: Final = "x-inferlb-session"
 #: Conversation-prefix affinity key (a digest of the conversation's opening, :mod:`inferlb.affinity`);
 #: ring_hash/maglev routes hash on it first.
 PREFIX_KEY: Final = "x-inferlb-prefix"
+#: Length class of a request to a length-aware model (``long``/``short``, :mod:`inferlb.length_aware`): a
+#: ``long`` request's route balances it among the model's fast GPUs only.
+LENGTH_CLASS: Final = "x-inferlb-length-class"
 #: Response header set by a (simulated) model server: which endpoint served the request.
 ENDPOINT: Final = "x-inferlb-endpoint"

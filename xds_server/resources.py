@@ -13,12 +13,17 @@ What is built (names are stable; the bootstrap and ``inferlb status`` rely on th
   high``) then a DEFAULT one, both matching ``x-inferlb-model`` + ``x-inferlb-version``; then one route per
   OpenAI inference path carrying that path's ext_proc failure mode (:func:`failure_mode_routes`); a final
   catch-all answering 404 with an OpenAI-style JSON error. Models balanced with ``ring_hash``/``maglev`` get a
-  ``hash_policy`` on the affinity headers ext_proc sets (:func:`affinity_hash_policy`).
+  ``hash_policy`` on the affinity headers ext_proc sets (:func:`affinity_hash_policy`). A model with
+  ``cluster.length_aware`` gets two routes more per version, first (HIGH then DEFAULT), matching
+  ``x-inferlb-length-class: long`` with ``metadata_match {envoy.lb: {gpu_tier: fast}}``
+  (:mod:`inferlb.length_aware`).
 - One EDS Cluster per model version (:func:`inferlb.config.cluster_name`), plus the STATIC HTTP/2 cluster
   ``inferlb_ext_proc``.
 - One ClusterLoadAssignment per model-version cluster (empty when the pool is empty: Envoy must get an
   answer to finish warming), endpoints grouped by (region, zone), weights from
-  :func:`inferlb.fleet.capacity_weight`.
+  :func:`inferlb.fleet.capacity_weight`. A length-aware model's clusters get an ``lb_subset_config`` (one
+  selector on ``gpu_tier``, fallback ``ANY_ENDPOINT``) and their endpoints ``envoy.lb`` metadata
+  ``{gpu_tier: fast|standard}`` from their GPU profile (:func:`inferlb.length_aware.gpu_tier`).
 """
 
 from __future__ import annotations
@@ -73,7 +78,9 @@ from inferlb.config import (
 )
 from inferlb.errors import ConfigError, RequestError
 from inferlb.fleet import capacity_weight
+from inferlb.length_aware import ENVOY_LB_NAMESPACE, FAST_TIER, LONG, TIER_KEY, gpu_tier
 from inferlb.openai_api import INFERENCE_PATHS
+from inferlb.usage import RESPONSE_CODE_ATTRIBUTE
 
 # -- type URLs (envoy/api/v3; the ADS stream multiplexes on these) --------------------------------------
 LISTENER_TYPE: Final = "type.googleapis.com/envoy.config.listener.v3.Listener"
@@ -114,6 +121,7 @@ STRIPPED_REQUEST_HEADERS: Final[tuple[str, ...]] = (
     headers.PROMPT_TOKENS,
     headers.SESSION_KEY,
     headers.PREFIX_KEY,
+    headers.LENGTH_CLASS,
 )
 #: Client request headers Envoy replaces with its own: with ``use_remote_address`` Envoy appends the peer
 #: address to ``x-forwarded-for``; removing the client's value first leaves exactly that address, so a
@@ -375,13 +383,16 @@ def build_listener(config: Config) -> listener_pb2.Listener:
         grpc_service=grpc_service_pb2.GrpcService(
             envoy_grpc=grpc_service_pb2.GrpcService.EnvoyGrpc(cluster_name=EXT_PROC_CLUSTER)
         ),
-        # ext_proc.account_responses: ext_proc meters the response (usage) to settle quota, so Envoy sends
-        # it the response headers and streams it the body chunks as they pass
+        # ext_proc.account_responses: ext_proc meters the response (usage) to settle quota, so Envoy streams
+        # it the body chunks as they pass. The response headers are not sent (one gRPC round trip less per
+        # request, bench/extproc_cpu.py): the status comes as the ``response.code`` attribute with the first
+        # body message, the body's format is read from its first bytes, and in STREAMED mode Envoy drops
+        # the response's content-length itself, so the meter may rewrite the body (checked on Envoy 1.40).
+        # The request headers phase cannot be skipped: the router picks the route at decodeHeaders, before
+        # a body answer could set the routing headers (Envoy reports "route cache blocked").
         processing_mode=processing_mode_pb2.ProcessingMode(
             request_header_mode=processing_mode_pb2.ProcessingMode.SEND,
-            response_header_mode=processing_mode_pb2.ProcessingMode.SEND
-            if config.ext_proc.account_responses
-            else processing_mode_pb2.ProcessingMode.SKIP,
+            response_header_mode=processing_mode_pb2.ProcessingMode.SKIP,
             request_body_mode=processing_mode_pb2.ProcessingMode.BUFFERED,
             response_body_mode=processing_mode_pb2.ProcessingMode.STREAMED
             if config.ext_proc.account_responses
@@ -393,10 +404,11 @@ def build_listener(config: Config) -> listener_pb2.Listener:
         message_timeout=_duration_ms(config.ext_proc.message_timeout_ms),
         # the default for paths without a failure-mode route (failure_mode_routes sets it per path)
         failure_mode_allow=config.ext_proc.failure_mode_allow,
-        # ext_proc answers some headers messages with a mode_override (ext_proc.servicer): a let-through
-        # request gets no body or response phases, a non-2xx response (charged nothing) no body messages;
-        # each message skipped is one gRPC round trip less
+        # ext_proc answers the request headers of a let-through request (not an inference path) with a
+        # mode_override (ext_proc.servicer): it then gets no body or response phases, each message skipped
+        # being one gRPC round trip less
         allow_mode_override=True,
+        response_attributes=[RESPONSE_CODE_ATTRIBUTE] if config.ext_proc.account_responses else [],
     )
     hcm = http_connection_manager_pb2.HttpConnectionManager(
         stat_prefix=LISTENER_NAME,
@@ -467,8 +479,16 @@ def affinity_hash_policy() -> list[route_components_pb2.RouteAction.HashPolicy]:
     ]
 
 
+def fast_tier_match() -> base_pb2.Metadata:
+    """The route ``metadata_match`` that sends a request to a length-aware cluster's fast subset:
+    ``{envoy.lb: {gpu_tier: fast}}`` (:mod:`inferlb.length_aware`)."""
+    criteria = struct_pb2.Struct()
+    criteria.update({TIER_KEY: FAST_TIER})
+    return base_pb2.Metadata(filter_metadata={ENVOY_LB_NAMESPACE: criteria})
+
+
 def _route_action(
-    config: Config, cluster: str, *, high: bool, hashed: bool = False
+    config: Config, cluster: str, *, high: bool, hashed: bool = False, fast_tier: bool = False
 ) -> route_components_pb2.RouteAction:
     gw = config.gateway
     retry = route_components_pb2.RetryPolicy(
@@ -490,6 +510,7 @@ def _route_action(
         timeout=_duration_ms(gw.request_timeout_ms),
         retry_policy=retry,
         hash_policy=affinity_hash_policy() if hashed else [],
+        metadata_match=fast_tier_match() if fast_tier else None,
     )
 
 
@@ -585,8 +606,10 @@ def build_route_configuration(config: Config) -> route_pb2.RouteConfiguration:
     """RouteConfiguration ``inferlb_routes`` (one virtual host ``*``).
 
     Routes are matched in order: per model version the HIGH variant (also requiring
-    ``x-inferlb-priority: high``) precedes the DEFAULT one; then the per-path failure-mode routes
-    (:func:`failure_mode_routes`); the catch-all 404 comes last.
+    ``x-inferlb-priority: high``) precedes the DEFAULT one; a length-aware model's long variants
+    (``x-inferlb-length-class: long``, to the fast subset, ``<cluster>--long-high`` and ``<cluster>--long``)
+    precede both; then the per-path failure-mode routes (:func:`failure_mode_routes`); the catch-all 404
+    comes last.
     """
     routes: list[route_components_pb2.Route] = []
     for model in config.models:
@@ -594,6 +617,20 @@ def build_route_configuration(config: Config) -> route_pb2.RouteConfiguration:
             cluster = cluster_name(model.name, version.name)
             hashed = model.cluster.lb_policy in HASH_LB_POLICIES
             base = [_exact(headers.MODEL, model.name), _exact(headers.VERSION, version.name)]
+            if model.cluster.length_aware is not None:
+                long = [*base, _exact(headers.LENGTH_CLASS, LONG)]
+                for suffix, match, high in (
+                    ("--long-high", [*long, _exact(headers.PRIORITY, "high")], True),
+                    ("--long", long, False),
+                ):
+                    routes.append(
+                        route_components_pb2.Route(
+                            name=f"{cluster}{suffix}",
+                            match=route_components_pb2.RouteMatch(prefix="/", headers=match),
+                            route=_route_action(config, cluster, high=high, fast_tier=True),
+                            request_headers_to_remove=list(UPSTREAM_REMOVED_HEADERS),
+                        )
+                    )
             routes.append(
                 route_components_pb2.Route(
                     name=f"{cluster}--high",
@@ -726,6 +763,8 @@ def build_model_cluster(name: str, policy: ClusterPolicy) -> cluster_pb2.Cluster
         )
     if policy.locality_weighted:
         cluster.common_lb_config.locality_weighted_lb_config.SetInParent()
+    if policy.length_aware is not None:
+        cluster.lb_subset_config.CopyFrom(length_aware_subsets(policy))
     hc = policy.health_check
     if hc is not None:
         cluster.health_checks.append(
@@ -740,6 +779,26 @@ def build_model_cluster(name: str, policy: ClusterPolicy) -> cluster_pb2.Cluster
             )
         )
     return cluster
+
+
+def length_aware_subsets(policy: ClusterPolicy) -> cluster_pb2.Cluster.LbSubsetConfig:
+    """The ``lb_subset_config`` of a length-aware model's clusters (:mod:`inferlb.length_aware`).
+
+    One selector on the endpoints' ``envoy.lb`` key ``gpu_tier``; fallback ``ANY_ENDPOINT``, so a route
+    without ``metadata_match`` (short requests) and a long request when the fast subset is empty are
+    balanced over every endpoint (``NO_FALLBACK``, Envoy's default, would fail them as if the cluster had
+    no hosts). Each subset runs the cluster's own ``lb_policy`` with its weights. Verified against Envoy
+    1.40 (tests/e2e/test_length_aware_envoy.py), which accepts the cluster field with the legacy
+    ``lb_policy`` enum; the typed ``envoy.load_balancing_policies.subset`` policy would also need the inner
+    policy restated as an extension.
+    """
+    subset = cluster_pb2.Cluster.LbSubsetConfig
+    return subset(
+        fallback_policy=subset.ANY_ENDPOINT,
+        subset_selectors=[subset.LbSubsetSelector(keys=[TIER_KEY])],
+        # with locality-weighted balancing, a subset keeps picking the locality first by its weight
+        locality_weight_aware=policy.locality_weighted,
+    )
 
 
 def build_ext_proc_cluster(config: Config) -> cluster_pb2.Cluster:
@@ -867,15 +926,21 @@ class LbEndpointCache:
 
 
 def _lb_endpoint(
-    config: Config, e: EndpointConfig, address: HostPort, override: EndpointOverride
+    config: Config, e: EndpointConfig, address: HostPort, override: EndpointOverride, policy: ClusterPolicy
 ) -> endpoint_components_pb2.LbEndpoint:
     meta = struct_pb2.Struct()
     meta.update({"name": e.display_name, "gpu": e.gpu})
     weight = override.weight if override.weight is not None else capacity_weight(config, e)
+    filter_metadata = {METADATA_NAMESPACE: meta}
+    if policy.length_aware is not None:
+        # the subset load balancer reads the envoy.lb namespace (length_aware_subsets)
+        tier = struct_pb2.Struct()
+        tier.update({TIER_KEY: gpu_tier(config, e.gpu, policy.length_aware)})
+        filter_metadata[ENVOY_LB_NAMESPACE] = tier
     lb = endpoint_components_pb2.LbEndpoint(
         endpoint=endpoint_components_pb2.Endpoint(address=_socket_address(address), hostname=e.display_name),
         load_balancing_weight=wrappers_pb2.UInt32Value(value=max(1, weight)),
-        metadata=base_pb2.Metadata(filter_metadata={METADATA_NAMESPACE: meta}),
+        metadata=base_pb2.Metadata(filter_metadata=filter_metadata),
     )
     if override.draining:
         lb.health_status = health_check_pb2.HealthStatus.DRAINING
@@ -936,11 +1001,11 @@ def build_load_assignment(
     by_locality: dict[tuple[str, str], list[endpoint_components_pb2.LbEndpoint]] = {}
     for (e, address, override), inputs in zip(resolved, signature or [None] * len(resolved), strict=True):
         if inputs is None or lb_cache is None:
-            lb = _lb_endpoint(config, e, address, override)
+            lb = _lb_endpoint(config, e, address, override, policy)
         else:
             cached = lb_cache.endpoints.get(inputs)
             if cached is None:
-                cached = lb_cache.endpoints[inputs] = _lb_endpoint(config, e, address, override)
+                cached = lb_cache.endpoints[inputs] = _lb_endpoint(config, e, address, override, policy)
             lb = cached
         by_locality.setdefault((e.region, e.zone), []).append(lb)
     localities = []

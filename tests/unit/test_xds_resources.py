@@ -195,6 +195,7 @@ def test_listener_buffer_limit_and_filter_chain(config: Config) -> None:
         headers.PROMPT_TOKENS,
         headers.SESSION_KEY,
         headers.PREFIX_KEY,
+        headers.LENGTH_CLASS,
         "x-forwarded-for",  # Envoy's own (use_remote_address) replaces it
     }
 
@@ -215,17 +216,19 @@ def test_ext_proc_filter_settings() -> None:
     mode = processing_mode_pb2.ProcessingMode
     assert (pm.request_header_mode, pm.request_body_mode) == (mode.SEND, mode.BUFFERED)
     assert (pm.response_header_mode, pm.response_body_mode) == (mode.SKIP, mode.NONE)
+    assert list(ep.response_attributes) == []
     assert ep.message_timeout.ToMilliseconds() == 7000
     assert ep.failure_mode_allow is True
-    # ext_proc's mode_override answers (fewer messages for let-through requests and non-2xx responses)
+    # ext_proc's mode_override answers (fewer messages for let-through requests)
     assert ep.allow_mode_override is True
-    # ext_proc meters responses (quota settled with the real usage): Envoy sends it response headers and
-    # streams the body; that is the default
+    # ext_proc meters responses (quota settled with the real usage), the default: Envoy streams it the body
+    # and sends the status as an attribute with the first chunk instead of a response headers message
     del doc["ext_proc"]["account_responses"]
     metered = ext_proc_pb2.ExternalProcessor()
     assert _hcm(r.build_listener(parse_config(doc))).http_filters[0].typed_config.Unpack(metered)
     pm = metered.processing_mode
-    assert (pm.response_header_mode, pm.response_body_mode) == (mode.SEND, mode.STREAMED)
+    assert (pm.response_header_mode, pm.response_body_mode) == (mode.SKIP, mode.STREAMED)
+    assert list(metered.response_attributes) == ["response.code"]
 
 
 def test_routes_per_version_with_high_priority_variant_first(config: Config) -> None:

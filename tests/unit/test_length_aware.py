@@ -1,0 +1,289 @@
+"""Length-aware placement (:mod:`inferlb.length_aware`): classification, config validation, the ext_proc
+header and the xDS resources (subset config, endpoint tiers, long routes). Envoy's acceptance of them is
+tested in tests/e2e/test_length_aware_envoy.py."""
+
+from __future__ import annotations
+
+import json
+import random
+from typing import Any
+
+import pytest
+from envoy.config.cluster.v3 import cluster_pb2
+from hypothesis import given
+from hypothesis import strategies as st
+
+from ext_proc import handlers
+from inferlb import headers as h
+from inferlb.config import Config, LengthAwareRouting, parse_config
+from inferlb.errors import ConfigError
+from inferlb.length_aware import (
+    ENVOY_LB_NAMESPACE,
+    FAST_TIER,
+    LONG,
+    SHORT,
+    STANDARD_TIER,
+    TIER_KEY,
+    gpu_tier,
+    length_class,
+)
+from inferlb.openai_api import EndpointKind
+from inferlb.quota import QuotaBook, limits_from_config
+from xds_server import resources as r
+
+KEY = "sk-length-0001"
+
+
+def _doc(length_aware: dict[str, Any] | None = None, **cluster: Any) -> dict[str, Any]:
+    llama_cluster: dict[str, Any] = dict(cluster)
+    if length_aware is not None:
+        llama_cluster["length_aware"] = length_aware
+    return {
+        "models": [
+            {"name": "llama", "default_max_tokens": 200, "cluster": llama_cluster},
+            {"name": "qwen"},
+        ],
+        "endpoints": [
+            {"name": "h", "address": "127.0.0.1:8001", "model": "llama", "gpu": "H100"},
+            {"name": "a", "address": "127.0.0.1:8002", "model": "llama", "gpu": "A100"},
+            {"name": "v", "address": "127.0.0.1:8003", "model": "llama", "gpu": "V100"},
+            {"name": "q", "address": "127.0.0.1:8004", "model": "qwen", "gpu": "V100"},
+        ],
+        "tenants": [{"name": "t", "api_keys": [KEY]}],
+    }
+
+
+def _config(length_aware: dict[str, Any] | None = None, **cluster: Any) -> Config:
+    return parse_config(_doc(length_aware, **cluster))
+
+
+# -- classification -------------------------------------------------------------------------------------
+@given(cap=st.integers(min_value=0, max_value=10**7), threshold=st.integers(min_value=1, max_value=10**7))
+def test_long_exactly_when_the_cap_exceeds_the_threshold(cap: int, threshold: int) -> None:
+    cls = length_class(cap, LengthAwareRouting(long_output_tokens=threshold))
+    assert cls == (LONG if cap > threshold else SHORT)
+
+
+@given(
+    capacity=st.floats(min_value=0.01, max_value=100, allow_nan=False),
+    floor=st.floats(min_value=0.01, max_value=100, allow_nan=False),
+)
+def test_tier_follows_the_gpu_profile_capacity(capacity: float, floor: float) -> None:
+    config = parse_config({"models": [{"name": "m"}], "gpu_profiles": {"X": {"relative_capacity": capacity}}})
+    tier = gpu_tier(config, "X", LengthAwareRouting(fast_min_relative_capacity=floor))
+    assert tier == (FAST_TIER if capacity >= floor else STANDARD_TIER)
+
+
+def test_default_tiers_put_a100_and_h100_in_the_fast_tier() -> None:
+    config = _config({})
+    policy = LengthAwareRouting()
+    assert {g: gpu_tier(config, g, policy) for g in ("H100", "A100", "V100", "L4")} == {
+        "H100": FAST_TIER,
+        "A100": FAST_TIER,
+        "V100": STANDARD_TIER,
+        "L4": STANDARD_TIER,
+    }
+
+
+# -- config ---------------------------------------------------------------------------------------------
+def test_off_by_default() -> None:
+    assert _config().models[0].cluster.length_aware is None
+
+
+def test_block_defaults() -> None:
+    la = _config({}).models[0].cluster.length_aware
+    assert la == LengthAwareRouting(long_output_tokens=384, fast_min_relative_capacity=1.5)
+
+
+@pytest.mark.parametrize(
+    ("length_aware", "cluster", "field", "words"),
+    [
+        ({"long_output_tokens": 0}, {}, "models[0].cluster.length_aware.long_output_tokens", "greater than"),
+        (
+            {"fast_min_relative_capacity": 0},
+            {},
+            "models[0].cluster.length_aware.fast_min_relative_capacity",
+            "greater than",
+        ),
+        ({"threshold": 5}, {}, "models[0].cluster.length_aware.threshold", "Extra inputs"),
+        ({}, {"lb_policy": "ring_hash"}, "models[0].cluster.length_aware", "least_request or round_robin"),
+        ({}, {"lb_policy": "maglev"}, "models[0].cluster.length_aware", "not maglev"),
+    ],
+)
+def test_bad_blocks_are_refused_naming_the_field(
+    length_aware: dict[str, Any], cluster: dict[str, Any], field: str, words: str
+) -> None:
+    with pytest.raises(ConfigError) as exc:
+        _config(length_aware, **cluster)
+    assert any(f == field and words in m for f, m in exc.value.problems), exc.value.problems
+
+
+# -- ext_proc -------------------------------------------------------------------------------------------
+def _route_headers(config: Config, body: dict[str, Any], kind: EndpointKind, path: str) -> dict[str, str]:
+    gateway = handlers.Gateway.from_config(config)
+    quotas = QuotaBook(limits_from_config(config), 0.0)
+    pending = handlers.on_request_headers(
+        gateway,
+        {":method": "POST", ":path": path, "authorization": f"Bearer {KEY}"},
+        end_of_stream=False,
+    )
+    assert isinstance(pending, handlers.BodyExpected)
+    decision = handlers.on_request_body(
+        gateway, quotas, pending.pending, json.dumps(body).encode(), now=0.0, rng=random.Random(1)
+    )
+    assert isinstance(decision, handlers.ContinueRequest), decision
+    return dict(decision.set_headers)
+
+
+_CHAT = (EndpointKind.CHAT_COMPLETIONS, "/v1/chat/completions")
+_MESSAGES = [{"role": "user", "content": "hi"}]
+
+
+@pytest.mark.parametrize(
+    ("body", "kind_path", "expected"),
+    [
+        ({"max_tokens": 100}, _CHAT, SHORT),
+        ({"max_tokens": 101}, _CHAT, LONG),
+        ({"max_completion_tokens": 500, "max_tokens": 10}, _CHAT, LONG),  # the newer field wins
+        ({}, _CHAT, LONG),  # no cap: the model default (200)
+        ({"max_tokens": 60, "n": 2}, _CHAT, LONG),  # 120 tokens in all
+        ({"max_tokens": 50, "n": 2}, _CHAT, SHORT),
+        ({"max_output_tokens": 101}, (EndpointKind.RESPONSES, "/v1/responses"), LONG),
+        ({"max_tokens": 40, "prompt": ["a", "b", "c"]}, (EndpointKind.COMPLETIONS, "/v1/completions"), LONG),
+        ({"input": "x"}, (EndpointKind.EMBEDDINGS, "/v1/embeddings"), SHORT),  # generates nothing
+    ],
+)
+def test_ext_proc_sets_the_length_class_from_the_output_cap(
+    body: dict[str, Any], kind_path: tuple[EndpointKind, str], expected: str
+) -> None:
+    kind, path = kind_path
+    full: dict[str, Any] = {"model": "llama", **body}
+    if kind is EndpointKind.CHAT_COMPLETIONS:
+        full["messages"] = _MESSAGES
+    elif kind is EndpointKind.RESPONSES:
+        full["input"] = "hi"
+    elif kind is EndpointKind.COMPLETIONS:
+        full.setdefault("prompt", "hi")
+    got = _route_headers(_config({"long_output_tokens": 100}), full, kind, path)
+    assert got[h.LENGTH_CLASS] == expected
+
+
+def test_no_length_class_header_for_a_model_without_it() -> None:
+    config = _config({"long_output_tokens": 100})
+    body = {"model": "qwen", "messages": _MESSAGES, "max_tokens": 5000}
+    assert h.LENGTH_CLASS not in _route_headers(config, body, *_CHAT)
+    body = {"model": "llama", "messages": _MESSAGES, "max_tokens": 5000}
+    assert h.LENGTH_CLASS not in _route_headers(_config(), body, *_CHAT)
+
+
+def test_a_client_sent_length_class_is_removed() -> None:
+    gateway = handlers.Gateway.from_config(_config({}))
+    decision = handlers.on_request_headers(
+        gateway,
+        {
+            ":method": "POST",
+            ":path": "/v1/chat/completions",
+            "authorization": f"Bearer {KEY}",
+            h.LENGTH_CLASS: LONG,
+        },
+        end_of_stream=False,
+    )
+    assert isinstance(decision, handlers.BodyExpected)
+    assert h.LENGTH_CLASS in decision.remove_headers
+    assert h.LENGTH_CLASS in r.STRIPPED_REQUEST_HEADERS  # and Envoy strips it before routing
+
+
+# -- xDS resources --------------------------------------------------------------------------------------
+def _resources(config: Config) -> r.XdsResources:
+    return r.build_resources(config)
+
+
+def _cluster(config: Config, name: str) -> cluster_pb2.Cluster:
+    c = _resources(config).by_type[r.CLUSTER_TYPE][name]
+    assert isinstance(c, cluster_pb2.Cluster)
+    return c
+
+
+def test_length_aware_cluster_keeps_its_policy_inside_each_subset() -> None:
+    config = _config({}, active_request_bias=1.5)
+    c = _cluster(config, "llama--v1")
+    assert c.HasField("lb_subset_config")
+    subsets = c.lb_subset_config
+    assert subsets.fallback_policy == cluster_pb2.Cluster.LbSubsetConfig.ANY_ENDPOINT
+    assert [list(s.keys) for s in subsets.subset_selectors] == [[TIER_KEY]]
+    assert c.lb_policy == cluster_pb2.Cluster.LEAST_REQUEST
+    assert c.least_request_lb_config.active_request_bias.default_value == 1.5
+    assert not _cluster(config, "qwen--v1").HasField("lb_subset_config")
+    rr = _cluster(_config({}, lb_policy="round_robin"), "llama--v1")
+    assert rr.lb_policy == cluster_pb2.Cluster.ROUND_ROBIN and rr.HasField("lb_subset_config")
+
+
+def test_off_leaves_every_resource_byte_identical_to_a_config_without_the_field() -> None:
+    without = _resources(parse_config(_doc()))
+    explicit_none = parse_config(
+        {**_doc(), "models": [{"name": "llama", "default_max_tokens": 200}, {"name": "qwen"}]}
+    )
+    assert {
+        t: {n: m.SerializeToString(deterministic=True) for n, m in res.items()}
+        for t, res in without.by_type.items()
+    } == {
+        t: {n: m.SerializeToString(deterministic=True) for n, m in res.items()}
+        for t, res in _resources(explicit_none).by_type.items()
+    }
+    cla = without.by_type[r.ENDPOINT_TYPE]["llama--v1"]
+    for loc in cla.endpoints:
+        for lb in loc.lb_endpoints:
+            assert ENVOY_LB_NAMESPACE not in lb.metadata.filter_metadata
+
+
+def _tiers(config: Config, cluster: str) -> dict[str, str]:
+    cla = _resources(config).by_type[r.ENDPOINT_TYPE][cluster]
+    out = {}
+    for loc in cla.endpoints:
+        for lb in loc.lb_endpoints:
+            meta = lb.metadata.filter_metadata
+            if ENVOY_LB_NAMESPACE in meta:
+                out[lb.endpoint.hostname] = meta[ENVOY_LB_NAMESPACE].fields[TIER_KEY].string_value
+    return out
+
+
+def test_endpoints_carry_their_tier_in_the_envoy_lb_namespace() -> None:
+    assert _tiers(_config({}), "llama--v1") == {"h": FAST_TIER, "a": FAST_TIER, "v": STANDARD_TIER}
+    assert _tiers(_config({"fast_min_relative_capacity": 2.0}), "llama--v1") == {
+        "h": FAST_TIER,
+        "a": STANDARD_TIER,
+        "v": STANDARD_TIER,
+    }
+    assert _tiers(_config({}), "qwen--v1") == {}
+
+
+def test_tiers_survive_a_weight_override_through_the_memo() -> None:
+    config = _config({})
+    memo = r.LbEndpointCache()
+    overrides = {"127.0.0.1:8001": r.EndpointOverride(weight=7)}
+    res = r.build_resources(config, overrides=overrides, lb_cache=memo)
+    cla = res.by_type[r.ENDPOINT_TYPE]["llama--v1"]
+    [h100] = [lb for loc in cla.endpoints for lb in loc.lb_endpoints if lb.endpoint.hostname == "h"]
+    assert h100.load_balancing_weight.value == 7
+    assert h100.metadata.filter_metadata[ENVOY_LB_NAMESPACE].fields[TIER_KEY].string_value == FAST_TIER
+
+
+def test_long_routes_come_first_and_ask_for_the_fast_subset() -> None:
+    routes = _resources(_config({})).by_type[r.ROUTE_TYPE][r.ROUTE_CONFIG_NAME]
+    [vhost] = routes.virtual_hosts
+    names = [rt.name for rt in vhost.routes]
+    assert names[:4] == ["llama--v1--long-high", "llama--v1--long", "llama--v1--high", "llama--v1"]
+    assert "qwen--v1--long" not in names
+    by_name = {rt.name: rt for rt in vhost.routes}
+    for name, high in (("llama--v1--long-high", True), ("llama--v1--long", False)):
+        rt = by_name[name]
+        matchers = {m.name: m.string_match.exact for m in rt.match.headers}
+        assert matchers[h.LENGTH_CLASS] == LONG
+        assert matchers[h.MODEL] == "llama" and matchers[h.VERSION] == "v1"
+        assert (h.PRIORITY in matchers) is high
+        crit = rt.route.metadata_match.filter_metadata[ENVOY_LB_NAMESPACE]
+        assert crit.fields[TIER_KEY].string_value == FAST_TIER
+        assert rt.route.cluster == "llama--v1"
+    # short requests take the usual routes: no metadata match, so the fallback (every endpoint) applies
+    assert not by_name["llama--v1"].route.HasField("metadata_match")
+    assert not by_name["llama--v1--high"].route.HasField("metadata_match")

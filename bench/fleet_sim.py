@@ -11,6 +11,13 @@ of the H100s slow to half speed mid-way. See inferlb/fleetsim.py for the model a
 
 Usage: ``.venv/bin/python bench/fleet_sim.py [--gpus 1000] [--duration 60] [--out bench/out]``
 (``--help`` for the rest). Needs matplotlib for the plots.
+
+Held-out check of ``length_aware`` (its defaults were chosen on the whole trace with seed 1): replay only a
+window of the trace (``--trace-window 0.5 1``, fractions of its span), take the long-output threshold from
+another window (``--threshold-window 0 0.5``: the ``--long-percentile`` of that window's completion tokens,
+fixed in tokens) or give it directly (``--long-tokens``), and change ``--seed``. The completion tokens are
+what ``inferlb replay`` (and bench/routing.py) sends as ``max_tokens``, so the threshold is on the cap the
+gateway sees; real clients' caps are only upper bounds of their outputs (often a default).
 """
 
 from __future__ import annotations
@@ -33,11 +40,12 @@ from inferlb.fleetsim import (
     Scenario,
     fleet_capacity_rps,
     fleet_mix,
+    long_output_threshold,
     scale_trace,
     share_series,
     simulate,
 )
-from inferlb.replay import DEFAULT_TRACE, read_trace
+from inferlb.replay import DEFAULT_TRACE, TraceRow, read_trace
 from inferlb.weights import WeightParams
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "inferlb" / "data" / "local.yaml"
@@ -205,6 +213,29 @@ def main() -> None:
     ap.add_argument(
         "--long-min-capacity", type=float, default=1.5, help="length_aware: fast set's min relative capacity"
     )
+    ap.add_argument(
+        "--long-tokens",
+        type=int,
+        default=None,
+        help="length_aware: fixed threshold (tokens), not a percentile",
+    )
+    ap.add_argument(
+        "--trace-window",
+        type=float,
+        nargs=2,
+        default=(0.0, 1.0),
+        metavar=("START", "END"),
+        help="replay only this part of the trace (fractions of its span)",
+    )
+    ap.add_argument(
+        "--threshold-window",
+        type=float,
+        nargs=2,
+        default=None,
+        metavar=("START", "END"),
+        help="length_aware: the threshold is --long-percentile of this part of the trace (fractions)",
+    )
+    ap.add_argument("--no-throttle", action="store_true", help="skip the throttle runs")
     ap.add_argument("--out", type=Path, default=Path("bench/out"))
     args = ap.parse_args()
 
@@ -216,7 +247,25 @@ def main() -> None:
     def make_engine(g: FleetGpu) -> BatchEngine:
         return BatchEngine(model=models[g.gpu_type])
 
-    rows = read_trace(args.trace)
+    all_rows = read_trace(args.trace)
+    rows = trace_part(all_rows, *args.trace_window)
+    if args.threshold_window is not None:
+        args.long_tokens = long_output_threshold(
+            trace_part(all_rows, *args.threshold_window), args.long_percentile
+        )
+    if args.trace_window != (0.0, 1.0) or args.long_tokens is not None:
+        if args.long_tokens is None:
+            rule = f"p{args.long_percentile:g} of the arrivals"
+        elif args.threshold_window is None:
+            rule = f"{args.long_tokens} tokens"
+        else:
+            lo, hi = args.threshold_window
+            rule = f"{args.long_tokens} tokens (p{args.long_percentile:g} of window {lo:g}-{hi:g})"
+        lo, hi = args.trace_window
+        console.print(
+            f"trace window {lo:g}-{hi:g} of the span: {len(rows):,} rows; length_aware threshold: {rule}; "
+            f"seed {args.seed}"
+        )
     capacity = fleet_capacity_rps([models[g.gpu_type] for g in gpus], rows)
     params = WeightParams.from_config(config.weights)
     policy_cfg = config.models[0].cluster
@@ -241,6 +290,13 @@ def main() -> None:
             r = simulate(gpus, make_engine, arrivals, sc, params)
             console.print(f"  {policy}: {time.perf_counter() - t0:.1f} s wall, {r.events:,} events")
             base.append((str(load), r))
+    if args.no_throttle:
+        wall = time.perf_counter() - wall0
+        console.print(
+            _table(f"{args.gpus} simulated GPUs, {args.duration:.0f} s of arrivals", base, throttle=False)
+        )
+        console.print(f"simulation wall time: {wall:.1f} s")
+        return
     h100 = [g.index for g in gpus if g.gpu_type == "H100"] or [g.index for g in gpus]
     k = max(1, round(args.throttle_fraction * args.gpus))
     targets = tuple(h100[:: max(1, len(h100) // k)][:k])
@@ -281,6 +337,23 @@ def main() -> None:
         console.print(f"wrote {p}")
 
 
+def trace_part(rows: list[TraceRow], start: float, end: float) -> list[TraceRow]:
+    """The rows whose offset lies in ``[start, end)`` of the trace's span (fractions; ``end`` 1.0 keeps the
+    last row), offsets kept (:func:`inferlb.fleetsim.scale_trace` re-times them).
+
+    Raises:
+        SystemExit: the fractions are not ``0 <= start < end <= 1`` or the part holds no row.
+    """
+    if not 0.0 <= start < end <= 1.0:
+        raise SystemExit(f"a trace window needs 0 <= START < END <= 1, got {start} {end}")
+    span = rows[-1].offset_s - rows[0].offset_s
+    lo, hi = rows[0].offset_s + start * span, rows[0].offset_s + end * span
+    part = [r for r in rows if lo <= r.offset_s < hi or (end == 1.0 and r.offset_s == hi)]
+    if not part:
+        raise SystemExit(f"the trace window {start} {end} holds no request")
+    return part
+
+
 def _scenario(
     policy: Policy,
     args: argparse.Namespace,
@@ -303,6 +376,7 @@ def _scenario(
         seed=args.seed,
         long_output_percentile=args.long_percentile,
         long_min_relative_capacity=args.long_min_capacity,
+        long_output_tokens=args.long_tokens,
     )
 
 

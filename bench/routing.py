@@ -1,5 +1,5 @@
 """Routing benchmark: the Azure conversation trace through the live stack on a simulated heterogeneous fleet,
-under four balancing policies, at ~70% and ~90% of the fleet's capacity, and with one GPU throttled mid-run.
+under five balancing policies, at ~70% and ~90% of the fleet's capacity, and with one GPU throttled mid-run.
 
 Not a test: it prints a table and writes PNG plots under ``bench/out/``. For each run it
 
@@ -13,6 +13,13 @@ Not a test: it prints a table and writes PNG plots under ``bench/out/``. For eac
    - ``static``: ``LEAST_REQUEST`` with the capacity weights (``weights.mode: static``: 34 / 17 / 10);
    - ``telemetry``: ``LEAST_REQUEST`` with the telemetry weights (``weights.mode: telemetry``, the default
      policy parameters, ``/metrics`` and ``/sim/telemetry`` scraped every 500 ms);
+   - ``length-aware``: ``telemetry`` plus length-aware placement (``cluster.length_aware``,
+     :mod:`inferlb.length_aware`): requests whose ``max_tokens`` exceeds ``--long-tokens`` (default: the
+     config default, 384, chosen in the 1,000-GPU simulation) go to the GPUs of relative capacity >=
+     ``--long-min-capacity`` (1.5: the H100s and A100s) through Envoy's subset load balancer; the others to
+     every GPU. The replay's ``max_tokens`` is the trace's completion length (:func:`inferlb.replay.plan`),
+     so the gateway knows each output length exactly: the best case for this policy, since real clients
+     send an upper bound (often a default);
 
 3. replays a window of ``inferlb/data/azure_llm_2023_conv.csv`` (Azure LLM inference trace 2023, Patel et
    al., "Splitwise", ISCA 2024; CC-BY 4.0) with :func:`inferlb.replay.plan` / :func:`~inferlb.replay.send_all`
@@ -73,7 +80,8 @@ from rich.console import Console
 from rich.table import Table
 
 from gpusim.engine import BATCH_SLOWDOWN_PER_SEQUENCE
-from inferlb.config import Config, parse_config
+from inferlb.config import Config, LengthAwareRouting, parse_config
+from inferlb.length_aware import FAST_TIER, gpu_tier
 from inferlb.replay import (
     DEFAULT_TRACE,
     Outcome,
@@ -94,14 +102,24 @@ TOKEN = "bench-routing-token-0123456789"
 API_KEY = "sk-bench-routing"
 FLEET = (("h100", "H100", 2), ("a100", "A100", 3), ("v100", "V100", 3))
 THROTTLED = "h100-0"
-POLICIES = ("rr-equal", "lr-equal", "static", "telemetry")
+POLICIES = ("rr-equal", "lr-equal", "static", "telemetry", "length-aware")
+#: The policies whose weights follow the telemetry.
+TELEMETRY_POLICIES = frozenset({"telemetry", "length-aware"})
 ATTRIBUTION = (
     "Trace: Azure LLM inference trace 2023 (conversation), Patel et al., 'Splitwise', ISCA 2024; CC-BY 4.0"
 )
 
 
-def config_doc(policy: str, *, prefill_tps: float, decode_tps: float, max_batch: int) -> dict[str, Any]:
-    """The bench config for one policy on free ports."""
+def config_doc(
+    policy: str,
+    *,
+    prefill_tps: float,
+    decode_tps: float,
+    max_batch: int,
+    length_aware: LengthAwareRouting | None = None,
+) -> dict[str, Any]:
+    """The bench config for one policy on free ports (``length_aware``: the ``length-aware`` policy's
+    block; its defaults when None)."""
     n = sum(k for _, _, k in FLEET)
     ports = free_ports(6 + n)
     endpoints = []
@@ -148,12 +166,19 @@ def config_doc(policy: str, *, prefill_tps: float, decode_tps: float, max_batch:
             "max_batch": max_batch,
             "max_queue": 4096,
         },
-        "weights": {"mode": "telemetry" if policy == "telemetry" else "static"},
+        "weights": {"mode": "telemetry" if policy in TELEMETRY_POLICIES else "static"},
         "models": [
             {
                 "name": MODEL,
                 "context_length": 32768,
-                "cluster": {"lb_policy": "round_robin" if policy == "rr-equal" else "least_request"},
+                "cluster": {
+                    "lb_policy": "round_robin" if policy == "rr-equal" else "least_request",
+                    **(
+                        {"length_aware": (length_aware or LengthAwareRouting()).model_dump()}
+                        if policy == "length-aware"
+                        else {}
+                    ),
+                },
             }
         ],
         "endpoints": endpoints,
@@ -280,7 +305,13 @@ def run_one(
 ) -> RunResult:
     """Start the stack for ``policy``, replay at ``load`` x capacity, return the figures."""
     doc = config_doc(
-        policy, prefill_tps=args.prefill_tps, decode_tps=args.decode_tps, max_batch=args.max_batch
+        policy,
+        prefill_tps=args.prefill_tps,
+        decode_tps=args.decode_tps,
+        max_batch=args.max_batch,
+        length_aware=LengthAwareRouting(
+            long_output_tokens=args.long_tokens, fast_min_relative_capacity=args.long_min_capacity
+        ),
     )
     config = parse_config(doc)
     # the trace's rate over a long stretch gives the speed-up; then take the window that lasts --load-s
@@ -302,7 +333,7 @@ def run_one(
             if policy in ("rr-equal", "lr-equal"):
                 _http("PUT", api + "/v1/weights", {"weights": {str(e.address): 1 for e in config.endpoints}})
                 wait_for(lambda: set(envoy_weights(config).values()) == {1}, "equal weights in Envoy")
-            elif policy == "telemetry":
+            elif policy in TELEMETRY_POLICIES:
                 wait_for(lambda: envoy_weights(config)[THROTTLED] == 340, "telemetry weights in Envoy")
             weight_series: list[tuple[float, int]] = []
             stop = threading.Event()
@@ -391,10 +422,22 @@ def run_one(
     for o in outcomes:
         if o.status != 200:
             errs[o.status] += 1
+    placed = ""
+    if policy == "length-aware":
+        # where the long requests went: the fast tier only, unless it had no endpoint
+        tiers = {
+            e.display_name: gpu_tier(
+                config, e.gpu, LengthAwareRouting(**doc["models"][0]["cluster"]["length_aware"])
+            )
+            for e in config.endpoints
+        }
+        long_ok = [o for o in ok if planned[o.index].max_tokens > args.long_tokens]
+        on_fast = sum(1 for o in long_ok if o.endpoint is not None and tiers.get(o.endpoint) == FAST_TIER)
+        placed = f", long requests {on_fast}/{len(long_ok)} on fast GPUs"
     out.print(
         f"  {policy:9} load {load:.0%} {scenario:8}: {len(ok)}/{len(outcomes)} ok, "
         f"p99 {result.latency_p99_s:.2f} s, "
-        f"spread {result.spread:.0f} pts, errors {dict(errs) or 'none'}",
+        f"spread {result.spread:.0f} pts, errors {dict(errs) or 'none'}{placed}",
         highlight=False,
     )
     return result
@@ -435,6 +478,23 @@ def results_table(results: Sequence[RunResult]) -> Table:
             _fmt(r.weight_fell_after_s, ".1f") if r.scenario == "throttle" else "",
         )
     return t
+
+
+def p99_ratios(results: Sequence[RunResult]) -> list[str]:
+    """One line per steady load and weighted policy: its latency p99 over round robin's and least request's
+    (issue 5's targets at 90% load: <= 0.5 and <= 0.7)."""
+    p99 = {(r.load, r.policy): r.latency_p99_s for r in results if r.scenario == "steady"}
+    lines = []
+    for (load, policy), v in sorted(p99.items()):
+        if policy not in ("static", *TELEMETRY_POLICIES):
+            continue
+        rr, lr = p99.get((load, "rr-equal")), p99.get((load, "lr-equal"))
+        over_rr = _fmt(None if rr is None else v / rr)
+        over_lr = _fmt(None if lr is None else v / lr)
+        lines.append(
+            f"steady {load:.0%} {policy}: p99 {v:.2f} s = {over_rr} x rr-equal, {over_lr} x lr-equal"
+        )
+    return lines
 
 
 def write_plots(results: Sequence[RunResult], out_dir: Path, load_s: float) -> list[Path]:
@@ -502,7 +562,7 @@ def write_plots(results: Sequence[RunResult], out_dir: Path, load_s: float) -> l
         ax.set_ylabel(f"{THROTTLED} share of requests (2 s window)")
         ax.legend()
         for r in throttled:
-            if r.policy == "telemetry" and r.weight_series:
+            if r.policy in TELEMETRY_POLICIES and r.weight_series:
                 ax2.step([t for t, _ in r.weight_series], [w for _, w in r.weight_series], where="post")
         ax2.axvline(load_s / 2, color="k", linestyle="--", linewidth=1)
         ax2.set_ylabel(f"Envoy weight of {THROTTLED} (telemetry)")
@@ -531,6 +591,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--trace-start", type=float, default=0.0, help="trace offset (s) to start from")
     p.add_argument("--max-requests", type=int, default=5000, help="bound on requests per run")
     p.add_argument("--request-timeout", type=float, default=90.0, help="per-request timeout (s)")
+    p.add_argument(
+        "--long-tokens",
+        type=int,
+        default=LengthAwareRouting().long_output_tokens,
+        help="length-aware: max_tokens above this go to the fast GPUs",
+    )
+    p.add_argument(
+        "--long-min-capacity",
+        type=float,
+        default=LengthAwareRouting().fast_min_relative_capacity,
+        help="length-aware: relative capacity of the fast GPUs",
+    )
     p.add_argument("--out", default=str(Path(__file__).parent / "out"))
     args = p.parse_args(argv)
     out = Console(highlight=False, width=200)
@@ -549,6 +621,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             run_one(policy=policy, load=load, scenario=scenario, rows_all=rows_all, args=args, out=out)
         )
     out.print(results_table(results))
+    for line in p99_ratios(results):
+        out.print(line)
     out_dir = Path(args.out)
     paths = write_plots(results, out_dir, args.load_s)
     (out_dir / "routing.json").write_text(

@@ -13,10 +13,13 @@ with the gateway's processing mode and response accounting on (the default):
    scheme, content-type, content-length, authorization, x-forwarded-for/-proto, x-request-id,
    x-envoy-internal), with ``protocol_config`` as Envoy >= 1.32 sends on the first message;
 2. the BUFFERED request body (a ~3 KB chat completion: system prompt + one user turn, ``max_tokens`` 16);
-3. response headers (``:status`` 200, JSON content type, content-length, date, server,
-   x-envoy-upstream-service-time);
-4. the STREAMED response body: one chunk with ``end_of_stream`` (a JSON completion with ``usage``), or
-   with ``--sse`` a streamed completion (one chunk per SSE event, the last with ``end_of_stream``).
+3. the STREAMED response body, the first chunk carrying the status as the ``response.code`` attribute
+   (the gateway skips the response headers phase): a JSON completion with ``usage``, then the empty
+   end-of-stream chunk Envoy 1.40 sends after an HTTP/1.1 upstream's body; or with ``--sse`` a streamed
+   completion (one chunk per SSE event, the last with ``end_of_stream``). With ``--response-headers``
+   (the gateway's configuration before 2026-11-29, for comparison) a response headers message
+   (``:status`` 200, content type, content-length, date, server, x-envoy-upstream-service-time) comes
+   before the body instead.
 
 Each message waits for its answer before the next is sent, as Envoy does. ``--concurrency`` streams run
 at once (Envoy multiplexes its workers' streams on one HTTP/2 connection; so does this client).
@@ -125,7 +128,7 @@ def _sse_chunks() -> list[bytes]:
     return chunks
 
 
-def envoy_messages(body: bytes, *, sse: bool) -> list[ep.ProcessingRequest]:
+def envoy_messages(body: bytes, *, sse: bool, response_headers: bool = False) -> list[ep.ProcessingRequest]:
     """The ``ProcessingRequest`` sequence of one request, as Envoy sends it (module docstring)."""
     request_headers = [
         (":authority", "127.0.0.1:10000"),
@@ -155,21 +158,24 @@ def envoy_messages(body: bytes, *, sse: bool) -> list[ep.ProcessingRequest]:
         chunks = _sse_chunks()
         content_type, length = "text/event-stream", None
     else:
-        chunks = [json.dumps(REPLY).encode()]
-        content_type, length = "application/json", str(len(chunks[0]))
-    response_headers = [(":status", "200"), ("content-type", content_type)]
-    if length is not None:
-        response_headers.append(("content-length", length))
-    response_headers += [
-        ("date", "Mon, 01 Jan 2024 00:00:00 GMT"),
-        ("server", "envoy"),
-        ("x-envoy-upstream-service-time", "0"),
-    ]
-    msgs.append(ep.ProcessingRequest(response_headers=ep.HttpHeaders(headers=_hmap(response_headers))))
+        reply = json.dumps(REPLY).encode()
+        chunks = [reply, b""]
+        content_type, length = "application/json", str(len(reply))
+    if response_headers:
+        pairs = [(":status", "200"), ("content-type", content_type)]
+        if length is not None:
+            pairs.append(("content-length", length))
+        pairs += [
+            ("date", "Mon, 01 Jan 2024 00:00:00 GMT"),
+            ("server", "envoy"),
+            ("x-envoy-upstream-service-time", "0"),
+        ]
+        msgs.append(ep.ProcessingRequest(response_headers=ep.HttpHeaders(headers=_hmap(pairs))))
     for i, chunk in enumerate(chunks):
-        msgs.append(
-            ep.ProcessingRequest(response_body=ep.HttpBody(body=chunk, end_of_stream=i == len(chunks) - 1))
-        )
+        msg = ep.ProcessingRequest(response_body=ep.HttpBody(body=chunk, end_of_stream=i == len(chunks) - 1))
+        if i == 0 and not response_headers:
+            msg.attributes["envoy.filters.http.ext_proc"].fields["response.code"].number_value = 200
+        msgs.append(msg)
     return msgs
 
 
@@ -241,16 +247,18 @@ class Workload:
     """The messages of each request: the same body every time, or (``unique``) a user turn that no other
     request of the run repeats (the system prompt still repeats, as in real traffic)."""
 
-    def __init__(self, *, body_bytes: int, sse: bool, unique: bool) -> None:
+    def __init__(self, *, body_bytes: int, sse: bool, unique: bool, response_headers: bool = False) -> None:
         self.body_bytes, self.sse, self.unique = body_bytes, sse, unique
+        self.response_headers = response_headers
         self._serial = itertools.count()
-        self.fixed = envoy_messages(chat_body(body_bytes), sse=sse)
+        self.fixed = envoy_messages(chat_body(body_bytes), sse=sse, response_headers=response_headers)
 
     def next(self) -> list[ep.ProcessingRequest]:
         """The messages of the next request."""
         if not self.unique:
             return self.fixed
-        return envoy_messages(chat_body(self.body_bytes, next(self._serial)), sse=self.sse)
+        body = chat_body(self.body_bytes, next(self._serial))
+        return envoy_messages(body, sse=self.sse, response_headers=self.response_headers)
 
 
 async def run_requests(port: int, n: int, concurrency: int, work: Workload) -> int:
@@ -387,6 +395,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--callgrind-warmup", type=int, default=50)
     p.add_argument("--profile", type=int, default=0, help="profile N requests (0: no profile)")
     p.add_argument("--profile-top", type=int, default=30)
+    p.add_argument(
+        "--response-headers",
+        action="store_true",
+        help="send a response headers message before the body (the gateway's mode before 2026-11-29)",
+    )
     p.add_argument("--label", default="", help="a name for this run in the table title")
     args = p.parse_args(argv)
     if args.serve:
@@ -395,7 +408,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     console = Console(width=150)
-    work = Workload(body_bytes=args.body_bytes, sse=args.sse, unique=args.unique)
+    work = Workload(
+        body_bytes=args.body_bytes, sse=args.sse, unique=args.unique, response_headers=args.response_headers
+    )
     body = work.fixed[1].request_body.body
     cpu = measure_cpu(args, work)
     instructions = measure_instructions(args, work) if args.callgrind_requests > 0 else None
@@ -412,7 +427,9 @@ def main(argv: list[str] | None = None) -> int:
     ):
         table.add_column(col, justify="right")
     table.add_row(
-        ("SSE" if args.sse else "JSON") + (", unique user turns" if args.unique else ", same body"),
+        ("SSE" if args.sse else "JSON")
+        + (", unique user turns" if args.unique else ", same body")
+        + (", response headers" if args.response_headers else ""),
         str(len(body)),
         str(len(work.fixed)),
         str(args.concurrency),

@@ -1,10 +1,12 @@
-"""ext_proc's ``mode_override`` answers through a real Envoy (issue 4, point 9: fewer ext_proc messages).
+"""Fewer ext_proc messages through a real Envoy (issue 4, point 9): each message is a gRPC round trip.
 
-With the filter's ``allow_mode_override`` on, ext_proc answers the response headers of a non-2xx response
-(charged nothing) with ``response_body_mode: NONE``: Envoy must then send no response body message for
-it, and the client still gets the whole error body. A 2xx JSON response still streams its body to
-ext_proc (its usage is metered). The messages ext_proc answered are read back from its own ``/metrics``
-(``inferlb_ext_proc_processing_seconds_count`` by phase).
+The gateway skips the response headers phase: Envoy sends the status as the ``response.code`` attribute
+with the first response body chunk. A metered 2xx JSON answer costs the request headers, the request body
+and its body chunks (here the body, then an empty end-of-stream chunk); a non-2xx answer is settled
+(charged nothing) on its first chunk while the client still gets the whole error body. A request on a
+path that is not inference is answered at its headers with a ``mode_override`` (the filter's
+``allow_mode_override``): Envoy sends no body or response phase for it. The messages ext_proc answered
+are read back from its own ``/metrics`` (``inferlb_ext_proc_processing_seconds_count`` by phase).
 """
 
 from __future__ import annotations
@@ -61,13 +63,27 @@ def wait_answered(rs: RunningStack, phase: str, at_least: int, timeout_s: float 
         time.sleep(0.05)
 
 
+def requests_total(rs: RunningStack, *, tenant: str, model: str, status: str) -> float:
+    """ext_proc's ``inferlb_requests_total`` for one tenant, model and status (0 when absent)."""
+    text = http_request(str(rs.config.ext_proc.metrics_listen), "GET", "/metrics").body.decode()
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            if s.name == "inferlb_requests_total" and s.labels == {
+                "tenant": tenant,
+                "model": model,
+                "status": status,
+            }:
+                return s.value
+    return 0.0
+
+
 def chat(rs: RunningStack, **extra: object) -> tuple[int, dict[str, object]]:
     body = {"model": "qwen", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 4, **extra}
     reply = http_request(rs.gateway, "POST", "/v1/chat/completions", body, {"Authorization": f"Bearer {KEY}"})
     return reply.status, json.loads(reply.body)
 
 
-def test_a_non_2xx_response_sends_ext_proc_no_body(stack: RunningStack) -> None:
+def test_a_non_2xx_response_is_settled_on_its_first_body_message(stack: RunningStack) -> None:
     rs = stack
     before = messages_answered(rs)
     # n above the simulated server's batch size (64 in the fast fleet): ext_proc admits it, the model
@@ -75,20 +91,33 @@ def test_a_non_2xx_response_sends_ext_proc_no_body(stack: RunningStack) -> None:
     status, doc = chat(rs, n=100)
     assert status == 400
     assert "batch size" in str(doc["error"])  # the model server's own error body reached the client whole
-    after = wait_answered(rs, "response_headers", before.get("response_headers", 0) + 1)
-    assert after.get("response_headers", 0) == before.get("response_headers", 0) + 1
-    time.sleep(0.3)  # a body message, if Envoy sent one, is answered within this
-    assert messages_answered(rs).get("response_body", 0) == before.get("response_body", 0)
+    wait_answered(rs, "response_body", before.get("response_body", 0) + 1)
+    time.sleep(0.3)  # a later message, if Envoy sent one, is answered within this
+    now = messages_answered(rs)
+    assert now.get("response_headers", 0) == before.get("response_headers", 0)
+    # Envoy forwards the upstream's body, then an empty end-of-stream chunk: one message each
+    assert now.get("response_body", 0) - before.get("response_body", 0) in (1, 2)
+    assert requests_total(rs, tenant=TENANT, model="qwen2.5-7b-instruct", status="400") == 1
 
 
-def test_a_2xx_json_response_still_streams_its_body_to_ext_proc(stack: RunningStack) -> None:
+def test_a_2xx_json_response_sends_no_response_headers_message(stack: RunningStack) -> None:
     rs = stack
     before = messages_answered(rs)
     status, doc = chat(rs)
     assert status == 200
-    assert doc["usage"]
-    after = wait_answered(rs, "response_body", before.get("response_body", 0) + 1)
-    assert after.get("response_body", 0) >= before.get("response_body", 0) + 1
+    usage = doc["usage"]
+    assert isinstance(usage, dict)
+    wait_answered(rs, "response_body", before.get("response_body", 0) + 1)
+    time.sleep(0.3)
+    now = messages_answered(rs)
+    added = {phase: now.get(phase, 0) - before.get(phase, 0) for phase in {*now, *before}}
+    assert {p: n for p, n in added.items() if n and p != "response_body"} == {
+        "request_headers": 1,
+        "request_body": 1,
+    }
+    assert added["response_body"] in (1, 2)  # the body, then (HTTP/1.1 upstream) an empty end-of-stream
+    # the status came as an attribute: the request was charged its reported usage as a 200
+    assert requests_total(rs, tenant=TENANT, model="qwen2.5-7b-instruct", status="200") >= 1
 
 
 def test_a_let_through_request_gets_no_body_or_response_phases(stack: RunningStack) -> None:

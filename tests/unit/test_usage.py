@@ -281,3 +281,49 @@ def test_a_stream_cut_after_done_is_complete_not_aborted() -> None:
     assert meter.complete
     usage = meter.finish(aborted=True)
     assert usage is not None and not usage.aborted and usage.total_tokens == 20
+
+
+# -- status only (response headers phase skipped; Envoy's response.code attribute) -----------------------
+def run_status_only(meter: ResponseMeter, chunks: list[bytes], status: int = 200) -> tuple[bytes, Any]:
+    meter.on_status(status)
+    seen = b""
+    for i, c in enumerate(chunks):
+        seen += meter.on_body(c, end_of_stream=i == len(chunks) - 1)
+    return seen, meter.finish(aborted=False)
+
+
+@settings(max_examples=200)
+@given(
+    st.lists(st.integers(min_value=0, max_value=10_000), max_size=40),
+    st.booleans(),
+    st.booleans(),
+    st.integers(min_value=0, max_value=3),
+)
+def test_status_only_meters_a_stream_as_the_headers_path_does(
+    cuts: list[int], usage_event: bool, strip: bool, empty_first: int
+) -> None:
+    # the format is read from the first non-blank bytes, so empty leading chunks and any cut agree
+    stream = STREAM if usage_event else STREAM_NO_USAGE
+    res = Reservation(prompt_tokens=20, reserved_tokens=120, stream=True, strip_usage_event=strip)
+    expected = run(ResponseMeter(res, COUNTER), [stream])
+    chunks = [b""] * empty_first + chunked(stream, cuts)
+    assert run_status_only(ResponseMeter(res, COUNTER), chunks) == expected
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_status_only_meters_a_json_body_as_json(stream: bool) -> None:
+    # a JSON answer (a server that ignored "stream", or a plain completion) starts with "{"
+    body = json.dumps({"choices": [], "usage": {"prompt_tokens": 9, "completion_tokens": 4}}).encode()
+    res = Reservation(prompt_tokens=20, reserved_tokens=120, stream=stream, strip_usage_event=stream)
+    seen, usage = run_status_only(ResponseMeter(res, COUNTER), [b"  \n", body[:5], body[5:]])
+    assert seen == b"  \n" + body
+    assert (usage.prompt_tokens, usage.completion_tokens, usage.source) == (9, 4, UsageSource.REPORTED)
+
+
+@pytest.mark.parametrize("status", [400, 429, 500, 503])
+def test_status_only_error_charges_nothing_and_keeps_the_body(status: int) -> None:
+    res = Reservation(prompt_tokens=20, reserved_tokens=120, stream=True, strip_usage_event=True)
+    body = b'data: {"error": {"message": "no"}}\n\n'
+    seen, usage = run_status_only(ResponseMeter(res, COUNTER), [body], status=status)
+    assert seen == body
+    assert (usage.source, usage.total_tokens) == (UsageSource.NONE, 0)

@@ -7,7 +7,8 @@ Shape (see README "Config reference" and ``examples/local.yaml``)::
                  node_groups}
     ext_proc:   {listen, message_timeout_ms, failure_mode_allow, account_responses, quota_backend, ...}
     gpu_profiles: {H100: {relative_capacity: 3.4, ...}, ...}
-    models:     [{name, aliases, context_length, versions: [{name, traffic_percent}], cluster: {...}}]
+    models:     [{name, aliases, context_length, versions: [{name, traffic_percent}],
+                  cluster: {lb_policy, ..., length_aware: {long_output_tokens, fast_min_relative_capacity}}}]
     endpoints:  [{address, model, version, gpu, region, zone, simulated}]
     tenants:    [{name, api_keys, priority, requests_per_minute, tokens_per_minute,
                   max_concurrent_requests, daily_token_budget}]

@@ -8,10 +8,17 @@ Set-up, all on 127.0.0.1:
 - backend: an Envoy answering every request with a fixed chat completion (``direct_response``), so the
   backend costs next to nothing and never limits;
 - ``envoy alone``: an Envoy with a static listener routing straight to the backend (router only);
+- ``envoy + null ext_proc``: the same gateway (same Envoy config, same messages per request) with its
+  ext_proc process replaced by a do-nothing processor: grpc aio on uvloop, the same ``read()``/``write()``
+  loop, which answers every message with a bare continue except the request body, which it parses with
+  ``json.loads`` to set the two routing headers (model, version). It is the floor any grpc-python
+  processor pays here, measured in the same run; what inferlb's ext_proc costs above it is our code;
 - ``envoy + ext_proc xN``: the real inferlb gateway (xds_server + Envoy configured over ADS with the
   ext_proc filter, ``inferlb.stack.Stack``) with N ext_proc processes, each its own endpoint of the ext_proc
   cluster (``ext_proc.extra_listen``), routing to the same backend; response accounting on (the default:
-  response headers and body go through ext_proc too).
+  the response body goes through ext_proc too, its first chunk carrying the status);
+- ``..., unmetered``: the same with ``ext_proc.account_responses`` off (quotas settled on the reservation,
+  no response phases: two messages per request instead of four), for the real and the null processor.
 
 Load: ``wrk`` POSTing a ~3 KB chat-completion body with a valid API key, for ``--duration`` seconds per
 row, at each connection count. Columns: requests/s, latency p50/p99 (wrk's, ms), non-2xx answers, and
@@ -240,7 +247,90 @@ def measure(
     return rows
 
 
-def gateway_config(work: Path, backend: int, processes: int) -> Path:
+def serve_null(port: int, model: str, version: str) -> None:
+    """Run the do-nothing ext_proc (module docstring) on 127.0.0.1:``port`` until SIGTERM."""
+    # imported here: only the server process needs them
+    import asyncio  # noqa: PLC0415
+    import signal  # noqa: PLC0415
+
+    import grpc  # noqa: PLC0415
+    from envoy.config.core.v3 import base_pb2  # noqa: PLC0415
+    from envoy.service.ext_proc.v3 import external_processor_pb2 as ep  # noqa: PLC0415
+    from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc  # noqa: PLC0415
+
+    from ext_proc.__main__ import run_event_loop  # noqa: PLC0415
+    from ext_proc.servicer import make_server  # noqa: PLC0415
+    from inferlb import headers  # noqa: PLC0415
+
+    overwrite = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
+    answers = {
+        "request_headers": ep.ProcessingResponse(request_headers=ep.HeadersResponse()),
+        "response_headers": ep.ProcessingResponse(response_headers=ep.HeadersResponse()),
+        "response_body": ep.ProcessingResponse(response_body=ep.BodyResponse()),
+    }
+
+    class Null(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]  # generated, untyped
+        async def Process(self, request_iterator: Any, context: Any) -> None:  # gRPC's name
+            read, write = context.read, context.write
+            while True:
+                req = await read()
+                if req is grpc.aio.EOF:
+                    return
+                phase = req.WhichOneof("request")
+                if phase == "request_body":
+                    name = json.loads(req.request_body.body)["model"]
+                    common = ep.CommonResponse(clear_route_cache=True)
+                    for key, value in ((headers.MODEL, name), (headers.VERSION, version)):
+                        common.header_mutation.set_headers.append(
+                            base_pb2.HeaderValueOption(
+                                header=base_pb2.HeaderValue(key=key, raw_value=value.encode()),
+                                append_action=overwrite,
+                            )
+                        )
+                    await write(ep.ProcessingResponse(request_body=ep.BodyResponse(response=common)))
+                else:
+                    await write(answers[phase])
+
+    async def main() -> int:
+        server = make_server()
+        ep_grpc.add_ExternalProcessorServicer_to_server(Null(), server)
+        server.add_insecure_port(f"127.0.0.1:{port}")
+        await server.start()
+        stop = asyncio.Event()
+        asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
+        await stop.wait()
+        await server.stop(0.5)
+        return 0
+
+    run_event_loop(main())
+
+
+def start_null(work: Path, listen: HostPort, version: str) -> Child:
+    """Start :func:`serve_null` as a process on ``listen`` and wait until it accepts connections."""
+    argv = [sys.executable, __file__, "--serve-null", str(listen.port), MODEL, version]
+    child = Child("null ext_proc", argv, work / "null-ext-proc.log")
+    child.start(dict(os.environ))
+    deadline = time.monotonic() + 20
+    while not port_open(listen):
+        if child.exited() is not None or time.monotonic() > deadline:
+            raise RuntimeError(f"the null ext_proc did not start:\n{child.log_tail()}")
+        time.sleep(0.05)
+    return child
+
+
+def post_once(url: str) -> None:
+    """One chat completion through the gateway; raises unless it answers 200."""
+    probe = urllib.request.Request(
+        url,
+        data=chat_body().encode(),
+        method="POST",
+        headers={"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(probe, timeout=10) as resp:
+        assert resp.status == 200
+
+
+def gateway_config(work: Path, backend: int, processes: int, *, accounting: bool = True) -> Path:
     doc = yaml.safe_load(default_config_path().read_text(encoding="utf-8"))
     extra = processes - 1
     ports = free_ports(6 + 2 * extra)  # then each extra ext_proc process: its gRPC and its metrics port
@@ -255,7 +345,8 @@ def gateway_config(work: Path, backend: int, processes: int) -> Path:
     doc["models"] = [{"name": MODEL}]
     doc["endpoints"] = [{"address": f"127.0.0.1:{backend}", "model": MODEL, "gpu": "H100"}]
     doc["tenants"] = [{"name": "bench", "api_keys": [API_KEY]}]
-    path = work / f"gateway-{processes}.yaml"
+    doc["ext_proc"]["account_responses"] = accounting
+    path = work / f"gateway-{processes}-{'metered' if accounting else 'unmetered'}.yaml"
     path.write_text(yaml.safe_dump(doc, sort_keys=False), encoding="utf-8")
     return path
 
@@ -265,7 +356,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--duration", type=int, default=5, help="seconds per row (1-60)")
     p.add_argument("--connections", default="1,16,64")
     p.add_argument("--processes", default="1,2", help="ext_proc process counts to run")
+    p.add_argument(
+        "--no-unmetered",
+        dest="unmetered",
+        action="store_false",
+        help="skip the rows with ext_proc.account_responses off",
+    )
+    p.add_argument(
+        "--no-null", dest="null", action="store_false", help="skip the do-nothing processor's rows"
+    )
+    p.add_argument("--serve-null", nargs=3, metavar=("PORT", "MODEL", "VERSION"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.serve_null:
+        serve_null(int(args.serve_null[0]), args.serve_null[1], args.serve_null[2])
+        return 0
     if shutil.which("wrk") is None:
         print("wrk not found: apt-get install wrk", file=sys.stderr)
         return 1
@@ -304,23 +408,20 @@ def main(argv: list[str] | None = None) -> int:
         )
         alone.stop()
         children.remove(alone)
-        for n in (int(x) for x in args.processes.split(",")):
-            cfg = gateway_config(work, backend_port, n)
-            stack = Stack(cfg, workdir=work / f"stack-{n}", log_level="warning")
+        runs = [(n, True) for n in (int(x) for x in args.processes.split(","))]
+        if args.unmetered:
+            runs.append((1, False))
+        for n, accounting in runs:
+            cfg = gateway_config(work, backend_port, n, accounting=accounting)
+            stack = Stack(cfg, workdir=work / f"stack-{n}-{accounting}", log_level="warning")
+            suffix = "" if accounting else ", unmetered"
             try:
                 stack.start(timeout_s=60)
                 pids = {c.name: c.proc.pid for c in stack.children if c.proc is not None}
                 url = f"http://{stack.config.gateway.listen}/v1/chat/completions"
-                probe = urllib.request.Request(
-                    url,
-                    data=chat_body().encode(),
-                    method="POST",
-                    headers={"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"},
-                )
-                with urllib.request.urlopen(probe, timeout=10) as resp:
-                    assert resp.status == 200
+                post_once(url)
                 rows += measure(
-                    f"envoy + ext_proc x{n}",
+                    f"envoy + ext_proc x{n}{suffix}",
                     url,
                     script,
                     conns=conns,
@@ -332,6 +433,38 @@ def main(argv: list[str] | None = None) -> int:
                         "backend": [backend.proc.pid],
                     },
                 )
+                if n == 1 and args.null:
+                    # the same Envoy, its ext_proc process swapped for the do-nothing one on its address
+                    real = next(c for c in stack.children if c.name == "ext_proc")
+                    real.stop()
+                    version = stack.config.models[0].versions[0].name
+                    null = start_null(work, stack.config.ext_proc.listen, version)
+                    children.append(null)
+                    assert null.proc is not None
+                    deadline = time.monotonic() + 20
+                    while True:  # Envoy reconnects to the ext_proc cluster's endpoint
+                        try:
+                            post_once(url)
+                            break
+                        except (OSError, AssertionError):
+                            if time.monotonic() > deadline:
+                                raise
+                            time.sleep(0.2)
+                    # shown before the real processor's rows
+                    rows[-len(conns) : -len(conns)] = measure(
+                        f"envoy + null ext_proc{suffix}",
+                        url,
+                        script,
+                        conns=conns,
+                        duration_s=duration,
+                        procs={
+                            "gateway envoy": [pids["envoy"]],
+                            "ext_proc": [null.proc.pid],
+                            "backend": [backend.proc.pid],
+                        },
+                    )
+                    null.stop()
+                    children.remove(null)
             finally:
                 stack.stop(keep_workdir=True)
     finally:

@@ -1,8 +1,10 @@
 """The grpcio aio adapter between Envoy's ext_proc stream and :mod:`ext_proc.handlers`.
 
 One ``Process`` stream carries one HTTP request: request headers, then (BUFFERED) the whole body, then,
-when ``ext_proc.account_responses`` is on, the response headers (SEND) and the response body chunks
-(STREAMED), and response trailers if Envoy is configured to send them. Each message gets exactly one
+when ``ext_proc.account_responses`` is on, the response body chunks (STREAMED), the first carrying the
+status as the ``response.code`` attribute (the gateway skips the response headers phase: one round trip
+less per request). A processor configured by someone else's Envoy config with response headers SEND and
+trailers works too: the status and content type are then read from the headers message. Each message gets exactly one
 answer: a headers/body response that continues (with header or body mutations) or an
 ``ImmediateResponse``.
 

@@ -392,6 +392,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         children.append(backend)
         assert backend.proc is not None
+        backend_pid = backend.proc.pid
         alone = start_envoy(
             work, "alone", alone_bootstrap(alone_port, alone_admin, backend_port), alone_port, 2
         )
@@ -404,7 +405,7 @@ def main(argv: list[str] | None = None) -> int:
             script,
             conns=conns,
             duration_s=duration,
-            procs={"gateway envoy": [alone.proc.pid], "backend": [backend.proc.pid]},
+            procs={"gateway envoy": [alone.proc.pid], "backend": [backend_pid]},
         )
         alone.stop()
         children.remove(alone)
@@ -420,19 +421,11 @@ def main(argv: list[str] | None = None) -> int:
                 pids = {c.name: c.proc.pid for c in stack.children if c.proc is not None}
                 url = f"http://{stack.config.gateway.listen}/v1/chat/completions"
                 post_once(url)
-                rows += measure(
-                    f"envoy + ext_proc x{n}{suffix}",
-                    url,
-                    script,
-                    conns=conns,
-                    duration_s=duration,
-                    procs={
-                        "gateway envoy": [pids["envoy"]],
-                        # the Stack starts one ext_proc process per address: ext_proc, ext_proc-2, ...
-                        "ext_proc": [pid for name, pid in pids.items() if name.startswith("ext_proc")],
-                        "backend": [backend.proc.pid],
-                    },
-                )
+                # the Stack starts one ext_proc process per address: ext_proc, ext_proc-2, ...
+                real_pids = [pid for name, pid in pids.items() if name.startswith("ext_proc")]
+                procs = {"gateway envoy": [pids["envoy"]], "ext_proc": real_pids, "backend": [backend_pid]}
+                scenario = f"envoy + ext_proc x{n}{suffix}"
+                rows += measure(scenario, url, script, conns=conns, duration_s=duration, procs=procs)
                 if n == 1 and args.null:
                     # the same Envoy, its ext_proc process swapped for the do-nothing one on its address
                     real = next(c for c in stack.children if c.name == "ext_proc")
@@ -450,19 +443,10 @@ def main(argv: list[str] | None = None) -> int:
                             if time.monotonic() > deadline:
                                 raise
                             time.sleep(0.2)
-                    # shown before the real processor's rows
-                    rows[-len(conns) : -len(conns)] = measure(
-                        f"envoy + null ext_proc{suffix}",
-                        url,
-                        script,
-                        conns=conns,
-                        duration_s=duration,
-                        procs={
-                            "gateway envoy": [pids["envoy"]],
-                            "ext_proc": [null.proc.pid],
-                            "backend": [backend.proc.pid],
-                        },
-                    )
+                    procs["ext_proc"] = [null.proc.pid]
+                    scenario = f"envoy + null ext_proc{suffix}"
+                    null_rows = measure(scenario, url, script, conns=conns, duration_s=duration, procs=procs)
+                    rows[-len(conns) : -len(conns)] = null_rows  # shown before the real processor's rows
                     null.stop()
                     children.remove(null)
             finally:

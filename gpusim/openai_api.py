@@ -15,9 +15,11 @@ is the count the gateway reserved quota for. This module builds what goes back (
   (``event: <type>`` then ``data: <json>``, each JSON carrying its ``type`` and a ``sequence_number``
   counting from 0): ``response.created``, ``response.in_progress``, ``response.output_item.added``,
   ``response.content_part.added``, one ``response.output_text.delta`` per token, the matching ``.done``
-  events, and ``response.completed`` carrying the whole response with its ``usage``. There is no
-  ``data: [DONE]`` in a Responses stream. Status is "completed" (the simulated model stops at its token
-  count, as vLLM with ``ignore_eos``).
+  events, and ``response.incomplete`` carrying the whole response with its ``usage``. There is no
+  ``data: [DONE]`` in a Responses stream. The simulated model always stops at its token cap (as vLLM with
+  ``ignore_eos``), so, as chat choices end with ``finish_reason`` "length", a response ends "incomplete"
+  with ``incomplete_details.reason`` "max_output_tokens" (what OpenAI answers when the cap cuts the output),
+  its message item "incomplete" too.
 * ``list`` bodies of ``embedding`` objects: deterministic pseudo-embeddings (:func:`pseudo_embedding`) as
   JSON floats or as base64 of little-endian float32 (``encoding_format``), with ``usage`` of prompt tokens.
 
@@ -209,6 +211,10 @@ def responses_usage(input_tokens: int, output_tokens: int) -> dict[str, Any]:
     }
 
 
+#: The status of a finished response: the simulated model always stops at its token cap (module docstring).
+CAPPED: Final = "incomplete"
+
+
 class ResponseBuilder:
     """Builds the ``response`` object and the stream events of one ``POST /v1/responses`` request.
 
@@ -253,7 +259,7 @@ class ResponseBuilder:
         output: list[dict[str, Any]] = []
         usage_doc: dict[str, Any] | None = None
         if output_tokens is not None and input_tokens is not None:
-            output = [self._message(completion_text(output_tokens), "completed")]
+            output = [self._message(completion_text(output_tokens), status)]
             usage_doc = responses_usage(input_tokens, output_tokens)
         return {
             "id": self.response_id,
@@ -261,7 +267,7 @@ class ResponseBuilder:
             "created_at": self.created_at,
             "status": status,
             "error": None,
-            "incomplete_details": None,
+            "incomplete_details": {"reason": "max_output_tokens"} if status == CAPPED else None,
             "instructions": None,
             "max_output_tokens": self.req.max_output_tokens,
             "model": self.req.model,
@@ -311,7 +317,8 @@ class ResponseBuilder:
         ]
 
     def closing_events(self, *, input_tokens: int, output_tokens: int) -> list[dict[str, Any]]:
-        """The ``.done`` events of the text, part and item, then ``response.completed`` with ``usage``."""
+        """The ``.done`` events of the text, part and item, then ``response.incomplete`` (the output reached
+        its token cap, module docstring) with ``usage``."""
         text = completion_text(output_tokens)
         return [
             self._event(
@@ -329,12 +336,10 @@ class ResponseBuilder:
                 content_index=0,
                 part=self._part(text),
             ),
-            self._event("response.output_item.done", output_index=0, item=self._message(text, "completed")),
+            self._event("response.output_item.done", output_index=0, item=self._message(text, CAPPED)),
             self._event(
-                "response.completed",
-                response=self.response(
-                    status="completed", input_tokens=input_tokens, output_tokens=output_tokens
-                ),
+                f"response.{CAPPED}",
+                response=self.response(status=CAPPED, input_tokens=input_tokens, output_tokens=output_tokens),
             ),
         ]
 

@@ -10,7 +10,7 @@ Routes (what vLLM's OpenAI server answers, in its shapes):
   ``retry-after`` when the queue is full.
 * ``POST /v1/responses`` (the Responses API): the same generation (``max_output_tokens``, else the model's
   ``default_max_tokens``; one output message), as a ``response`` object with ``usage.input_tokens`` /
-  ``output_tokens``, or streamed as typed events ending in ``response.completed``
+  ``output_tokens``, or streamed as typed events ending in ``response.incomplete``
   (:class:`gpusim.openai_api.ResponseBuilder`). Timed and counted like chat.
 * ``POST /v1/embeddings``: one pseudo-embedding per input (:func:`gpusim.openai_api.pseudo_embedding`,
   :data:`~gpusim.openai_api.EMBEDDING_DIMENSIONS` long unless the request sets ``dimensions``), as floats or
@@ -559,7 +559,7 @@ class SimulatedEndpoint:
                 req, request_id=flight.request_id, created_at=int(time.time())
             )
             body = builder.response(
-                status="completed", input_tokens=prompt_tokens, output_tokens=flight.tokens_per_choice
+                status=openai_api.CAPPED, input_tokens=prompt_tokens, output_tokens=flight.tokens_per_choice
             )
         else:
             body = openai_api.full_response(

@@ -37,7 +37,7 @@ def test_a_response_body_is_charged_its_usage(responses_stack: RunningStack) -> 
         resp = c.responses.create(
             model=QWEN, instructions="Be brief.", input="count my response tokens", max_output_tokens=9
         )
-    assert resp.status == "completed" and resp.output_text
+    assert resp.status == "incomplete" and resp.output_text
     assert resp.usage is not None and resp.usage.output_tokens == 9
     assert wait_charged(rs.config, "resp-json", QWEN, before) == (
         resp.usage.input_tokens,
@@ -59,9 +59,9 @@ def test_a_response_stream_is_charged_the_usage_of_its_completed_event(responses
         )
     deltas = [e.delta for e in events if e.type == "response.output_text.delta"]
     assert len(deltas) == 11
-    completed = [e.response for e in events if e.type == "response.completed"]
-    assert len(completed) == 1 and events[-1].type == "response.completed"
-    usage = completed[0].usage
+    finished = [e.response for e in events if e.type == "response.incomplete"]
+    assert len(finished) == 1 and events[-1].type == "response.incomplete"
+    usage = finished[0].usage
     assert usage is not None and usage.output_tokens == 11
-    assert completed[0].output_text == "".join(deltas)
+    assert finished[0].output_text == "".join(deltas)
     assert wait_charged(rs.config, "resp-sse", QWEN, before) == (usage.input_tokens, usage.output_tokens)

@@ -77,7 +77,8 @@ async def test_a_response_body_has_one_message_and_exact_usage(
         assert resp.content_type == "application/json"
         assert_stamped(resp)
         body = await resp.json()
-    assert body["object"] == "response" and body["status"] == "completed"
+    assert body["object"] == "response" and body["status"] == "incomplete"
+    assert body["incomplete_details"] == {"reason": "max_output_tokens"}
     assert body["id"].startswith("resp_") and body["model"] == MODEL
     [item] = body["output"]
     assert (item["type"], item["role"]) == ("message", "assistant")
@@ -113,13 +114,13 @@ async def test_a_stream_is_typed_events_one_delta_per_token_then_completed_with_
     events = typed_events(raw)
     assert [e["sequence_number"] for e in events] == list(range(len(events)))
     kinds = [e["type"] for e in events]
-    assert kinds[0] == "response.created" and kinds[-1] == "response.completed"
+    assert kinds[0] == "response.created" and kinds[-1] == "response.incomplete"
     assert events[0]["response"]["status"] == "in_progress" and events[0]["response"]["usage"] is None
     deltas = [e["delta"] for e in events if e["type"] == "response.output_text.delta"]
     assert deltas == [openai_api.token_text(i) for i in range(7)]
     assert kinds.index("response.output_text.delta") > kinds.index("response.content_part.added")
     final = events[-1]["response"]
-    assert final["status"] == "completed" and final["id"] == events[0]["response"]["id"]
+    assert final["status"] == "incomplete" and final["id"] == events[0]["response"]["id"]
     assert output_text(final) == "".join(deltas)
     assert final["usage"]["input_tokens"] == PROMPT_TOKENS
     assert final["usage"]["output_tokens"] == 7
@@ -171,7 +172,7 @@ async def test_the_openai_sdk_creates_responses_streamed_and_not(v100: tuple[Sim
     _, url = v100
     async with AsyncOpenAI(base_url=f"{url}/v1", api_key="sk-test", max_retries=0) as client:
         response = await client.responses.create(model=MODEL, input="Hi!", max_output_tokens=4)
-        assert response.status == "completed"
+        assert response.status == "incomplete"
         assert response.output_text == openai_api.completion_text(4)
         assert response.usage is not None
         hi = {"model": MODEL, "input": "Hi!"}
@@ -185,7 +186,7 @@ async def test_the_openai_sdk_creates_responses_streamed_and_not(v100: tuple[Sim
         async for ev in stream:
             if ev.type == "response.output_text.delta":
                 text.append(ev.delta)
-            elif ev.type == "response.completed":
+            elif ev.type == "response.incomplete":
                 completed = ev.response
         assert "".join(text) == openai_api.completion_text(3)
         assert completed is not None and completed.usage is not None

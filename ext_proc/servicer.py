@@ -4,8 +4,8 @@ One ``Process`` stream carries one HTTP request: request headers, then (BUFFERED
 when ``ext_proc.account_responses`` is on, the response body chunks (STREAMED), the first carrying the
 status as the ``response.code`` attribute (the gateway skips the response headers phase: one round trip
 less per request). A processor configured by someone else's Envoy config with response headers SEND and
-trailers works too: the status and content type are then read from the headers message. Each message gets exactly one
-answer: a headers/body response that continues (with header or body mutations) or an
+trailers works too: the status and content type are then read from the headers message. Each message gets
+exactly one answer: a headers/body response that continues (with header or body mutations) or an
 ``ImmediateResponse``.
 
 Quota accounting per stream: admission takes a reservation (and a concurrency lease) from the
@@ -152,10 +152,10 @@ def _header_option(name: str, value: str) -> base_pb2.HeaderValueOption:
     )
 
 
-#: Headers whose values come from the config (model, version, tenant, priority names), so the set of
-#: (name, value) pairs is bounded: their ``HeaderValueOption`` is built once and copied into each response
-#: (a copy costs well under a third of building one from keyword arguments).
-_CONFIG_VALUED_HEADERS: frozenset[str] = frozenset({h.MODEL, h.VERSION, h.TENANT, h.PRIORITY})
+#: Headers whose values come from the config (model, version, tenant, priority names) or a fixed set (the
+#: length class), so the set of (name, value) pairs is bounded: their ``HeaderValueOption`` is built once
+#: and copied into each response (a copy costs well under a third of building one from keyword arguments).
+_CONFIG_VALUED_HEADERS: frozenset[str] = frozenset({h.MODEL, h.VERSION, h.TENANT, h.PRIORITY, h.LENGTH_CLASS})
 #: Entries of the option cache before it is emptied (a reload that renames models and tenants many times
 #: over must not grow it without bound).
 _OPTION_CACHE_ENTRIES = 4096

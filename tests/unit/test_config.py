@@ -138,8 +138,10 @@ def test_config_is_frozen() -> None:
 
 
 def test_a_key_given_twice_is_refused_with_its_name_and_line(tmp_path: Path) -> None:
-    text = default_config_path().read_text(encoding="utf-8").replace(
-        "  num_retries: 2\n", "  num_retries: 2\n  num_retries: 7\n"
+    text = (
+        default_config_path()
+        .read_text(encoding="utf-8")
+        .replace("  num_retries: 2\n", "  num_retries: 2\n  num_retries: 7\n")
     )
     assert text.count("num_retries") == 2
     bad = tmp_path / "dup.yaml"

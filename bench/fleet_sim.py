@@ -41,10 +41,13 @@ from inferlb.fleetsim import (
     fleet_capacity_rps,
     fleet_mix,
     long_output_threshold,
+    request_service_seconds,
     scale_trace,
     share_series,
     simulate,
+    tiered_thresholds,
 )
+from inferlb.length_aware import DEFAULT_TIER_WORK_FRACTION, tier_thresholds
 from inferlb.replay import DEFAULT_TRACE, TraceRow, read_trace
 from inferlb.weights import WeightParams
 
@@ -88,9 +91,7 @@ def _table(title: str, results: list[tuple[str, FleetRunResult]], *, throttle: b
             _fmt(r.work_p95_p5_pts, 1),
             "/".join(f"{wt.get(k, math.nan):.0f}" for k in ("H100", "A100", "V100")),
             f"{r.refused}" + (f" (+{r.unfinished} unfinished)" if r.unfinished else ""),
-            "-"
-            if r.long_output_threshold is None
-            else f"{r.long_output_threshold}: {r.long_requests:,} ({r.long_fallbacks:,})",
+            _long_cell(r),
         ]
         if throttle:
             s = r.shift
@@ -102,6 +103,18 @@ def _table(title: str, results: list[tuple[str, FleetRunResult]], *, throttle: b
             ]
         t.add_row(*row)
     return t
+
+
+def _long_cell(r: FleetRunResult) -> str:
+    """``threshold: long requests (fallbacks)``; for ``tiered``, thresholds and requests per confined
+    class, longest first."""
+    if r.tier_thresholds is not None:
+        ts = "/".join(str(t) for t in r.tier_thresholds)
+        counts = "/".join(f"{c:,}" for c in r.class_requests[:-1])
+        return f"{ts}: {counts} ({r.long_fallbacks:,})"
+    if r.long_output_threshold is None:
+        return "-"
+    return f"{r.long_output_threshold}: {r.long_requests:,} ({r.long_fallbacks:,})"
 
 
 def _plots(
@@ -235,6 +248,18 @@ def main() -> None:
         metavar=("START", "END"),
         help="length_aware: the threshold is --long-percentile of this part of the trace (fractions)",
     )
+    ap.add_argument(
+        "--tier-fraction",
+        type=float,
+        default=DEFAULT_TIER_WORK_FRACTION,
+        help="tiered (and length_aware with --long-rule): share of each tier set's capacity its confined "
+        "requests may take (inferlb.length_aware.tier_thresholds)",
+    )
+    ap.add_argument(
+        "--long-rule",
+        action="store_true",
+        help="length_aware: the threshold by the tiered rule for the fast set, not a percentile",
+    )
     ap.add_argument("--no-throttle", action="store_true", help="skip the throttle runs")
     ap.add_argument("--out", type=Path, default=Path("bench/out"))
     args = ap.parse_args()
@@ -249,10 +274,21 @@ def main() -> None:
 
     all_rows = read_trace(args.trace)
     rows = trace_part(all_rows, *args.trace_window)
-    if args.threshold_window is not None:
-        args.long_tokens = long_output_threshold(
-            trace_part(all_rows, *args.threshold_window), args.long_percentile
-        )
+    # The thresholds are learnt from the threshold window (the training part) when one is given, else
+    # from the replayed rows (in-sample).
+    train = trace_part(all_rows, *args.threshold_window) if args.threshold_window is not None else rows
+    ref_model = models[gpus[0].gpu_type]
+    args.tier_thresholds = tiered_thresholds(gpus, ref_model, train, fraction=args.tier_fraction)
+    if args.long_rule:
+        fast = [g.relative_capacity for g in gpus if g.relative_capacity >= args.long_min_capacity]
+        share = sum(fast) / sum(g.relative_capacity for g in gpus)
+        samples = [
+            (r.output_tokens, request_service_seconds(ref_model, r.prompt_tokens, r.output_tokens))
+            for r in train
+        ]
+        (args.long_tokens,) = tier_thresholds([share], samples, fraction=args.tier_fraction)
+    elif args.threshold_window is not None:
+        args.long_tokens = long_output_threshold(train, args.long_percentile)
     if args.trace_window != (0.0, 1.0) or args.long_tokens is not None:
         if args.long_tokens is None:
             rule = f"p{args.long_percentile:g} of the arrivals"
@@ -260,11 +296,26 @@ def main() -> None:
             rule = f"{args.long_tokens} tokens"
         else:
             lo, hi = args.threshold_window
-            rule = f"{args.long_tokens} tokens (p{args.long_percentile:g} of window {lo:g}-{hi:g})"
+            how = (
+                f"work rule, fraction {args.tier_fraction:g}"
+                if args.long_rule
+                else f"p{args.long_percentile:g}"
+            )
+            rule = f"{args.long_tokens} tokens ({how} of window {lo:g}-{hi:g})"
         lo, hi = args.trace_window
         console.print(
             f"trace window {lo:g}-{hi:g} of the span: {len(rows):,} rows; length_aware threshold: {rule}; "
             f"seed {args.seed}"
+        )
+    if "tiered" in args.policies:
+        src = (
+            "the replayed rows"
+            if args.threshold_window is None
+            else "window {:g}-{:g}".format(*args.threshold_window)
+        )
+        console.print(
+            f"tiered thresholds (longest class first): {'/'.join(map(str, args.tier_thresholds))} tokens "
+            f"(work rule, fraction {args.tier_fraction:g}, from {src})"
         )
     capacity = fleet_capacity_rps([models[g.gpu_type] for g in gpus], rows)
     params = WeightParams.from_config(config.weights)
@@ -377,6 +428,7 @@ def _scenario(
         long_output_percentile=args.long_percentile,
         long_min_relative_capacity=args.long_min_capacity,
         long_output_tokens=args.long_tokens,
+        tier_thresholds=args.tier_thresholds,
     )
 
 

@@ -44,6 +44,13 @@ import gpusim) with one of four balancers that reproduce what Envoy does, withou
   (``lb_subset_config`` on GPU-class endpoint metadata; :class:`LengthAwareBalancer`). Envoy has no
   saturation fallback: its subset is fixed by GPU class, so this model's fallback only matches Envoy when
   it never fires (0 fallbacks at 1,000 GPUs; 780 of 3,740 long requests at 100 GPUs, 90% load).
+* ``tiered``: ``length_aware`` generalised to every GPU class (:class:`TieredBalancer`). The tiers are the
+  fleet's distinct ``relative_capacity`` values, fastest first; length class ``k`` (caps above
+  ``tier_thresholds[k]``, longest first) may run only on the ``k + 1`` fastest tiers, the last class
+  anywhere (here: the longest on H100s, the middle on H100s and A100s, the rest on every GPU). The
+  thresholds come from a rule, not from the outcome: :func:`inferlb.length_aware.tier_thresholds` over a
+  training window (:func:`tiered_thresholds`). A saturated set spills to the next wider one (counted as a
+  fallback; Envoy has none).
 
 **The fleet** (:func:`fleet_mix`): ``N`` GPUs split over the GPU types of the config's endpoints in the
 config's proportions (the bundled config has 2 H100, 3 A100, 3 V100, so 1,000 GPUs are 250/375/375).
@@ -77,24 +84,29 @@ import random
 from bisect import bisect_left
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from itertools import pairwise
 from typing import Literal, Protocol, overload, runtime_checkable
 
 from inferlb.config import Config, EndpointConfig, HostPort
 from inferlb.fleet import capacity_weight
+from inferlb.length_aware import DEFAULT_TIER_WORK_FRACTION, tier_capacity_shares, tier_thresholds
 from inferlb.replay import TraceRow, percentile
 from inferlb.telemetry import REASON_SW_THERMAL, GpuTelemetry, ServerMetrics, weight_inputs
 from inferlb.weights import WeightParams, WeightState, fleet_reference_rate, step
 
-Policy = Literal["round_robin", "least_request", "static_weights", "telemetry_weights", "length_aware"]
+Policy = Literal[
+    "round_robin", "least_request", "static_weights", "telemetry_weights", "length_aware", "tiered"
+]
 POLICIES: tuple[Policy, ...] = (
     "round_robin",
     "least_request",
     "static_weights",
     "telemetry_weights",
     "length_aware",
+    "tiered",
 )
 #: The policies whose weights follow the telemetry (:func:`inferlb.weights.step`).
-TELEMETRY_POLICIES: frozenset[Policy] = frozenset({"telemetry_weights", "length_aware"})
+TELEMETRY_POLICIES: frozenset[Policy] = frozenset({"telemetry_weights", "length_aware", "tiered"})
 
 #: Nominal maximum SM clock reported for every simulated GPU (MHz). Only the ratio current / maximum reaches
 #: the weight policy, so one nominal value serves every type.
@@ -506,15 +518,122 @@ class _SubsetActive(Sequence[int]):
         return self._active[self._hosts[i]]
 
 
-class LengthAwareBalancer:
-    """Length-aware placement: long requests to a fast set of hosts, the rest to all, each by Envoy's
-    weighted least request (:class:`LeastRequestBalancer`, one schedule per host set, as Envoy keeps one
-    load balancer per subset).
+class TieredBalancer:
+    """Tiered length-aware placement: length classes by output cap, each balanced over a nested host set
+    by Envoy's weighted least request (:class:`LeastRequestBalancer`, one schedule per set, as Envoy keeps
+    one load balancer per subset).
+
+    ``class_hosts[k]`` is the host set of class ``k`` (longest outputs first; each set contains the one
+    before it); ``thresholds[k]`` (non-increasing) is the output cap above which a request is of class
+    ``k`` (the first ``k`` whose threshold it exceeds); every other request balances over all ``n_hosts``.
+    When every host of a request's set already has at least its ``saturation_active[h]`` active requests
+    (for the simulation: the engine's ``max_batch``, beyond which a new request waits in the queue), the
+    request falls back to the next wider set, and so on to the whole fleet (Envoy has no such fallback:
+    ``fallbacks`` counts how often the model departs from it). ``class_picks[k]`` counts the requests of
+    class ``k`` (the last entry: the unconfined ones).
+
+    Raises:
+        ValueError: ``n_hosts < 1``, no class, thresholds and sets of different lengths, an empty set,
+            a host out of range, sets not nested, thresholds negative or increasing, or
+            ``saturation_active`` not of length ``n_hosts``.
+    """
+
+    def __init__(
+        self,
+        n_hosts: int,
+        *,
+        class_hosts: Sequence[Sequence[int]],
+        thresholds: Sequence[int],
+        saturation_active: Sequence[int],
+        rng: random.Random,
+        active_request_bias: float = 1.0,
+        choice_count: int = 2,
+    ) -> None:
+        if n_hosts < 1:
+            raise ValueError(f"n_hosts must be >= 1, got {n_hosts}")
+        if not class_hosts or len(class_hosts) != len(thresholds):
+            raise ValueError("need one threshold per confined class, and at least one class")
+        if any(not hosts for hosts in class_hosts):
+            raise ValueError("the fast set is empty: no GPU reaches the capacity asked for long requests")
+        sets = [tuple(sorted(set(hosts))) for hosts in class_hosts]
+        if any(not 0 <= h < n_hosts for s in sets for h in s):
+            raise ValueError(f"fast_hosts must be in [0, {n_hosts})")
+        if any(not set(a) <= set(b) for a, b in pairwise(sets)):
+            raise ValueError("class host sets must be nested (each contains the one before)")
+        if any(t < 0 for t in thresholds):
+            raise ValueError(f"long_output_threshold must be >= 0, got {min(thresholds)}")
+        if any(a < b for a, b in pairwise(thresholds)):
+            raise ValueError("thresholds must not increase (longest class first)")
+        if len(saturation_active) != n_hosts:
+            raise ValueError(f"expected {n_hosts} saturation bounds, got {len(saturation_active)}")
+        self._n = n_hosts
+        self.class_hosts: tuple[tuple[int, ...], ...] = tuple(sets)
+        self.thresholds: tuple[int, ...] = tuple(thresholds)
+        self._bound = tuple(saturation_active)
+        self._all = LeastRequestBalancer(
+            n_hosts, rng=rng, active_request_bias=active_request_bias, choice_count=choice_count
+        )
+        self._sets = [
+            LeastRequestBalancer(
+                len(s), rng=rng, active_request_bias=active_request_bias, choice_count=choice_count
+            )
+            for s in sets
+        ]
+        self.class_picks = [0] * (len(sets) + 1)
+        self.fallbacks = 0
+
+    def set_weights(self, weights: Sequence[int], active: Sequence[int]) -> None:
+        """New EDS weights for every host (each >= 1): every schedule is rebuilt."""
+        _check_weights(weights, self._n)
+        self._all.set_weights(weights, active)
+        for hosts, lb in zip(self.class_hosts, self._sets, strict=True):
+            lb.set_weights([weights[h] for h in hosts], _SubsetActive(hosts, active))
+
+    def length_class(self, completion_tokens: int) -> int:
+        """The class of a request with this completion cap: the first ``k`` with ``cap > thresholds[k]``,
+        else ``len(thresholds)`` (anywhere)."""
+        for k, t in enumerate(self.thresholds):
+            if completion_tokens > t:
+                return k
+        return len(self.thresholds)
+
+    def saturated(self, k: int, active: Sequence[int]) -> bool:
+        """Every host of class ``k``'s set has at least its saturation bound of active requests."""
+        bound = self._bound
+        return all(active[h] >= bound[h] for h in self.class_hosts[k])
+
+    def pick(self, active: Sequence[int]) -> int:
+        """A request of unknown length: the whole fleet."""
+        return self._all.pick(active)
+
+    def pick_for(self, active: Sequence[int], completion_tokens: int) -> int:
+        """The host for a request with ``completion_tokens`` (see the class doc)."""
+        k = self.length_class(completion_tokens)
+        self.class_picks[k] += 1
+        if k == len(self.thresholds):
+            return self._all.pick(active)
+        for j in range(k, len(self.class_hosts)):
+            if not self.saturated(j, active):
+                if j > k:
+                    self.fallbacks += 1
+                hosts = self.class_hosts[j]
+                return hosts[self._sets[j].pick(_SubsetActive(hosts, active))]
+        self.fallbacks += 1
+        return self._all.pick(active)
+
+    @property
+    def confined_picks(self) -> int:
+        """Requests of a confined class (every class but the last)."""
+        return sum(self.class_picks[:-1])
+
+
+class LengthAwareBalancer(TieredBalancer):
+    """Length-aware placement with two tiers: long requests to a fast set of hosts, the rest to all
+    (:class:`TieredBalancer` with one confined class).
 
     A request is long when its completion tokens (``max_tokens`` at the gateway) exceed
     ``long_output_threshold``. A long request goes to ``fast_hosts`` unless every one of them has at least
-    its ``saturation_active[h]`` active requests (for the simulation: the engine's ``max_batch``, beyond
-    which a new request waits in the queue); then it falls back to the whole fleet. ``fallbacks`` and
+    its ``saturation_active[h]`` active requests; then it falls back to the whole fleet. ``fallbacks`` and
     ``long_picks`` count those decisions.
 
     Raises:
@@ -533,34 +652,22 @@ class LengthAwareBalancer:
         active_request_bias: float = 1.0,
         choice_count: int = 2,
     ) -> None:
-        if n_hosts < 1:
-            raise ValueError(f"n_hosts must be >= 1, got {n_hosts}")
-        if not fast_hosts:
-            raise ValueError("the fast set is empty: no GPU reaches the capacity asked for long requests")
-        if any(not 0 <= h < n_hosts for h in fast_hosts):
-            raise ValueError(f"fast_hosts must be in [0, {n_hosts})")
-        if long_output_threshold < 0:
-            raise ValueError(f"long_output_threshold must be >= 0, got {long_output_threshold}")
-        if len(saturation_active) != n_hosts:
-            raise ValueError(f"expected {n_hosts} saturation bounds, got {len(saturation_active)}")
-        self._n = n_hosts
-        self.fast_hosts: tuple[int, ...] = tuple(sorted(set(fast_hosts)))
+        super().__init__(
+            n_hosts,
+            class_hosts=(fast_hosts,),
+            thresholds=(long_output_threshold,),
+            saturation_active=saturation_active,
+            rng=rng,
+            active_request_bias=active_request_bias,
+            choice_count=choice_count,
+        )
+        self.fast_hosts = self.class_hosts[0]
         self.long_output_threshold = long_output_threshold
-        self._bound = tuple(saturation_active)
-        self._all = LeastRequestBalancer(
-            n_hosts, rng=rng, active_request_bias=active_request_bias, choice_count=choice_count
-        )
-        self._fast = LeastRequestBalancer(
-            len(self.fast_hosts), rng=rng, active_request_bias=active_request_bias, choice_count=choice_count
-        )
-        self.long_picks = 0
-        self.fallbacks = 0
 
-    def set_weights(self, weights: Sequence[int], active: Sequence[int]) -> None:
-        """New EDS weights for every host (each >= 1): both schedules are rebuilt."""
-        _check_weights(weights, self._n)
-        self._all.set_weights(weights, active)
-        self._fast.set_weights([weights[h] for h in self.fast_hosts], _SubsetActive(self.fast_hosts, active))
+    @property
+    def long_picks(self) -> int:
+        """Requests routed as long."""
+        return self.class_picks[0]
 
     def is_long(self, completion_tokens: int) -> bool:
         """Whether a request with this completion cap goes to the fast set."""
@@ -568,22 +675,7 @@ class LengthAwareBalancer:
 
     def fast_set_saturated(self, active: Sequence[int]) -> bool:
         """Every fast host has at least its saturation bound of active requests."""
-        bound = self._bound
-        return all(active[h] >= bound[h] for h in self.fast_hosts)
-
-    def pick(self, active: Sequence[int]) -> int:
-        """A request of unknown length: the whole fleet."""
-        return self._all.pick(active)
-
-    def pick_for(self, active: Sequence[int], completion_tokens: int) -> int:
-        """The host for a request with ``completion_tokens`` (see the class doc)."""
-        if not self.is_long(completion_tokens):
-            return self._all.pick(active)
-        self.long_picks += 1
-        if self.fast_set_saturated(active):
-            self.fallbacks += 1
-            return self._all.pick(active)
-        return self.fast_hosts[self._fast.pick(_SubsetActive(self.fast_hosts, active))]
+        return self.saturated(0, active)
 
 
 def long_output_threshold(rows: Sequence[TraceRow], percentile_rank: float) -> int:
@@ -597,6 +689,28 @@ def long_output_threshold(rows: Sequence[TraceRow], percentile_rank: float) -> i
     if not 0 <= percentile_rank <= 100:
         raise ValueError(f"percentile_rank must be in [0, 100], got {percentile_rank}")
     return int(percentile([float(r.output_tokens) for r in rows], percentile_rank))
+
+
+def tiered_thresholds(
+    gpus: Sequence[FleetGpu],
+    model: EngineTiming,
+    rows: Sequence[TraceRow],
+    *,
+    fraction: float = DEFAULT_TIER_WORK_FRACTION,
+) -> tuple[int, ...]:
+    """The ``tiered`` policy's thresholds for this fleet from the requests ``rows`` (a training window):
+    :func:`inferlb.length_aware.tier_thresholds` over the tier sets of the fleet's GPU classes
+    (:func:`inferlb.length_aware.tier_capacity_shares`), each request's work priced by
+    :func:`request_service_seconds` on ``model`` (any GPU type: the shares do not depend on it).
+
+    Raises:
+        ValueError: no rows, or as :func:`inferlb.length_aware.tier_thresholds`.
+    """
+    shares = [share for _, share in tier_capacity_shares([g.relative_capacity for g in gpus])]
+    samples = [
+        (r.output_tokens, request_service_seconds(model, r.prompt_tokens, r.output_tokens)) for r in rows
+    ]
+    return tier_thresholds(shares, samples, fraction=fraction)
 
 
 # -- the scenario and its result ----------------------------------------------------------------------------
@@ -629,6 +743,11 @@ class Scenario:
             A100s and H100s also share) were the best of percentiles 50-95 and sets {H100}, {A100, H100}
             in 100-GPU runs at 90% load (60 s, seed 1); the H100 set alone saturates (a third of long
             requests fell back to the whole fleet).
+        tier_thresholds: for ``tiered``: the output-cap thresholds of the confined classes, longest first
+            (one per tier set of :func:`inferlb.length_aware.tier_capacity_shares`); None: computed from
+            the arrivals themselves by :func:`tiered_thresholds` (in-sample; the benchmark passes ones
+            taken from a training window instead).
+        tier_work_fraction: for ``tiered`` without ``tier_thresholds``: the rule's fraction.
 
     Raises:
         ValueError: a non-positive duration, period or factor, a negative delay, a warm-up not before the
@@ -650,6 +769,8 @@ class Scenario:
     long_output_percentile: float = 70.0
     long_output_tokens: int | None = None
     long_min_relative_capacity: float = 1.5
+    tier_thresholds: tuple[int, ...] | None = None
+    tier_work_fraction: float = DEFAULT_TIER_WORK_FRACTION
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -664,6 +785,10 @@ class Scenario:
             raise ValueError(f"long_output_percentile must be in [0, 100], got {self.long_output_percentile}")
         if self.long_output_tokens is not None and self.long_output_tokens < 0:
             raise ValueError(f"long_output_tokens must be >= 0, got {self.long_output_tokens}")
+        if not 0 < self.tier_work_fraction <= 1:
+            raise ValueError(f"tier_work_fraction must be in (0, 1], got {self.tier_work_fraction}")
+        if self.tier_thresholds is not None and any(t < 0 for t in self.tier_thresholds):
+            raise ValueError(f"tier_thresholds must be >= 0, got {self.tier_thresholds}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -720,7 +845,10 @@ class FleetRunResult:
         sim_end_s: simulated time at the end (the last event or the drain bound).
         long_output_threshold: for ``length_aware``: completion tokens above which a request was long
             (None for the other policies).
-        long_requests / long_fallbacks: for ``length_aware``: arrivals routed as long, and those of them
+        tier_thresholds / class_requests: for ``tiered``: the thresholds used, and the arrivals of each
+            length class (longest first; the last: unconfined).
+        long_requests / long_fallbacks: for ``length_aware`` and ``tiered``: arrivals routed as long
+            (any confined class), and those of them
             sent to the whole fleet because the fast set was saturated (0 for the other policies).
     """
 
@@ -753,6 +881,8 @@ class FleetRunResult:
     long_output_threshold: int | None = None
     long_requests: int = 0
     long_fallbacks: int = 0
+    tier_thresholds: tuple[int, ...] | None = None
+    class_requests: tuple[int, ...] = ()
 
 
 def make_balancer(
@@ -762,33 +892,51 @@ def make_balancer(
     *,
     long_output_threshold: int = 0,
     saturation_active: Sequence[int] | None = None,
+    tier_thresholds: Sequence[int] = (),
 ) -> Balancer:
     """The balancer of ``scenario.policy`` over ``gpus``, with its initial weights (equal, or the static
     capacity weights for the weighted policies: the telemetry policies start from the profile weights,
     as the xDS server does before any telemetry).
 
-    For ``length_aware``: a :class:`LengthAwareBalancer` whose fast set is the GPUs of ``relative_capacity
+    For ``length_aware``: a :class:`TieredBalancer` with one confined class (as :class:`LengthAwareBalancer`)
+    whose fast set is the GPUs of ``relative_capacity
     >= scenario.long_min_relative_capacity``, with ``long_output_threshold`` (tokens) and
     ``saturation_active`` (per GPU; default 16, the bundled ``max_batch``).
 
     Raises:
-        ValueError: for ``length_aware``, no GPU in the fast set.
+    For ``tiered``: a :class:`TieredBalancer` whose class sets are the nested tier sets of
+    :func:`inferlb.length_aware.tier_capacity_shares` (the fastest tier, the two fastest, ...), with
+    ``tier_thresholds`` (one per set, longest first).
+
+    Raises:
+        ValueError: for ``length_aware``, no GPU in the fast set; for ``tiered``, not one threshold per
+            tier set.
     """
     n = len(gpus)
+    bounds = saturation_active if saturation_active is not None else [16] * n
     if scenario.policy == "round_robin":
         return RoundRobinBalancer(n, rng=rng)
-    if scenario.policy == "length_aware":
-        la = LengthAwareBalancer(
+    if scenario.policy in ("tiered", "length_aware"):
+        if scenario.policy == "tiered":
+            tiers = tier_capacity_shares([g.relative_capacity for g in gpus])
+            class_hosts = [[g.index for g in gpus if g.relative_capacity >= c] for c, _ in tiers]
+            thresholds = tuple(tier_thresholds)
+        else:  # two tiers: the fast set and the rest
+            class_hosts = [
+                [g.index for g in gpus if g.relative_capacity >= scenario.long_min_relative_capacity]
+            ]
+            thresholds = (long_output_threshold,)
+        tb = TieredBalancer(
             n,
-            fast_hosts=[g.index for g in gpus if g.relative_capacity >= scenario.long_min_relative_capacity],
-            long_output_threshold=long_output_threshold,
-            saturation_active=saturation_active if saturation_active is not None else [16] * n,
+            class_hosts=class_hosts,
+            thresholds=thresholds,
+            saturation_active=bounds,
             rng=rng,
             active_request_bias=scenario.active_request_bias,
             choice_count=scenario.choice_count,
         )
-        la.set_weights([g.static_weight for g in gpus], [0] * n)
-        return la
+        tb.set_weights([g.static_weight for g in gpus], [0] * n)
+        return tb
     lr = LeastRequestBalancer(
         n, rng=rng, active_request_bias=scenario.active_request_bias, choice_count=scenario.choice_count
     )
@@ -863,14 +1011,22 @@ def simulate(
             if rows
             else 0
         )
+    tiers: tuple[int, ...] = ()
+    if scenario.policy == "tiered":
+        tiers = (
+            scenario.tier_thresholds
+            if scenario.tier_thresholds is not None
+            else tiered_thresholds(gpus, engines[0].model, rows, fraction=scenario.tier_work_fraction)
+        )
     balancer = make_balancer(
         scenario,
         gpus,
         rng,
         long_output_threshold=threshold or 0,
         saturation_active=[e.model.max_batch for e in engines],
+        tier_thresholds=tiers,
     )
-    length_aware = balancer if isinstance(balancer, LengthAwareBalancer) else None
+    length_aware = balancer if isinstance(balancer, TieredBalancer) else None
     m = len(rows)
     active = [0] * n
     arrival_gpu = [-1] * m
@@ -1136,8 +1292,10 @@ def simulate(
         events=events,
         sim_end_s=now,
         long_output_threshold=threshold,
-        long_requests=0 if length_aware is None else length_aware.long_picks,
+        long_requests=0 if length_aware is None else length_aware.confined_picks,
         long_fallbacks=0 if length_aware is None else length_aware.fallbacks,
+        tier_thresholds=tiers if scenario.policy == "tiered" else None,
+        class_requests=() if length_aware is None else tuple(length_aware.class_picks),
     )
 
 

@@ -35,6 +35,8 @@ fixed by GPU class, not by load (a fast GPU that throttles stays in it, with its
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from itertools import pairwise
 from typing import Final
 
 from inferlb.config import Config, LengthAwareRouting
@@ -68,3 +70,99 @@ def gpu_tier(config: Config, gpu: str, policy: LengthAwareRouting) -> str:
     """
     fast = config.gpu_profiles[gpu].relative_capacity >= policy.fast_min_relative_capacity
     return FAST_TIER if fast else STANDARD_TIER
+
+
+# -- tiered placement: the threshold rule --------------------------------------------------------------------
+
+#: The share of a tier set's capacity that the requests allowed only on it may take (see
+#: :func:`tier_thresholds`).
+DEFAULT_TIER_WORK_FRACTION: Final = 0.5
+
+
+def tier_capacity_shares(capacities: Sequence[float]) -> tuple[tuple[float, float], ...]:
+    """The nested tier sets of a fleet and their share of its capacity.
+
+    ``capacities`` holds each GPU's profile ``relative_capacity`` (one entry per GPU, V100 = 1.0). The tiers
+    are the distinct capacities ``c_1 > c_2 > ... > c_m``; tier set ``k`` is every GPU of capacity ``>= c_k``
+    (the ``k`` fastest tiers). Returned: ``(c_k, share_k)`` for ``k = 1 .. m - 1``, fastest first, where
+    ``share_k`` (0..1) is the set's summed capacity over the fleet's. The last set, the whole fleet (share
+    1), is left out: the shortest class runs anywhere. Capacity is relative throughput, so the share is the
+    share of the fleet's GPU-seconds of work the set can do per second.
+
+    Raises:
+        ValueError: no capacity, or one not > 0.
+    """
+    if not capacities:
+        raise ValueError("no GPU capacities")
+    if any(not c > 0 for c in capacities):
+        raise ValueError("relative capacities must be > 0")
+    total = sum(capacities)
+    tiers = sorted(set(capacities), reverse=True)
+    return tuple((c, sum(x for x in capacities if x >= c) / total) for c in tiers[:-1])
+
+
+def tier_thresholds(
+    set_shares: Sequence[float],
+    samples: Sequence[tuple[int, float]],
+    *,
+    fraction: float = DEFAULT_TIER_WORK_FRACTION,
+) -> tuple[int, ...]:
+    """Output-cap thresholds of the length classes, one per tier set, by a rule (no tuning on outcomes).
+
+    Args:
+        set_shares: the capacity share (0..1) of each nested tier set, fastest (smallest) set first, as the
+            second members of :func:`tier_capacity_shares`.
+        samples: ``(output cap tokens, work)`` of each request of a *training* window, where work is the
+            request's GPU-seconds on any one GPU type (:func:`inferlb.fleetsim.request_service_seconds`:
+            prefill plus decode at full batch; the shares do not depend on the type, since every rate scales
+            with ``relative_capacity``).
+        fraction: the share of a set's capacity its confined requests may take (0 < fraction <= 1).
+
+    Returns:
+        ``T_1 >= T_2 >= ...``, one per set: a request whose cap exceeds ``T_k`` may run only on set ``k``
+        (the first ``k`` it exceeds wins: above ``T_1`` only the fastest tier). Each ``T_k`` is the smallest
+        cap seen in the samples such that the requests above it carry at most ``fraction * set_shares[k]``
+        of the samples' work.
+
+    The rule and why: the requests confined to set ``k`` (caps above ``T_k``) put ``load x W_k`` of the
+    fleet's capacity on that set, where ``W_k`` is their share of the work. Requests confined to nested sets
+    can all be served only if ``W_k <= share_k`` for every ``k`` (Hall's condition for nested sets); above
+    it the set saturates whatever the balancer does. With ``W_k = fraction x share_k`` the confined requests
+    fill that part of each set at full load and leave the rest (1 - fraction) to the weighted
+    least-request balancer, which places the unconfined requests where load is lowest: the freedom that
+    keeps queues short. ``fraction`` 1 would leave the balancer no freedom on the fast tiers; 0 confines
+    nothing. The default 1/2 splits each set evenly between the two and was fixed before any evaluation;
+    bench/fleet_sim.py evaluates it on a held-out window.
+
+    Raises:
+        ValueError: no samples, a fraction outside (0, 1], a share outside (0, 1], shares not increasing,
+            a negative cap or work, or zero total work.
+    """
+    if not samples:
+        raise ValueError("no samples to take thresholds from")
+    if not 0 < fraction <= 1:
+        raise ValueError(f"fraction must be in (0, 1], got {fraction}")
+    if any(not 0 < s <= 1 for s in set_shares):
+        raise ValueError("set shares must be in (0, 1]")
+    if any(a >= b for a, b in pairwise(set_shares)):
+        raise ValueError("set shares must increase (fastest, smallest set first)")
+    if any(cap < 0 or work < 0 for cap, work in samples):
+        raise ValueError("caps and work must be >= 0")
+    total = sum(work for _, work in samples)
+    if not total > 0:
+        raise ValueError("the samples carry no work")
+    work_at: dict[int, float] = {}
+    for cap, work in samples:
+        work_at[cap] = work_at.get(cap, 0.0) + work
+    caps = sorted(work_at)
+    # above[i]: work of the samples whose cap exceeds caps[i] (non-increasing in i; 0 at the largest cap)
+    above = [0.0] * len(caps)
+    acc = 0.0
+    for i in range(len(caps) - 1, -1, -1):
+        above[i] = acc
+        acc += work_at[caps[i]]
+    out = []
+    for share in set_shares:
+        budget = fraction * share * total
+        out.append(next(caps[i] for i in range(len(caps)) if above[i] <= budget))
+    return tuple(out)

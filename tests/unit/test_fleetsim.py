@@ -24,6 +24,7 @@ from inferlb.fleetsim import (
     LengthAwareBalancer,
     RoundRobinBalancer,
     Scenario,
+    TieredBalancer,
     fleet_capacity_rps,
     fleet_mix,
     long_output_threshold,
@@ -31,6 +32,7 @@ from inferlb.fleetsim import (
     scale_trace,
     share_series,
     simulate,
+    tiered_thresholds,
     traffic_shift,
 )
 from inferlb.replay import DEFAULT_TRACE, TraceRow, read_trace
@@ -249,6 +251,96 @@ def test_a_length_aware_run_places_long_outputs_on_the_fast_gpus_and_conserves_r
     assert short_gpus == {"H100", "A100", "V100"}
 
 
+# -- tiered placement ---------------------------------------------------------------------------------------
+
+
+def tiered(n: int = 6, *, seed: int = 0, bound: int = 3) -> TieredBalancer:
+    # hosts 0 (fastest tier), 0-2 (two fastest tiers), all 6 for the rest; thresholds 800 and 400 tokens
+    tb = TieredBalancer(
+        n, class_hosts=((0,), (0, 1, 2)), thresholds=(800, 400), saturation_active=[bound] * n,
+        rng=random.Random(seed),
+    )  # fmt: skip
+    tb.set_weights([30, 20, 20, 10, 10, 10][:n], [0] * n)
+    return tb
+
+
+#: (a completion cap, the index of its class, the hosts it may use) for :func:`tiered`'s thresholds 800/400
+CLASSES = ((801, 0, {0}), (401, 1, {0, 1, 2}), (0, 2, set(range(6))))
+
+
+@given(
+    st.lists(st.integers(0, 2), min_size=6, max_size=6),
+    st.sampled_from(CLASSES),
+    st.integers(0, 399),
+    st.integers(0, 2**32),
+)
+def test_each_length_class_lands_only_on_its_tier_set_while_it_has_room(
+    active: list[int], cls: tuple[int, int, set[int]], extra: int, seed: int
+) -> None:
+    # every host below its bound of 3: no fallback, each class stays on its set
+    least_cap, k, allowed = cls
+    tb = tiered(seed=seed)
+    picks = [tb.pick_for(active, least_cap + extra) for _ in range(10)]
+    assert set(picks) <= allowed
+    assert tb.class_picks[k] == 10 and sum(tb.class_picks) == 10
+    assert tb.fallbacks == 0
+    assert tb.confined_picks == (10 if k < 2 else 0)
+
+
+def test_a_saturated_tier_set_falls_back_to_the_next_wider_set_then_the_fleet() -> None:
+    tb = tiered()
+    fastest_full = [
+        3,
+        0,
+        0,
+        0,
+        0,
+        0,
+    ]  # host 0 at its bound: the longest class spills to the two fastest tiers
+    picks = Counter(tb.pick_for(fastest_full, 900) for _ in range(60))
+    assert set(picks) <= {0, 1, 2} and picks[1] + picks[2] > picks[0]
+    assert tb.fallbacks == 60
+    both_full = [3, 3, 3, 0, 0, 0]  # hosts 0-2 at their bound: both confined classes spill to the fleet
+    picks = Counter(tb.pick_for(both_full, n) for n in (900, 500) * 60)
+    assert picks[3] + picks[4] + picks[5] > 0.5 * 120  # weighted least request prefers the idle hosts
+    assert tb.fallbacks == 180
+    assert tb.class_picks == [120, 60, 0]
+
+
+def test_tiered_balancer_refuses_sets_that_are_not_nested_and_thresholds_that_increase() -> None:
+    rng = random.Random(0)
+    with pytest.raises(ValueError, match="nested"):
+        TieredBalancer(
+            4, class_hosts=((0,), (1, 2)), thresholds=(800, 400), saturation_active=[1] * 4, rng=rng
+        )
+    with pytest.raises(ValueError, match="must not increase"):
+        TieredBalancer(
+            4, class_hosts=((0,), (0, 1)), thresholds=(400, 800), saturation_active=[1] * 4, rng=rng
+        )
+    with pytest.raises(ValueError, match="one threshold per"):
+        TieredBalancer(4, class_hosts=((0,), (0, 1)), thresholds=(400,), saturation_active=[1] * 4, rng=rng)
+
+
+def test_a_tiered_run_keeps_each_class_on_its_tiers_and_conserves_requests() -> None:
+    r = run("tiered", duration=60.0)
+    fleet = fleet_mix(config(), 8)
+    models = [TimingModel.for_endpoint(config(), g.endpoint) for g in fleet]
+    rows = scale_trace(trace(), rate_rps=0.9 * fleet_capacity_rps(models, trace()), duration_s=60.0)
+    # in-sample thresholds, by the work rule over the fleet's three tiers (two confined classes)
+    assert r.tier_thresholds == tiered_thresholds(fleet, models[0], rows)
+    t1, t2 = r.tier_thresholds
+    assert t1 >= t2
+    assert r.finished + r.refused + r.unfinished == r.arrivals
+    assert r.long_requests == sum(r.class_requests[:2]) > 0
+    longest = [i for i, row in enumerate(rows) if row.output_tokens > t1]
+    middle = [i for i, row in enumerate(rows) if t2 < row.output_tokens <= t1]
+    assert (len(longest), len(middle)) == r.class_requests[:2]
+    on = Counter(fleet[r.arrival_gpus[i]].gpu_type for i in longest)
+    # every confined request not counted as a fallback stayed on its tiers
+    assert on["H100"] >= len(longest) - r.long_fallbacks
+    assert sum(fleet[r.arrival_gpus[i]].gpu_type != "V100" for i in middle) >= len(middle) - r.long_fallbacks
+
+
 # -- fleet, trace, capacity ---------------------------------------------------------------------------------
 
 
@@ -320,7 +412,8 @@ def test_simulation_is_deterministic_for_a_seed() -> None:
 
 
 @pytest.mark.parametrize(
-    "policy", ["round_robin", "least_request", "static_weights", "telemetry_weights", "length_aware"]
+    "policy",
+    ["round_robin", "least_request", "static_weights", "telemetry_weights", "length_aware", "tiered"],
 )
 def test_every_arrival_finishes_or_is_refused(policy: str) -> None:
     r = run(policy, duration=40.0, load=1.3, max_queue=2)

@@ -26,6 +26,8 @@ from inferlb.length_aware import (
     TIER_KEY,
     gpu_tier,
     length_class,
+    tier_capacity_shares,
+    tier_thresholds,
 )
 from inferlb.openai_api import EndpointKind
 from inferlb.quota import QuotaBook, limits_from_config
@@ -287,3 +289,74 @@ def test_long_routes_come_first_and_ask_for_the_fast_subset() -> None:
     # short requests take the usual routes: no metadata match, so the fallback (every endpoint) applies
     assert not by_name["llama--v1"].route.HasField("metadata_match")
     assert not by_name["llama--v1--high"].route.HasField("metadata_match")
+
+
+# -- tiered placement: the threshold rule --------------------------------------------------------------------
+
+
+def test_tier_sets_are_the_fastest_classes_nested_with_their_capacity_shares() -> None:
+    # 2 H100 (3.4), 3 A100 (1.7), 3 V100 (1.0): 6.8 + 5.1 + 3.0 = 14.9 V100s
+    caps = [3.4, 3.4, 1.7, 1.7, 1.7, 1.0, 1.0, 1.0]
+    (h, share_h), (a, share_ha) = tier_capacity_shares(caps)
+    assert (h, a) == (3.4, 1.7)
+    assert share_h == pytest.approx(6.8 / 14.9) and share_ha == pytest.approx(11.9 / 14.9)
+    assert tier_capacity_shares([1.0, 1.0]) == ()  # one class: nothing to confine
+    with pytest.raises(ValueError, match="> 0"):
+        tier_capacity_shares([1.0, 0.0])
+    with pytest.raises(ValueError, match="no GPU"):
+        tier_capacity_shares([])
+
+
+samples_st = st.lists(
+    st.tuples(st.integers(0, 2000), st.floats(0.01, 100.0, allow_nan=False)), min_size=1, max_size=60
+)
+
+
+@given(
+    samples=samples_st,
+    shares=st.lists(st.floats(0.05, 0.95), min_size=1, max_size=3, unique=True).map(sorted),
+    fraction=st.floats(0.05, 1.0),
+)
+def test_tier_thresholds_give_each_set_at_most_its_budget_and_are_the_smallest_such_caps(
+    samples: list[tuple[int, float]], shares: list[float], fraction: float
+) -> None:
+    thresholds = tier_thresholds(shares, samples, fraction=fraction)
+    total = sum(w for _, w in samples)
+    caps = sorted({c for c, _ in samples})
+    assert len(thresholds) == len(shares)
+    assert list(thresholds) == sorted(thresholds, reverse=True)  # the smaller the set, the higher its cap
+    for t, share in zip(thresholds, shares, strict=True):
+        budget = fraction * share * total
+        assert t in caps
+        assert sum(w for c, w in samples if c > t) <= budget * (1 + 1e-9)
+        lower = [c for c in caps if c < t]
+        if lower:  # one cap lower would put more than the budget on the set
+            assert sum(w for c, w in samples if c > lower[-1]) > budget * (1 - 1e-9)
+
+
+def test_tier_thresholds_on_a_known_distribution() -> None:
+    # 10 requests of cap 100 (work 1 each), 5 of cap 500 (work 4), 1 of cap 1000 (work 10): total 40
+    samples = [(100, 1.0)] * 10 + [(500, 4.0)] * 5 + [(1000, 10.0)]
+    # set shares 0.5 and 0.8, fraction 0.5: budgets 10 and 16 of work; above 500: 10 <= 10; above 100: 30 > 16
+    assert tier_thresholds([0.5, 0.8], samples, fraction=0.5) == (500, 500)
+    # fraction 1: budgets 20 and 32: above 500 is 10 (above 100, 30, exceeds 20); above 100, 30 <= 32
+    assert tier_thresholds([0.5, 0.8], samples, fraction=1.0) == (500, 100)
+
+
+@pytest.mark.parametrize(
+    ("shares", "samples", "fraction", "match"),
+    [
+        ([0.5], [], 0.5, "no samples"),
+        ([0.5], [(1, 1.0)], 0.0, "fraction"),
+        ([0.5], [(1, 1.0)], 1.5, "fraction"),
+        ([0.0], [(1, 1.0)], 0.5, "shares must be in"),
+        ([0.8, 0.5], [(1, 1.0)], 0.5, "increase"),
+        ([0.5], [(-1, 1.0)], 0.5, ">= 0"),
+        ([0.5], [(1, 0.0)], 0.5, "no work"),
+    ],
+)
+def test_tier_thresholds_refuse_bad_input(
+    shares: list[float], samples: list[tuple[int, float]], fraction: float, match: str
+) -> None:
+    with pytest.raises(ValueError, match=match):
+        tier_thresholds(shares, samples, fraction=fraction)

@@ -474,7 +474,7 @@ def admit(
     """Take the quota reservation and choose the version; answer with the routing headers.
 
     Args:
-        now: monotonic seconds for the quota buckets.
+        now: monotonic seconds for the per-minute quota windows.
         rng: randomness for version choice when the request names no ``user``.
 
     Returns:

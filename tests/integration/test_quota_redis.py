@@ -1,6 +1,8 @@
-"""RedisQuotaStore against a real redis-server on a free loopback port: the same decisions as the
-in-process QuotaBook, exactly-once leases, and concurrent bursts from two replicas (two stores, two
-connection pools) sharing one Redis that never over-admit; fail-open and fail-closed when Redis is down."""
+"""RedisQuotaStore against a real redis-server on a free loopback port: the same decisions, retry-after and
+sub-windows as the in-process QuotaBook on any sequence (run side by side), exact retry-after, bounded and
+expiring window keys, exactly-once leases, and concurrent bursts from two replicas (two stores, two
+connection pools) sharing one Redis that admit exactly what fits; fail-open and fail-closed when Redis is
+down."""
 
 from __future__ import annotations
 
@@ -24,14 +26,16 @@ import yaml
 from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from ext_proc import handlers
 from inferlb.metrics import ExtProcMetrics
-from inferlb.quota import SECONDS_PER_DAY, Admitted, Limit, QuotaBook, Refused, TenantLimits
-from inferlb.quota_redis import RedisQuotaStore
+from inferlb.quota import SECONDS_PER_DAY, SUB_WINDOWS, Admitted, Limit, QuotaBook, Refused, TenantLimits
+from inferlb.quota_redis import WINDOW_TTL_S, RedisQuotaStore
 
 REDIS_BIN = shutil.which("redis-server") or "/usr/bin/redis-server"
-WALL = 20_000 * SECONDS_PER_DAY + 3600.0  # a fixed wall clock: no refill during a test
+WALL = 20_000 * SECONDS_PER_DAY + 3600.25  # a fixed wall clock: nothing leaves the window during a test
 
 
 def free_port() -> int:
@@ -90,6 +94,7 @@ async def replicas(redis_url: str, prefix: str) -> AsyncIterator[list[RedisQuota
     limits = {
         "t": TenantLimits(tokens_per_minute=10_000, max_concurrent_requests=25, daily_token_budget=50_000),
         "rate": TenantLimits(requests_per_minute=30, tokens_per_minute=5_000),
+        "tokens": TenantLimits(tokens_per_minute=10_000),
     }
     stores = [await make_store(redis_url, prefix, limits) for _ in range(2)]
     yield stores
@@ -99,7 +104,7 @@ async def replicas(redis_url: str, prefix: str) -> AsyncIterator[list[RedisQuota
 
 async def test_two_replicas_concurrent_burst_never_over_admit(replicas: list[RedisQuotaStore]) -> None:
     a, b = replicas
-    # 200 requests of 300 tokens, alternating replicas, all at once: 10_000 / 300 = 33 fit the bucket,
+    # 200 requests of 300 tokens, alternating replicas, all at once: 10_000 / 300 = 33 fit the window,
     # but only 25 may be in flight
     results = await asyncio.gather(*((a if i % 2 else b).admit("t", 300) for i in range(200)))
     admitted = [r for r in results if isinstance(r, Admitted)]
@@ -111,10 +116,21 @@ async def test_two_replicas_concurrent_burst_never_over_admit(replicas: list[Red
     second = await asyncio.gather(*(a.settle(x, 300) for x in admitted))
     assert all(first) and not any(second)
     assert await b.in_flight("t") == 0
-    # now the token bucket binds: 10_000 - 25 * 300 = 2_500 left, 8 more fit
+    # now the tokens window binds: 10_000 - 25 * 300 = 2_500 left, 8 more fit
     results = await asyncio.gather(*((a if i % 2 else b).admit("t", 300) for i in range(100)))
     assert sum(isinstance(r, Admitted) for r in results) == 8
     assert {r.limit for r in results if isinstance(r, Refused)} == {Limit.TOKENS_PER_MINUTE}
+
+
+async def test_token_burst_of_200_over_two_replicas_admits_exactly_what_fits(
+    replicas: list[RedisQuotaStore],
+) -> None:
+    a, b = replicas
+    results = await asyncio.gather(*((a if i % 2 else b).admit("tokens", 300) for i in range(200)))
+    assert sum(isinstance(r, Admitted) for r in results) == 10_000 // 300
+    refused = [r for r in results if isinstance(r, Refused)]
+    # everything was counted in second floor(WALL): it fits again when that second leaves the window
+    assert {(r.limit, r.retry_after_s) for r in refused} == {(Limit.TOKENS_PER_MINUTE, SUB_WINDOWS - 0.25)}
 
 
 async def test_request_rate_burst_across_replicas(replicas: list[RedisQuotaStore]) -> None:
@@ -122,41 +138,160 @@ async def test_request_rate_burst_across_replicas(replicas: list[RedisQuotaStore
     results = await asyncio.gather(*((a if i % 2 else b).admit("rate", 10) for i in range(100)))
     assert sum(isinstance(r, Admitted) for r in results) == 30
     refused = [r for r in results if isinstance(r, Refused)]
-    assert all(
-        r.limit is Limit.REQUESTS_PER_MINUTE and r.retry_after_s == pytest.approx(2.0) for r in refused
+    assert {(r.limit, r.retry_after_s) for r in refused} == {(Limit.REQUESTS_PER_MINUTE, SUB_WINDOWS - 0.25)}
+
+
+async def test_retry_after_is_exact(redis_url: str, prefix: str) -> None:
+    limits = {"t": TenantLimits(tokens_per_minute=1_000)}
+    clock = [WALL]
+    store = RedisQuotaStore.from_url(
+        redis_url, limits, timeout_s=2.0, key_prefix=prefix, wall_clock=lambda: clock[0]
     )
+    try:
+        for dt, tokens in ((0.0, 400), (7.6, 300), (20.1, 200)):
+            clock[0] = WALL + dt
+            assert isinstance(await store.admit("t", tokens), Admitted)
+        clock[0] = WALL + 33.3
+        r = await store.admit("t", 600)  # 900 counted: the 400 of second 0 and the 300 of second 7 must go
+        assert isinstance(r, Refused) and r.retry_after_s is not None
+        at = WALL + 33.3 + r.retry_after_s
+        assert at == int(WALL) + 7 + SUB_WINDOWS
+        clock[0] = at - 1e-3
+        assert isinstance(await store.admit("t", 600), Refused)
+        clock[0] = at
+        assert isinstance(await store.admit("t", 600), Admitted)
+    finally:
+        await store.aclose()
+
+
+async def test_window_keys_keep_at_most_61_sub_windows_and_expire(redis_url: str, prefix: str) -> None:
+    limits = {"t": TenantLimits(requests_per_minute=10_000, tokens_per_minute=10**7)}
+    clock = [WALL]
+    store = RedisQuotaStore.from_url(
+        redis_url, limits, timeout_s=2.0, key_prefix=prefix, wall_clock=lambda: clock[0]
+    )
+    try:
+        _, _, rpm_key, tpm_key = store._keys("t")
+        for i in range(150):
+            clock[0] = WALL + i * 0.9
+            a = await store.admit("t", 5)
+            assert isinstance(a, Admitted)
+            await store.settle(a, 3)
+            for key in (rpm_key, tpm_key):
+                assert await store.client.hlen(key) <= SUB_WINDOWS
+        ttl_ms = await store.client.pttl(tpm_key)
+        assert 0 < ttl_ms <= WINDOW_TTL_S * 1000
+        fields = {int(k): int(v) for k, v in (await store.client.hgetall(tpm_key)).items()}
+        assert set(fields.values()) == {3} or set(fields.values()) == {3, 6}  # settled usage, not 5
+    finally:
+        await store.aclose()
 
 
 async def test_same_decisions_as_the_in_process_book(redis_url: str, prefix: str) -> None:
     limits = {"t": TenantLimits(requests_per_minute=20, tokens_per_minute=1_000, daily_token_budget=1_500)}
+    steps = [(0.0, 400, 400), (0.0, 400, 100), (0.0, 400, None), (1.0, 300, 250), (6.0, 300, None)]
+    steps += [(30.0, 500, 500), (60.0, 200, None), (61.0, 900, None), (200.0, 1000, None)]
+    await _side_by_side(
+        redis_url,
+        prefix,
+        limits,
+        [ev for dt, tokens, used in steps for ev in _admit_then_settle(dt, tokens, used)],
+    )
+
+
+def _admit_then_settle(dt: float, tokens: int, used: int | None) -> list[tuple[float, bool, int, float]]:
+    events = [(dt, False, tokens, 0.0)]
+    if used is not None:
+        events.append((0.0, True, 0, used / tokens))
+    return events
+
+
+async def _side_by_side(
+    redis_url: str, prefix: str, limits: dict[str, TenantLimits], events: list[tuple[float, bool, int, float]]
+) -> None:
+    """Run the same admissions and settles (absolute offsets from WALL, settling the oldest held request
+    with ``share`` of its reservation) on a RedisQuotaStore and a QuotaBook; every decision, sub-window,
+    limit, retry-after and message must be the same."""
     clock = [WALL]
     store = RedisQuotaStore.from_url(
         redis_url, limits, timeout_s=2.0, key_prefix=prefix, wall_clock=lambda: clock[0]
     )
     book = QuotaBook(limits, WALL)
+    held: list[tuple[Admitted, Admitted]] = []
     try:
-        steps = [(0.0, 400, 400), (0.0, 400, 100), (0.0, 400, None), (1.0, 300, 250), (6.0, 300, None)]
-        steps += [(30.0, 500, 500), (60.0, 200, None), (61.0, 900, None), (200.0, 1000, None)]
-        held_r: list[Admitted] = []
-        held_m: list[Admitted] = []
-        for dt, tokens, used in steps:
-            clock[0] = WALL + dt
+        for dt, is_settle, tokens, share in events:
+            now = WALL + dt
+            clock[0] = now
+            if is_settle:
+                if held:
+                    r_adm, m_adm = held.pop(0)
+                    used = int(m_adm.tokens * share)
+                    settled_r = await store.settle(r_adm, used)
+                    settled_m = book.settle(m_adm, used, now)
+                    # (a tenant with no limit at all never touches Redis, which reports nothing settled)
+                    assert settled_r == settled_m or limits["t"] == TenantLimits()
+                continue
             r = await store.admit("t", tokens)
-            m = book.try_admit("t", tokens, WALL + dt, wall=WALL + dt)
+            m = book.try_admit("t", tokens, now, wall=now)
             assert type(r) is type(m), (dt, tokens, r, m)
             if isinstance(r, Refused) and isinstance(m, Refused):
-                assert r.limit is m.limit
-                assert (r.retry_after_s is None) == (m.retry_after_s is None)
-                if r.retry_after_s is not None and m.retry_after_s is not None:
-                    assert r.retry_after_s == pytest.approx(m.retry_after_s, abs=1e-6)
+                assert (r.limit, r.retry_after_s, r.message) == (m.limit, m.retry_after_s, m.message)
             elif isinstance(r, Admitted) and isinstance(m, Admitted):
-                held_r.append(r)
-                held_m.append(m)
-                if used is not None:
-                    await store.settle(held_r.pop(), used)
-                    book.settle(held_m.pop(), used, WALL + dt)
+                assert (r.second, r.day, r.tokens) == (m.second, m.day, m.tokens)
+                held.append((r, m))
+        # and the windows hold the same sub-windows
+        _, _, rpm_key, tpm_key = store._keys("t")
+        state = book._tenants["t"]
+        for key, window in ((rpm_key, state.requests), (tpm_key, state.tokens)):
+            if window is None:
+                continue
+            window.advance(window.current_second(clock[0]))
+            stored = {int(k): int(v) for k, v in (await store.client.hgetall(key)).items()}
+            in_window = {k: v for k, v in stored.items() if k >= window.current_second(clock[0]) - 60}
+            assert in_window == window.counts
     finally:
         await store.aclose()
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    rpm=st.one_of(st.none(), st.integers(1, 8)),
+    tpm=st.one_of(st.none(), st.integers(100, 2000)),
+    concurrent=st.one_of(st.none(), st.integers(1, 6)),
+    budget=st.one_of(st.none(), st.integers(500, 6000)),
+    events=st.lists(
+        st.tuples(
+            st.one_of(st.sampled_from([0.0, 0.5, 1.0, 59.0, 60.0, 61.0]), st.floats(0.0, 30.0)),
+            st.booleans(),
+            st.integers(0, 2500),
+            st.floats(0.0, 1.5),
+        ),
+        min_size=1,
+        max_size=40,
+    ),
+)
+def test_any_sequence_gets_the_same_answers_from_redis_and_the_book(
+    redis_url: str,
+    rpm: int | None,
+    tpm: int | None,
+    concurrent: int | None,
+    budget: int | None,
+    events: list[tuple[float, bool, int, float]],
+) -> None:
+    limits = {
+        "t": TenantLimits(
+            requests_per_minute=rpm,
+            tokens_per_minute=tpm,
+            max_concurrent_requests=concurrent,
+            daily_token_budget=budget,
+        )
+    }
+    offsets = []
+    t = 0.0
+    for gap, is_settle, tokens, share in events:
+        t += gap
+        offsets.append((t, is_settle, tokens, share))
+    asyncio.run(_side_by_side(redis_url, f"h{time.monotonic_ns()}", limits, offsets))
 
 
 async def test_daily_budget_and_never_fits(redis_url: str, prefix: str) -> None:
@@ -167,7 +302,7 @@ async def test_daily_budget_and_never_fits(redis_url: str, prefix: str) -> None:
         a = await store.admit("t", 800)
         assert isinstance(a, Admitted)
         r = await store.admit("t", 300)
-        assert isinstance(r, Refused) and r.retry_after_s == pytest.approx(SECONDS_PER_DAY - 3600.0)
+        assert isinstance(r, Refused) and r.retry_after_s == pytest.approx(SECONDS_PER_DAY - 3600.25)
         assert await store.settle(a, 500)
         assert isinstance(await store.admit("t", 300), Admitted)
         # the next UTC day starts from zero

@@ -239,11 +239,12 @@ def test_body_429_with_retry_after(gateway: Gateway, quotas: QuotaBook) -> None:
     assert (err["type"], err["code"]) == ("rate_limit_error", "rate_limit_exceeded")
     assert isinstance(out, ImmediateReply)
     retry = dict(out.headers)["retry-after"]
-    # 82 tokens left, 109 needed, 5 tokens/s -> 5.4 s -> "6"
-    assert retry == "6"
+    # 218 tokens counted in second 0, 109 more need it to leave the window: at t = 61
+    assert retry == "61"
     assert out.details == "inferlb_quota_tokens_per_minute"
-    # after the advertised wait it is admitted
-    assert isinstance(run_body(gateway, quotas, chat_body(), key="sk-small-001", now=6.0), ContinueRequest)
+    # not a moment before the advertised wait; after it, admitted
+    assert isinstance(run_body(gateway, quotas, chat_body(), key="sk-small-001", now=60.9), ImmediateReply)
+    assert isinstance(run_body(gateway, quotas, chat_body(), key="sk-small-001", now=61.0), ContinueRequest)
 
 
 def test_body_429_retry_after_at_least_one_second(gateway: Gateway, quotas: QuotaBook) -> None:
@@ -252,7 +253,7 @@ def test_body_429_retry_after_at_least_one_second(gateway: Gateway, quotas: Quot
     ).encode()
     for _ in range(3):
         assert isinstance(run_body(gateway, quotas, small, key="sk-small-001"), ContinueRequest)
-    out = run_body(gateway, quotas, small, key="sk-small-001", now=19.9)  # 3 rpm: next request at t=20
+    out = run_body(gateway, quotas, small, key="sk-small-001", now=60.5)  # 3 rpm: next request at t=61
     assert isinstance(out, ImmediateReply)
     assert out.status == 429
     assert dict(out.headers)["retry-after"] == "1"

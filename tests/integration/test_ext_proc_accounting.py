@@ -111,7 +111,7 @@ class Harness:
 
 @pytest.fixture
 async def harness() -> AsyncIterator[Harness]:
-    # a frozen monotonic clock: the buckets never refill during a test, so the quota bounds are exact
+    # a frozen monotonic clock: nothing leaves the quota window during a test, so the quota bounds are exact
     state = ExtProcState(parse_config(CONFIG), clock=lambda: 1000.0)
     server = grpc.aio.server()
     servicer = add_to_server(server, state)

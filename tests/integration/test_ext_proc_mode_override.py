@@ -61,7 +61,7 @@ def resp_headers(status: int) -> ep.ProcessingRequest:
 
 @pytest.fixture
 async def served() -> AsyncIterator[tuple[ep_grpc.ExternalProcessorStub, ExtProcState]]:
-    state = ExtProcState(parse_config(CONFIG), clock=lambda: 1000.0)  # frozen: no refill during a test
+    state = ExtProcState(parse_config(CONFIG), clock=lambda: 1000.0)  # frozen: nothing leaves the window
     server = grpc.aio.server()
     add_to_server(server, state)
     port = server.add_insecure_port("127.0.0.1:0")

@@ -263,14 +263,18 @@ class SlidingWindow:
 
     def add(self, second: int, units: int) -> None:
         """Count ``units`` (negative to give back, never below 0 in one sub-window) in ``second``."""
-        before = self.counts.get(second, 0)
-        after = max(0, before + units)
-        if not self.counts:
-            self.oldest = self.newest = second
-        else:
-            self.oldest = min(self.oldest, second)
-            self.newest = max(self.newest, second)
-        self.counts[second] = after
+        counts = self.counts
+        before = counts.get(second)
+        if before is None:
+            if not counts:
+                self.oldest = self.newest = second
+            elif second > self.newest:
+                self.newest = second
+            elif second < self.oldest:
+                self.oldest = second
+            before = 0
+        after = max(before + units, 0)
+        counts[second] = after
         self.total += after - before
 
 
@@ -377,15 +381,15 @@ class QuotaBook:
         if tok_w is not None and tokens > tok_w.quota:
             return too_large(tenant, tokens, Limit.TOKENS_PER_MINUTE, tok_w.quota)
         second = math.floor(now)
-        for w in (req_w, tok_w):
-            if w is not None:
-                second = max(second, w.newest)
+        if req_w is not None and req_w.newest > second:
+            second = req_w.newest
+        if tok_w is not None and tok_w.newest > second:
+            second = tok_w.newest
         fit_req = fit_tok = second
-        if req_w is not None:
-            req_w.advance(second)
+        # the common case (it fits) costs one sum lookup per window; fit_second only on a refusal
+        if req_w is not None and req_w.advance(second) + 1 > req_w.quota:
             fit_req = req_w.fit_second(1, second)
-        if tok_w is not None:
-            tok_w.advance(second)
+        if tok_w is not None and tok_w.advance(second) + tokens > tok_w.quota:
             fit_tok = tok_w.fit_second(tokens, second)
         if fit_req > second or fit_tok > second:
             wait = seconds_until(max(fit_req, fit_tok), now)

@@ -518,8 +518,11 @@ class TenantConfig(_Frozen):
     name: Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")]
     api_keys: tuple[Annotated[str, Field(min_length=8, max_length=256)], ...]
     priority: Priority = Priority.DEFAULT
+    #: Requests admitted in any 60 s: a sliding window of whole seconds that never overshoots
+    #: (inferlb/quota.py).
     requests_per_minute: Annotated[int, Field(ge=1)] | None = None
-    #: Prompt + completion tokens per minute.
+    #: Prompt + completion tokens admitted in any 60 s (the same window; reservations settled with the
+    #: real usage).
     tokens_per_minute: Annotated[int, Field(ge=1)] | None = None
     #: Requests in flight at once, from admission to the end of the response (or the client's abort).
     max_concurrent_requests: Annotated[int, Field(ge=1)] | None = None

@@ -86,7 +86,7 @@ async def make_store(
 ) -> RedisQuotaStore:
     return RedisQuotaStore.from_url(
         url, limits, timeout_s=2.0, key_prefix=prefix, wall_clock=lambda: wall, **kw
-    )  # type: ignore[arg-type]
+    )
 
 
 @pytest.fixture

@@ -260,6 +260,11 @@ def main() -> None:
         action="store_true",
         help="length_aware: the threshold by the tiered rule for the fast set, not a percentile",
     )
+    ap.add_argument(
+        "--no-spill",
+        action="store_true",
+        help="length_aware/tiered: a saturated tier set never spills to a wider one (as Envoy's subsets)",
+    )
     ap.add_argument("--no-throttle", action="store_true", help="skip the throttle runs")
     ap.add_argument("--out", type=Path, default=Path("bench/out"))
     args = ap.parse_args()
@@ -429,6 +434,7 @@ def _scenario(
         long_min_relative_capacity=args.long_min_capacity,
         long_output_tokens=args.long_tokens,
         tier_thresholds=args.tier_thresholds,
+        spill=not args.no_spill,
     )
 
 

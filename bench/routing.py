@@ -20,6 +20,11 @@ Not a test: it prints a table and writes PNG plots under ``bench/out/``. For eac
      every GPU. The replay's ``max_tokens`` is the trace's completion length (:func:`inferlb.replay.plan`),
      so the gateway knows each output length exactly: the best case for this policy, since real clients
      send an upper bound (often a default);
+   - ``length-tiered``: ``telemetry`` plus tiered placement (``cluster.length_aware.tiers``): the longest
+     requests on the H100s only, the next on the H100s and A100s, the rest anywhere. The thresholds come
+     from the rule :func:`inferlb.length_aware.tier_thresholds` (fraction ``--tier-fraction``, default
+     0.75) over the *first half* of the trace (the training window; the run's own window is held out
+     when ``--trace-start`` lies in the second half, from 1751 s), printed before the runs;
 
 3. replays a window of ``inferlb/data/azure_llm_2023_conv.csv`` (Azure LLM inference trace 2023, Patel et
    al., "Splitwise", ISCA 2024; CC-BY 4.0) with :func:`inferlb.replay.plan` / :func:`~inferlb.replay.send_all`
@@ -79,9 +84,17 @@ import yaml
 from rich.console import Console
 from rich.table import Table
 
-from gpusim.engine import BATCH_SLOWDOWN_PER_SEQUENCE
-from inferlb.config import Config, LengthAwareRouting, parse_config
-from inferlb.length_aware import FAST_TIER, gpu_tier
+from gpusim.engine import BATCH_SLOWDOWN_PER_SEQUENCE, TimingModel
+from inferlb.config import Config, LengthAwareRouting, LengthTier, parse_config
+from inferlb.fleetsim import request_service_seconds
+from inferlb.length_aware import (
+    DEFAULT_TIER_WORK_FRACTION,
+    SHORT,
+    allowed_classes,
+    length_class,
+    tier_capacity_shares,
+    tier_thresholds,
+)
 from inferlb.replay import (
     DEFAULT_TRACE,
     Outcome,
@@ -102,9 +115,11 @@ TOKEN = "bench-routing-token-0123456789"
 API_KEY = "sk-bench-routing"
 FLEET = (("h100", "H100", 2), ("a100", "A100", 3), ("v100", "V100", 3))
 THROTTLED = "h100-0"
-POLICIES = ("rr-equal", "lr-equal", "static", "telemetry", "length-aware")
+POLICIES = ("rr-equal", "lr-equal", "static", "telemetry", "length-aware", "length-tiered")
 #: The policies whose weights follow the telemetry.
-TELEMETRY_POLICIES = frozenset({"telemetry", "length-aware"})
+TELEMETRY_POLICIES = frozenset({"telemetry", "length-aware", "length-tiered"})
+#: The policies with a ``cluster.length_aware`` block.
+LENGTH_POLICIES = frozenset({"length-aware", "length-tiered"})
 ATTRIBUTION = (
     "Trace: Azure LLM inference trace 2023 (conversation), Patel et al., 'Splitwise', ISCA 2024; CC-BY 4.0"
 )
@@ -118,8 +133,8 @@ def config_doc(
     max_batch: int,
     length_aware: LengthAwareRouting | None = None,
 ) -> dict[str, Any]:
-    """The bench config for one policy on free ports (``length_aware``: the ``length-aware`` policy's
-    block; its defaults when None)."""
+    """The bench config for one policy on free ports (``length_aware``: the ``length-aware`` or
+    ``length-tiered`` policy's block; the two-tier defaults when None)."""
     n = sum(k for _, _, k in FLEET)
     ports = free_ports(6 + n)
     endpoints = []
@@ -174,8 +189,12 @@ def config_doc(
                 "cluster": {
                     "lb_policy": "round_robin" if policy == "rr-equal" else "least_request",
                     **(
-                        {"length_aware": (length_aware or LengthAwareRouting()).model_dump()}
-                        if policy == "length-aware"
+                        {
+                            "length_aware": (length_aware or LengthAwareRouting()).model_dump(
+                                exclude_unset=True
+                            )
+                        }
+                        if policy in LENGTH_POLICIES
                         else {}
                     ),
                 },
@@ -294,6 +313,32 @@ def _share_series(
     return out
 
 
+def rule_tiers(rows: Sequence[TraceRow], args: argparse.Namespace) -> LengthAwareRouting:
+    """The ``length-tiered`` block: :func:`inferlb.length_aware.tier_thresholds` (fraction
+    ``args.tier_fraction``) over ``rows`` (the training window) for the bench fleet, each request's work
+    priced by the bench's timing model."""
+    config = parse_config(
+        config_doc(
+            "length-tiered",
+            prefill_tps=args.prefill_tps,
+            decode_tps=args.decode_tps,
+            max_batch=args.max_batch,
+        )
+    )
+    model = TimingModel.for_endpoint(config, config.endpoints[0])
+    tiers = tier_capacity_shares([config.gpu_profiles[e.gpu].relative_capacity for e in config.endpoints])
+    samples = [
+        (r.output_tokens, request_service_seconds(model, r.prompt_tokens, r.output_tokens)) for r in rows
+    ]
+    thresholds = tier_thresholds([share for _, share in tiers], samples, fraction=args.tier_fraction)
+    return LengthAwareRouting(
+        tiers=tuple(
+            LengthTier(above_output_tokens=t, min_relative_capacity=c)
+            for t, (c, _) in zip(thresholds, tiers, strict=True)
+        )
+    )
+
+
 def run_one(
     *,
     policy: str,
@@ -309,7 +354,9 @@ def run_one(
         prefill_tps=args.prefill_tps,
         decode_tps=args.decode_tps,
         max_batch=args.max_batch,
-        length_aware=LengthAwareRouting(
+        length_aware=LengthAwareRouting.model_validate(args.tiered)
+        if policy == "length-tiered"
+        else LengthAwareRouting(
             long_output_tokens=args.long_tokens, fast_min_relative_capacity=args.long_min_capacity
         ),
     )
@@ -423,17 +470,18 @@ def run_one(
         if o.status != 200:
             errs[o.status] += 1
     placed = ""
-    if policy == "length-aware":
-        # where the long requests went: the fast tier only, unless it had no endpoint
-        tiers = {
-            e.display_name: gpu_tier(
-                config, e.gpu, LengthAwareRouting(**doc["models"][0]["cluster"]["length_aware"])
-            )
-            for e in config.endpoints
-        }
-        long_ok = [o for o in ok if planned[o.index].max_tokens > args.long_tokens]
-        on_fast = sum(1 for o in long_ok if o.endpoint is not None and tiers.get(o.endpoint) == FAST_TIER)
-        placed = f", long requests {on_fast}/{len(long_ok)} on fast GPUs"
+    policy_block = config.models[0].cluster.length_aware
+    if policy_block is not None:
+        # where each confined class went: only to the GPUs allowed to serve it, unless none was
+        serves = {e.display_name: allowed_classes(config, e.gpu, policy_block) for e in config.endpoints}
+        by_class: defaultdict[str, list[bool]] = defaultdict(list)
+        for o in ok:
+            cls = length_class(planned[o.index].max_tokens, policy_block)
+            if cls != SHORT:
+                by_class[cls].append(o.endpoint is not None and cls in serves.get(o.endpoint, ()))
+        placed = ", " + ", ".join(
+            f"{cls} {sum(hits)}/{len(hits)} on their tiers" for cls, hits in sorted(by_class.items())
+        )
     out.print(
         f"  {policy:9} load {load:.0%} {scenario:8}: {len(ok)}/{len(outcomes)} ok, "
         f"p99 {result.latency_p99_s:.2f} s, "
@@ -603,10 +651,29 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=LengthAwareRouting().fast_min_relative_capacity,
         help="length-aware: relative capacity of the fast GPUs",
     )
+    p.add_argument(
+        "--tier-fraction",
+        type=float,
+        default=DEFAULT_TIER_WORK_FRACTION,
+        help="length-tiered: the threshold rule's fraction (inferlb.length_aware.tier_thresholds)",
+    )
     p.add_argument("--out", default=str(Path(__file__).parent / "out"))
     args = p.parse_args(argv)
     out = Console(highlight=False, width=200)
     rows_all = read_trace(args.trace)
+    half = rows_all[0].offset_s + (rows_all[-1].offset_s - rows_all[0].offset_s) / 2
+    tiered = rule_tiers([r for r in rows_all if r.offset_s < half], args)
+    args.tiered = tiered.model_dump(exclude_unset=True)  # JSON-able, for routing.json
+    if "length-tiered" in args.policies:
+        assert tiered.tiers is not None
+        out.print(
+            "length-tiered: "
+            + ", ".join(
+                f"caps > {t.above_output_tokens} on GPUs >= {t.min_relative_capacity:g}" for t in tiered.tiers
+            )
+            + f" (rule fraction {args.tier_fraction:g} over the trace's first half, offsets < {half:.0f} s; "
+            f"this run starts at {args.trace_start:g} s)"
+        )
     policies = [x for x in args.policies.split(",") if x]
     unknown = set(policies) - set(POLICIES)
     if unknown:

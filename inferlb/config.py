@@ -8,7 +8,8 @@ Shape (see README "Config reference" and ``examples/local.yaml``)::
     ext_proc:   {listen, message_timeout_ms, failure_mode_allow, account_responses, quota_backend, ...}
     gpu_profiles: {H100: {relative_capacity: 3.4, ...}, ...}
     models:     [{name, aliases, context_length, versions: [{name, traffic_percent}],
-                  cluster: {lb_policy, ..., length_aware: {long_output_tokens, fast_min_relative_capacity}}}]
+                  cluster: {lb_policy, ..., length_aware: {long_output_tokens, fast_min_relative_capacity,
+                                 tiers: [{above_output_tokens, min_relative_capacity}]}}}]
     endpoints:  [{address, model, version, gpu, region, zone, simulated}]
     tenants:    [{name, api_keys, priority, requests_per_minute, tokens_per_minute,
                   max_concurrent_requests, daily_token_budget}]
@@ -20,6 +21,7 @@ Everything is frozen after validation; a new file gives a new :class:`Config`. E
 from __future__ import annotations
 
 import ipaddress
+import itertools
 import re
 from collections.abc import Mapping
 from enum import StrEnum
@@ -352,21 +354,68 @@ class HealthCheck(_Frozen):
     no_traffic_interval_ms: Annotated[int, Field(ge=100, le=600_000)] = 5_000
 
 
-class LengthAwareRouting(_Frozen):
-    """Length-aware placement for one model (:mod:`inferlb.length_aware`): a request whose output cap
-    (``max_completion_tokens``/``max_tokens``/``max_output_tokens``, else ``default_max_tokens``, x ``n``)
-    exceeds ``long_output_tokens`` is balanced among the model's fast GPUs only (Envoy subset load
-    balancing on GPU-class endpoint metadata); other requests are balanced over every GPU.
+class LengthTier(_Frozen):
+    """One confined length class of tiered placement (:attr:`LengthAwareRouting.tiers`)."""
 
-    The defaults come from the 1,000-GPU simulation (bench/fleet_sim.py, Azure 2023 conversation trace):
-    384 tokens is that trace's 70th percentile of completion lengths, and 1.5 puts A100s (1.7) and H100s
-    (3.4) in the fast tier and V100s (1.0) outside it.
+    #: Requests whose output cap exceeds this (tokens), and no higher class's, are of this class.
+    above_output_tokens: Annotated[int, Field(ge=0, le=10_000_000)]
+    #: They are balanced among the GPUs whose profile's ``relative_capacity`` is at least this (V100 = 1.0).
+    min_relative_capacity: Annotated[float, Field(gt=0, le=100)]
+
+
+class LengthAwareRouting(_Frozen):
+    """Length-aware placement for one model (:mod:`inferlb.length_aware`), in one of two forms.
+
+    Two tiers (the default form): a request whose output cap (``max_completion_tokens``/``max_tokens``/
+    ``max_output_tokens``, else ``default_max_tokens``, x ``n``) exceeds ``long_output_tokens`` is balanced
+    among the model's fast GPUs only (``relative_capacity >= fast_min_relative_capacity``; Envoy subset
+    load balancing on GPU-class endpoint metadata); other requests are balanced over every GPU. The
+    defaults come from the 1,000-GPU simulation (bench/fleet_sim.py, Azure 2023 conversation trace): 384
+    tokens is that trace's 70th percentile of completion lengths, and 1.5 puts A100s (1.7) and H100s (3.4)
+    in the fast tier and V100s (1.0) outside it.
+
+    Tiered (``tiers`` given, longest class first): a request belongs to the first tier whose
+    ``above_output_tokens`` its cap exceeds and is balanced among that tier's GPUs; a request below every
+    tier runs anywhere. Both lists must fall: a longer class on faster GPUs. The thresholds should come
+    from a rule over a training window, :func:`inferlb.length_aware.tier_thresholds` (bench/fleet_sim.py
+    prints them), not from tuning on the traffic they are judged on.
     """
 
-    #: Output caps above this are long (tokens).
+    #: Output caps above this are long (tokens). Two-tier form only.
     long_output_tokens: Annotated[int, Field(ge=1, le=10_000_000)] = 384
     #: GPUs whose profile's ``relative_capacity`` is at least this form the fast tier (V100 = 1.0).
+    #: Two-tier form only.
     fast_min_relative_capacity: Annotated[float, Field(gt=0, le=100)] = 1.5
+    #: Tiered form: the confined length classes, longest first (1 to 8); None: the two-tier form.
+    tiers: Annotated[tuple[LengthTier, ...], Field(min_length=1, max_length=8)] | None = None
+
+    @field_validator("tiers")
+    @classmethod
+    def _check_tiers_fall(cls, tiers: tuple[LengthTier, ...] | None) -> tuple[LengthTier, ...] | None:
+        if tiers is None:
+            return tiers
+        # both lists must fall, tier after tier: a longer class on faster GPUs
+        rules = (
+            ("above_output_tokens", "longest class first"),
+            ("min_relative_capacity", "faster GPUs first"),
+        )
+        for i, (a, b) in enumerate(itertools.pairwise(tiers), start=1):
+            for name, why in rules:
+                mine, before = getattr(b, name), getattr(a, name)
+                if not mine < before:
+                    raise ValueError(
+                        f"tiers[{i}].{name} ({mine:g}) must be below tiers[{i - 1}]'s ({before:g}): {why}"
+                    )
+        return tiers
+
+    @model_validator(mode="after")
+    def _check_one_form(self) -> Self:
+        # a tiered block that also sets a two-tier field would silently ignore it: refuse instead
+        mixed = sorted({"long_output_tokens", "fast_min_relative_capacity"} & self.model_fields_set)
+        if mixed and self.tiers is not None:
+            named = " and ".join(mixed)
+            raise ValueError(f"tiers: give either tiers or {named} (the two-tier form), not both")
+        return self
 
 
 class ClusterPolicy(_Frozen):

@@ -529,7 +529,8 @@ class TieredBalancer:
     When every host of a request's set already has at least its ``saturation_active[h]`` active requests
     (for the simulation: the engine's ``max_batch``, beyond which a new request waits in the queue), the
     request falls back to the next wider set, and so on to the whole fleet (Envoy has no such fallback:
-    ``fallbacks`` counts how often the model departs from it). ``class_picks[k]`` counts the requests of
+    ``fallbacks`` counts how often the model departs from it); with ``spill=False`` it never does, as in
+    Envoy, whose subset is fixed by the route's ``metadata_match``. ``class_picks[k]`` counts the requests of
     class ``k`` (the last entry: the unconfined ones).
 
     Raises:
@@ -548,6 +549,7 @@ class TieredBalancer:
         rng: random.Random,
         active_request_bias: float = 1.0,
         choice_count: int = 2,
+        spill: bool = True,
     ) -> None:
         if n_hosts < 1:
             raise ValueError(f"n_hosts must be >= 1, got {n_hosts}")
@@ -581,6 +583,7 @@ class TieredBalancer:
         ]
         self.class_picks = [0] * (len(sets) + 1)
         self.fallbacks = 0
+        self.spill = spill
 
     def set_weights(self, weights: Sequence[int], active: Sequence[int]) -> None:
         """New EDS weights for every host (each >= 1): every schedule is rebuilt."""
@@ -612,6 +615,9 @@ class TieredBalancer:
         self.class_picks[k] += 1
         if k == len(self.thresholds):
             return self._all.pick(active)
+        if not self.spill:
+            hosts = self.class_hosts[k]
+            return hosts[self._sets[k].pick(_SubsetActive(hosts, active))]
         for j in range(k, len(self.class_hosts)):
             if not self.saturated(j, active):
                 if j > k:
@@ -748,6 +754,8 @@ class Scenario:
             the arrivals themselves by :func:`tiered_thresholds` (in-sample; the benchmark passes ones
             taken from a training window instead).
         tier_work_fraction: for ``tiered`` without ``tier_thresholds``: the rule's fraction.
+        spill: for ``length_aware`` and ``tiered``: a confined request whose set is saturated spills to the
+            next wider set (the default, the first model's); False: never, as Envoy's subsets do.
 
     Raises:
         ValueError: a non-positive duration, period or factor, a negative delay, a warm-up not before the
@@ -771,6 +779,7 @@ class Scenario:
     long_min_relative_capacity: float = 1.5
     tier_thresholds: tuple[int, ...] | None = None
     tier_work_fraction: float = DEFAULT_TIER_WORK_FRACTION
+    spill: bool = True
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -934,6 +943,7 @@ def make_balancer(
             rng=rng,
             active_request_bias=scenario.active_request_bias,
             choice_count=scenario.choice_count,
+            spill=scenario.spill,
         )
         tb.set_weights([g.static_weight for g in gpus], [0] * n)
         return tb

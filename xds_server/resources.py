@@ -14,16 +14,19 @@ What is built (names are stable; the bootstrap and ``inferlb status`` rely on th
   OpenAI inference path carrying that path's ext_proc failure mode (:func:`failure_mode_routes`); a final
   catch-all answering 404 with an OpenAI-style JSON error. Models balanced with ``ring_hash``/``maglev`` get a
   ``hash_policy`` on the affinity headers ext_proc sets (:func:`affinity_hash_policy`). A model with
-  ``cluster.length_aware`` gets two routes more per version, first (HIGH then DEFAULT), matching
-  ``x-inferlb-length-class: long`` with ``metadata_match {envoy.lb: {gpu_tier: fast}}``
+  ``cluster.length_aware`` gets two routes more per version and confined length class, first (HIGH then
+  DEFAULT), matching ``x-inferlb-length-class: long`` with ``metadata_match {envoy.lb: {gpu_tier: fast}}``
+  (two tiers), or ``long-k`` with ``{envoy.lb: {length_classes: long-k}}`` (tiered)
   (:mod:`inferlb.length_aware`).
 - One EDS Cluster per model version (:func:`inferlb.config.cluster_name`), plus the STATIC HTTP/2 cluster
   ``inferlb_ext_proc``.
 - One ClusterLoadAssignment per model-version cluster (empty when the pool is empty: Envoy must get an
   answer to finish warming), endpoints grouped by (region, zone), weights from
   :func:`inferlb.fleet.capacity_weight`. A length-aware model's clusters get an ``lb_subset_config`` (one
-  selector on ``gpu_tier``, fallback ``ANY_ENDPOINT``) and their endpoints ``envoy.lb`` metadata
-  ``{gpu_tier: fast|standard}`` from their GPU profile (:func:`inferlb.length_aware.gpu_tier`).
+  selector on ``gpu_tier``, or on ``length_classes`` with ``list_as_any`` when tiered; fallback
+  ``ANY_ENDPOINT``) and their endpoints ``envoy.lb`` metadata from their GPU profile
+  (:func:`inferlb.length_aware.endpoint_lb_metadata`: ``{gpu_tier: fast|standard}``, or
+  ``{length_classes: [long-0, ...]}``, the classes the GPU may serve).
 """
 
 from __future__ import annotations
@@ -78,7 +81,13 @@ from inferlb.config import (
 )
 from inferlb.errors import ConfigError, RequestError
 from inferlb.fleet import capacity_weight
-from inferlb.length_aware import ENVOY_LB_NAMESPACE, FAST_TIER, LONG, TIER_KEY, gpu_tier
+from inferlb.length_aware import (
+    ENVOY_LB_NAMESPACE,
+    ConfinedClass,
+    confined_classes,
+    endpoint_lb_metadata,
+    subset_key,
+)
 from inferlb.openai_api import INFERENCE_PATHS
 from inferlb.usage import RESPONSE_CODE_ATTRIBUTE
 
@@ -479,16 +488,17 @@ def affinity_hash_policy() -> list[route_components_pb2.RouteAction.HashPolicy]:
     ]
 
 
-def fast_tier_match() -> base_pb2.Metadata:
-    """The route ``metadata_match`` that sends a request to a length-aware cluster's fast subset:
-    ``{envoy.lb: {gpu_tier: fast}}`` (:mod:`inferlb.length_aware`)."""
+def class_match(length_class: ConfinedClass) -> base_pb2.Metadata:
+    """The route ``metadata_match`` that sends a confined length class to its subset of a length-aware
+    cluster: ``{envoy.lb: {gpu_tier: fast}}`` (two tiers) or ``{envoy.lb: {length_classes: long-k}}``
+    (tiered) (:mod:`inferlb.length_aware`)."""
     criteria = struct_pb2.Struct()
-    criteria.update({TIER_KEY: FAST_TIER})
+    criteria.update({length_class.match_key: length_class.match_value})
     return base_pb2.Metadata(filter_metadata={ENVOY_LB_NAMESPACE: criteria})
 
 
 def _route_action(
-    config: Config, cluster: str, *, high: bool, hashed: bool = False, fast_tier: bool = False
+    config: Config, cluster: str, *, high: bool, hashed: bool = False, confined: ConfinedClass | None = None
 ) -> route_components_pb2.RouteAction:
     gw = config.gateway
     retry = route_components_pb2.RetryPolicy(
@@ -510,7 +520,7 @@ def _route_action(
         timeout=_duration_ms(gw.request_timeout_ms),
         retry_policy=retry,
         hash_policy=affinity_hash_policy() if hashed else [],
-        metadata_match=fast_tier_match() if fast_tier else None,
+        metadata_match=class_match(confined) if confined is not None else None,
     )
 
 
@@ -606,10 +616,11 @@ def build_route_configuration(config: Config) -> route_pb2.RouteConfiguration:
     """RouteConfiguration ``inferlb_routes`` (one virtual host ``*``).
 
     Routes are matched in order: per model version the HIGH variant (also requiring
-    ``x-inferlb-priority: high``) precedes the DEFAULT one; a length-aware model's long variants
-    (``x-inferlb-length-class: long``, to the fast subset, ``<cluster>--long-high`` and ``<cluster>--long``)
-    precede both; then the per-path failure-mode routes (:func:`failure_mode_routes`); the catch-all 404
-    comes last.
+    ``x-inferlb-priority: high``) precedes the DEFAULT one; a length-aware model's variants for each
+    confined length class, longest first (``x-inferlb-length-class: long``, to the fast subset,
+    ``<cluster>--long-high`` and ``<cluster>--long``; tiered: ``long-k``, ``<cluster>--long-k-high`` and
+    ``<cluster>--long-k``) precede both; then the per-path failure-mode routes (:func:`failure_mode_routes`);
+    the catch-all 404 comes last.
     """
     routes: list[route_components_pb2.Route] = []
     for model in config.models:
@@ -617,17 +628,18 @@ def build_route_configuration(config: Config) -> route_pb2.RouteConfiguration:
             cluster = cluster_name(model.name, version.name)
             hashed = model.cluster.lb_policy in HASH_LB_POLICIES
             base = [_exact(headers.MODEL, model.name), _exact(headers.VERSION, version.name)]
-            if model.cluster.length_aware is not None:
-                long = [*base, _exact(headers.LENGTH_CLASS, LONG)]
+            length_aware = model.cluster.length_aware
+            for confined in () if length_aware is None else confined_classes(length_aware):
+                long = [*base, _exact(headers.LENGTH_CLASS, confined.name)]
                 for suffix, match, high in (
-                    ("--long-high", [*long, _exact(headers.PRIORITY, "high")], True),
-                    ("--long", long, False),
+                    (f"--{confined.name}-high", [*long, _exact(headers.PRIORITY, "high")], True),
+                    (f"--{confined.name}", long, False),
                 ):
                     routes.append(
                         route_components_pb2.Route(
                             name=f"{cluster}{suffix}",
                             match=route_components_pb2.RouteMatch(prefix="/", headers=match),
-                            route=_route_action(config, cluster, high=high, fast_tier=True),
+                            route=_route_action(config, cluster, high=high, confined=confined),
                             request_headers_to_remove=list(UPSTREAM_REMOVED_HEADERS),
                         )
                     )
@@ -784,8 +796,10 @@ def build_model_cluster(name: str, policy: ClusterPolicy) -> cluster_pb2.Cluster
 def length_aware_subsets(policy: ClusterPolicy) -> cluster_pb2.Cluster.LbSubsetConfig:
     """The ``lb_subset_config`` of a length-aware model's clusters (:mod:`inferlb.length_aware`).
 
-    One selector on the endpoints' ``envoy.lb`` key ``gpu_tier``; fallback ``ANY_ENDPOINT``, so a route
-    without ``metadata_match`` (short requests) and a long request when the fast subset is empty are
+    One selector on the endpoints' ``envoy.lb`` key ``gpu_tier`` (two tiers), or ``length_classes`` with
+    ``list_as_any`` (tiered: an endpoint lists every class it may serve, and a route's value matches any
+    element, so the overlapping sets of the classes need one selector); fallback ``ANY_ENDPOINT``, so a
+    route without ``metadata_match`` (short requests) and a confined request whose subset is empty are
     balanced over every endpoint (``NO_FALLBACK``, Envoy's default, would fail them as if the cluster had
     no hosts). Each subset runs the cluster's own ``lb_policy`` with its weights. Verified against Envoy
     1.40 (tests/e2e/test_length_aware_envoy.py), which accepts the cluster field with the legacy
@@ -793,9 +807,13 @@ def length_aware_subsets(policy: ClusterPolicy) -> cluster_pb2.Cluster.LbSubsetC
     policy restated as an extension.
     """
     subset = cluster_pb2.Cluster.LbSubsetConfig
+    length_aware = policy.length_aware
+    if length_aware is None:
+        raise ValueError("length_aware_subsets needs a cluster policy with length_aware set")
     return subset(
         fallback_policy=subset.ANY_ENDPOINT,
-        subset_selectors=[subset.LbSubsetSelector(keys=[TIER_KEY])],
+        subset_selectors=[subset.LbSubsetSelector(keys=[subset_key(length_aware)])],
+        list_as_any=length_aware.tiers is not None,
         # with locality-weighted balancing, a subset keeps picking the locality first by its weight
         locality_weight_aware=policy.locality_weighted,
     )
@@ -935,7 +953,7 @@ def _lb_endpoint(
     if policy.length_aware is not None:
         # the subset load balancer reads the envoy.lb namespace (length_aware_subsets)
         tier = struct_pb2.Struct()
-        tier.update({TIER_KEY: gpu_tier(config, e.gpu, policy.length_aware)})
+        tier.update(endpoint_lb_metadata(config, e.gpu, policy.length_aware))
         filter_metadata[ENVOY_LB_NAMESPACE] = tier
     lb = endpoint_components_pb2.LbEndpoint(
         endpoint=endpoint_components_pb2.Endpoint(address=_socket_address(address), hostname=e.display_name),

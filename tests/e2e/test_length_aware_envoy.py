@@ -3,6 +3,8 @@
 One stack, three models: llama is length-aware (long = output cap above 100 tokens; fast tier = relative
 capacity >= 1.5: the H100 and A100s, not the V100), qwen is not (behaviour unchanged), and phi is
 length-aware with no GPU fast enough (its fast subset is empty: long requests fall back to every GPU).
+A fourth model, mistral, is tiered (``tiers``: caps above 100 tokens on GPUs of capacity >= 3 (its H100),
+above 40 on >= 1.5 (H100 and A100), the rest anywhere) on one H100, one A100 and one V100.
 Which GPU served each request is read from gpusim's ``x-inferlb-endpoint`` / ``x-inferlb-gpu`` headers.
 """
 
@@ -25,6 +27,8 @@ pytestmark = pytest.mark.e2e
 LLAMA = "llama-3.1-8b-instruct"
 QWEN = "qwen2.5-7b-instruct"
 PHI = "phi-3-mini"
+MISTRAL = "mistral-7b"
+MIDDLE_CAP = 60
 THRESHOLD = 100
 LONG_CAP = 150
 SHORT_CAP = 4
@@ -48,6 +52,29 @@ def length_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningSt
     for name, gpu, port in zip(("phi-h100", "phi-v100"), ("H100", "V100"), free_ports(2), strict=True):
         doc["endpoints"].append(
             {"name": name, "address": f"{LOOPBACK}:{port}", "model": PHI, "gpu": gpu, "simulated": True}
+        )
+    doc["models"].append(
+        {
+            "name": MISTRAL,
+            "cluster": {
+                "length_aware": {
+                    "tiers": [
+                        {"above_output_tokens": THRESHOLD, "min_relative_capacity": 3.0},
+                        {"above_output_tokens": 40, "min_relative_capacity": 1.5},
+                    ]
+                }
+            },
+        }
+    )
+    for gpu, port in zip(("H100", "A100", "V100"), free_ports(3), strict=True):
+        doc["endpoints"].append(
+            {
+                "name": f"mistral-{gpu.lower()}",
+                "address": f"{LOOPBACK}:{port}",
+                "model": MISTRAL,
+                "gpu": gpu,
+                "simulated": True,
+            }
         )
     with started_stack(tmp_path_factory.mktemp("length"), doc) as rs:
         yield rs
@@ -132,3 +159,25 @@ def test_a_model_without_length_aware_routing_is_unchanged(length_stack: Running
 def test_long_requests_fall_back_to_every_gpu_when_no_gpu_is_fast(length_stack: RunningStack) -> None:
     served = _served_by(length_stack.openai_client(), PHI, LONG_CAP, N)
     assert {name for name, _ in served} == {"phi-h100", "phi-v100"}, served
+
+
+def test_envoy_accepts_one_list_selector_for_the_tiered_classes(length_stack: RunningStack) -> None:
+    subsets = _dynamic_cluster(length_stack, f"{MISTRAL}--v1")["lb_subset_config"]
+    assert subsets["subset_selectors"] == [{"keys": ["length_classes"]}]
+    assert subsets["list_as_any"] is True
+    assert subsets["fallback_policy"] == "ANY_ENDPOINT"
+
+
+def test_tiered_longest_requests_land_only_on_the_h100(length_stack: RunningStack) -> None:
+    served = _served_by(length_stack.openai_client(), MISTRAL, LONG_CAP, 30)
+    assert set(served) == {("mistral-h100", "H100")}, served
+
+
+def test_tiered_middle_requests_land_on_the_h100_and_the_a100_only(length_stack: RunningStack) -> None:
+    served = _served_by(length_stack.openai_client(), MISTRAL, MIDDLE_CAP, N)
+    assert _gpus(served) == {"H100", "A100"}, served
+
+
+def test_tiered_short_requests_run_anywhere(length_stack: RunningStack) -> None:
+    served = _served_by(length_stack.openai_client(), MISTRAL, SHORT_CAP, N)
+    assert _gpus(served) == {"H100", "A100", "V100"}, served

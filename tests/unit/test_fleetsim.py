@@ -307,6 +307,15 @@ def test_a_saturated_tier_set_falls_back_to_the_next_wider_set_then_the_fleet() 
     assert tb.class_picks == [120, 60, 0]
 
 
+def test_without_spill_a_saturated_set_keeps_its_requests_as_envoy_subsets_do() -> None:
+    tb = tiered()
+    tb.spill = False
+    full = [9, 9, 9, 0, 0, 0]
+    assert {tb.pick_for(full, 900) for _ in range(30)} == {0}
+    assert {tb.pick_for(full, 500) for _ in range(60)} <= {0, 1, 2}
+    assert tb.fallbacks == 0
+
+
 def test_tiered_balancer_refuses_sets_that_are_not_nested_and_thresholds_that_increase() -> None:
     rng = random.Random(0)
     with pytest.raises(ValueError, match="nested"):

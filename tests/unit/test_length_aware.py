@@ -15,15 +15,19 @@ from hypothesis import strategies as st
 
 from ext_proc import handlers
 from inferlb import headers as h
-from inferlb.config import Config, LengthAwareRouting, parse_config
+from inferlb.config import Config, LengthAwareRouting, LengthTier, parse_config
 from inferlb.errors import ConfigError
 from inferlb.length_aware import (
+    CLASSES_KEY,
     ENVOY_LB_NAMESPACE,
     FAST_TIER,
     LONG,
     SHORT,
     STANDARD_TIER,
     TIER_KEY,
+    allowed_classes,
+    confined_classes,
+    endpoint_lb_metadata,
     gpu_tier,
     length_class,
     tier_capacity_shares,
@@ -360,3 +364,123 @@ def test_tier_thresholds_refuse_bad_input(
 ) -> None:
     with pytest.raises(ValueError, match=match):
         tier_thresholds(shares, samples, fraction=fraction)
+
+
+# -- tiered form: config, classes, ext_proc header, xDS resources -------------------------------------------
+TIERS = {
+    "tiers": [
+        {"above_output_tokens": 400, "min_relative_capacity": 3.0},
+        {"above_output_tokens": 200, "min_relative_capacity": 1.5},
+    ]
+}
+
+
+@given(cap=st.integers(0, 10**6), t0=st.integers(1, 10**5), gap=st.integers(1, 10**5))
+def test_tiered_class_is_the_first_tier_the_cap_exceeds(cap: int, t0: int, gap: int) -> None:
+    policy = LengthAwareRouting(
+        tiers=(
+            LengthTier(above_output_tokens=t0 + gap, min_relative_capacity=3.0),
+            LengthTier(above_output_tokens=t0, min_relative_capacity=1.5),
+        )
+    )
+    expected = "long-0" if cap > t0 + gap else "long-1" if cap > t0 else SHORT
+    assert length_class(cap, policy) == expected
+    assert [c.name for c in confined_classes(policy)] == ["long-0", "long-1"]
+
+
+def test_tiered_gpus_serve_every_class_their_capacity_reaches() -> None:
+    config = _config(TIERS)
+    policy = config.models[0].cluster.length_aware
+    assert policy is not None
+    assert {g: allowed_classes(config, g, policy) for g in ("H100", "A100", "V100")} == {
+        "H100": ("long-0", "long-1"),
+        "A100": ("long-1",),
+        "V100": (),
+    }
+    assert endpoint_lb_metadata(config, "A100", policy) == {CLASSES_KEY: ["long-1"]}
+    # the two-tier form keeps its resources: gpu_tier metadata, one class "long" on the fast tier
+    two = LengthAwareRouting()
+    assert endpoint_lb_metadata(config, "A100", two) == {TIER_KEY: FAST_TIER}
+    assert [(c.name, c.match_key, c.match_value) for c in confined_classes(two)] == [
+        (LONG, TIER_KEY, FAST_TIER)
+    ]
+
+
+@pytest.mark.parametrize(
+    ("tiers", "words"),
+    [
+        (
+            [
+                {"above_output_tokens": 200, "min_relative_capacity": 3.0},
+                {"above_output_tokens": 400, "min_relative_capacity": 1.5},
+            ],
+            "tiers[1].above_output_tokens (400) must be below",
+        ),
+        (
+            [
+                {"above_output_tokens": 400, "min_relative_capacity": 1.5},
+                {"above_output_tokens": 200, "min_relative_capacity": 1.5},
+            ],
+            "tiers[1].min_relative_capacity (1.5) must be below",
+        ),
+        ([], "at least 1"),
+        ([{"above_output_tokens": 400}], "Field required"),
+    ],
+)
+def test_bad_tiers_are_refused_naming_the_field(tiers: list[dict[str, Any]], words: str) -> None:
+    with pytest.raises(ConfigError) as exc:
+        _config({"tiers": tiers})
+    assert any(
+        f.startswith("models[0].cluster.length_aware.tiers") and words in m for f, m in exc.value.problems
+    ), exc.value.problems
+
+
+def test_tiers_and_the_two_tier_fields_are_not_mixed() -> None:
+    with pytest.raises(ConfigError) as exc:
+        _config({**TIERS, "long_output_tokens": 300})
+    assert any("either tiers or long_output_tokens" in m for _, m in exc.value.problems), exc.value.problems
+
+
+@pytest.mark.parametrize(
+    ("max_tokens", "expected"), [(401, "long-0"), (400, "long-1"), (201, "long-1"), (200, SHORT)]
+)
+def test_ext_proc_sets_the_tiered_length_class(max_tokens: int, expected: str) -> None:
+    body = {"model": "llama", "messages": _MESSAGES, "max_tokens": max_tokens}
+    assert _route_headers(_config(TIERS), body, *_CHAT)[h.LENGTH_CLASS] == expected
+
+
+def test_tiered_resources_one_list_selector_class_routes_and_endpoint_lists() -> None:
+    res = _resources(_config(TIERS))
+    c = res.by_type[r.CLUSTER_TYPE]["llama--v1"]
+    assert isinstance(c, cluster_pb2.Cluster)
+    subsets = c.lb_subset_config
+    assert [list(s.keys) for s in subsets.subset_selectors] == [[CLASSES_KEY]]
+    assert subsets.list_as_any
+    assert subsets.fallback_policy == cluster_pb2.Cluster.LbSubsetConfig.ANY_ENDPOINT
+    cla = res.by_type[r.ENDPOINT_TYPE]["llama--v1"]
+    lists = {
+        lb.endpoint.hostname: [
+            v.string_value
+            for v in lb.metadata.filter_metadata[ENVOY_LB_NAMESPACE].fields[CLASSES_KEY].list_value.values
+        ]
+        for loc in cla.endpoints
+        for lb in loc.lb_endpoints
+    }
+    assert lists == {"h": ["long-0", "long-1"], "a": ["long-1"], "v": []}
+    [vhost] = res.by_type[r.ROUTE_TYPE][r.ROUTE_CONFIG_NAME].virtual_hosts
+    names = [rt.name for rt in vhost.routes]
+    assert names[:6] == [
+        "llama--v1--long-0-high",
+        "llama--v1--long-0",
+        "llama--v1--long-1-high",
+        "llama--v1--long-1",
+        "llama--v1--high",
+        "llama--v1",
+    ]
+    by_name = {rt.name: rt for rt in vhost.routes}
+    for cls in ("long-0", "long-1"):
+        rt = by_name[f"llama--v1--{cls}"]
+        assert {m.name: m.string_match.exact for m in rt.match.headers}[h.LENGTH_CLASS] == cls
+        crit = rt.route.metadata_match.filter_metadata[ENVOY_LB_NAMESPACE]
+        assert crit.fields[CLASSES_KEY].string_value == cls
+    assert not by_name["llama--v1"].route.HasField("metadata_match")

@@ -3,9 +3,10 @@
 Not a test: it prints tables and writes PNG plots. For a fleet of ``--gpus`` GPUs in the config's GPU mix,
 each a ``gpusim.engine.BatchEngine`` with the config's ``simulation:`` timing, it replays the bundled Azure
 LLM inference trace 2023 (conversation; Patel et al., "Splitwise", ISCA 2024; CC-BY 4.0) scaled to each
-``--loads`` fraction of the fleet's capacity, under five Envoy balancers (round robin, least request (P2C),
+``--loads`` fraction of the fleet's capacity, under six Envoy balancers (round robin, least request (P2C),
 weighted least request with static capacity weights, with telemetry-driven weights from
-``inferlb.weights.step``, and length-aware placement: long completions to the fast GPUs, by those weights),
+``inferlb.weights.step``, length-aware placement: long completions to the fast GPUs, by those weights, and
+tiered placement: one length class per GPU class),
 then a second run per policy at ``--throttle-load`` where ``--throttle-fraction``
 of the H100s slow to half speed mid-way. See inferlb/fleetsim.py for the model and every definition.
 
@@ -18,6 +19,12 @@ another window (``--threshold-window 0 0.5``: the ``--long-percentile`` of that 
 fixed in tokens) or give it directly (``--long-tokens``), and change ``--seed``. The completion tokens are
 what ``inferlb replay`` (and bench/routing.py) sends as ``max_tokens``, so the threshold is on the cap the
 gateway sees; real clients' caps are only upper bounds of their outputs (often a default).
+
+``tiered`` (every GPU class a tier: the longest outputs on the fastest tier only, and so on) takes its
+thresholds from the rule :func:`inferlb.length_aware.tier_thresholds` (``--tier-fraction``) over the
+``--threshold-window`` (else the replayed rows); ``--long-rule`` gives ``length_aware`` its threshold by the
+same rule, for a like-for-like two-tier row; ``--no-spill`` keeps every confined request in its tier set
+as Envoy's subsets do (the default lets a saturated set spill to the next wider one).
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Routing benchmark: the Azure conversation trace through the live stack on a simulated heterogeneous fleet,
-under five balancing policies, at ~70% and ~90% of the fleet's capacity, and with one GPU throttled mid-run.
+under six balancing policies, at ~70% and ~90% of the fleet's capacity, and with one GPU throttled mid-run.
 
 Not a test: it prints a table and writes PNG plots under ``bench/out/``. For each run it
 

@@ -35,6 +35,7 @@ fixed by GPU class, not by load (a fast GPU that throttles stays in it, with its
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import pairwise
@@ -267,3 +268,187 @@ def tier_thresholds(
         budget = fraction * share * total
         out.append(next(caps[i] for i in range(len(caps)) if above[i] <= budget))
     return tuple(out)
+
+
+# -- live class sets: follow the GPUs' measured performance ----------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True)
+class ClassSetMember:
+    """One endpoint of a length-aware cluster, as :func:`live_class_sets` ranks it.
+
+    Attributes:
+        name: a unique name (the endpoint key); the last tie-breaker, so the ranking is deterministic.
+        capacity: its GPU profile's ``relative_capacity`` (V100 = 1.0, > 0).
+        performance: the held performance factor (:func:`hold_performance`), in (0, 1]: the fraction of its
+            profile speed it delivers now; 1.0 when healthy or when its telemetry is stale.
+    """
+
+    name: str
+    capacity: float
+    performance: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not (self.capacity > 0 and math.isfinite(self.capacity)):
+            raise ValueError(f"capacity of {self.name!r} must be a finite number > 0, got {self.capacity}")
+        if not 0 < self.performance <= 1:
+            raise ValueError(f"performance of {self.name!r} must be in (0, 1], got {self.performance}")
+
+    @property
+    def effective_capacity(self) -> float:
+        """``capacity x performance``: what the GPU delivers now, in V100 units."""
+        return self.capacity * self.performance
+
+
+#: Relative slack on "the prefix reached the class's nominal capacity": the nominal sum and the prefix sum
+#: add the same numbers in different orders, so they may differ in the last bits (3.4 + 1.7 + 1.7 vs 6.8).
+#: Far below the smallest capacity step (a V100, 1.0, in a 10,000-GPU cluster is 1e-5 of it at worst).
+_CAPACITY_RTOL: Final = 1e-9
+
+
+def nominal_class_capacity(members: Sequence[ClassSetMember], min_relative_capacity: float) -> float:
+    """``C_k``: the summed profile capacity of the members whose profile capacity is at least
+    ``min_relative_capacity``, the capacity a class gets from its static set (:func:`allowed_classes`)."""
+    return math.fsum(m.capacity for m in members if m.capacity >= min_relative_capacity)
+
+
+def performance_rank(members: Sequence[ClassSetMember]) -> list[ClassSetMember]:
+    """The members fastest first: effective capacity descending, then profile capacity descending, then name
+    ascending (deterministic; with every performance 1.0 this is the profile order, so the static sets are
+    its prefixes)."""
+    return sorted(members, key=lambda m: (-m.effective_capacity, -m.capacity, m.name))
+
+
+def live_class_sets(
+    members: Sequence[ClassSetMember], min_capacities: Sequence[float]
+) -> tuple[tuple[str, ...], ...]:
+    """Each confined class's endpoint set from the endpoints' live performance (names, fastest first).
+
+    Args:
+        members: the endpoints of one cluster (unique names).
+        min_capacities: each class's ``min_relative_capacity`` (:attr:`ConfinedClass.min_relative_capacity`),
+            longest class first.
+
+    Returns:
+        One tuple of names per class: the shortest prefix of :func:`performance_rank` whose summed
+        effective capacity reaches the class's nominal capacity ``C_k`` (:func:`nominal_class_capacity`),
+        or every member when no prefix does.
+
+    The rule and why: the thresholds of the classes were chosen so that class ``k``'s requests take a
+    fixed share of ``C_k`` (:func:`tier_thresholds`). The static set (GPUs of profile capacity ``>=
+    min_relative_capacity``) delivers ``C_k`` only while they all run at full speed; an H100 throttled to
+    half speed keeps its place in the longest class's set and the set loses a quarter of its capacity
+    while its share of the work stays: the set saturates (bench/results/2026-11-29/
+    routing_tiered_throttle.txt: p99 9.42 -> 19.89 s). Keeping every class's *capacity* rather than its
+    *GPU classes* restores the premise of the thresholds: the set grows by the next fastest GPUs until it
+    delivers ``C_k`` again (the throttled GPU stays in it: it still serves at half speed, and its weight
+    already halves its share within the set). Ranking by effective capacity keeps the long requests on
+    the fastest GPUs that remain, and the sets are prefixes of one ranking, so they stay nested as
+    Envoy's one ``list_as_any`` selector and :class:`inferlb.fleetsim.TieredBalancer` expect. With every
+    performance 1.0 the ranking is the profile order and the prefix that first reaches ``C_k`` is exactly
+    the static set (every capacity > 0, so no shorter prefix reaches it): today's sets.
+
+    Raises:
+        ValueError: two members with the same name.
+    """
+    if len({m.name for m in members}) != len(members):
+        raise ValueError("member names must be unique")
+    ranked = performance_rank(members)
+    prefix = [0.0]
+    for m in ranked:
+        prefix.append(prefix[-1] + m.effective_capacity)
+    out = []
+    for min_capacity in min_capacities:
+        need = nominal_class_capacity(members, min_capacity)
+        size = next(
+            (i for i, s in enumerate(prefix) if s >= need * (1 - _CAPACITY_RTOL)),
+            len(ranked),
+        )
+        out.append(tuple(m.name for m in ranked[:size]))
+    return tuple(out)
+
+
+def live_endpoint_classes(
+    members: Sequence[ClassSetMember], classes: Sequence[ConfinedClass]
+) -> dict[str, tuple[str, ...]]:
+    """``{member name: the classes it may serve}`` (class names, longest first) under
+    :func:`live_class_sets`; the members in no set map to ``()`` (short requests only)."""
+    sets = live_class_sets(members, [c.min_relative_capacity for c in classes])
+    out: dict[str, tuple[str, ...]] = {m.name: () for m in members}
+    for c, names in zip(classes, sets, strict=True):
+        for name in names:
+            out[name] += (c.name,)
+    return out
+
+
+def lb_metadata_of_classes(policy: LengthAwareRouting, classes: Sequence[str]) -> dict[str, str | list[str]]:
+    """The ``envoy.lb`` endpoint metadata of an endpoint that may serve ``classes`` (names from
+    :func:`confined_classes`): ``{length_classes: [...]}`` (tiered) or ``{gpu_tier: fast|standard}`` (two
+    tiers: fast when it serves :data:`LONG`). With the static classes (:func:`allowed_classes`) this is
+    :func:`endpoint_lb_metadata`."""
+    if policy.tiers is None:
+        return {TIER_KEY: FAST_TIER if LONG in classes else STANDARD_TIER}
+    return {CLASSES_KEY: list(classes)}
+
+
+@dataclass(frozen=True, kw_only=True)
+class PerformanceHold:
+    """What :func:`hold_performance` remembers about one endpoint (times in the caller's clock, s).
+
+    Attributes:
+        smoothed: EWMA of the measured performance factor (clamped to <= 1).
+        held: the factor the class sets are built from, in (0, 1]; changes only past the hysteresis.
+        updated_at: the time of the last step.
+    """
+
+    smoothed: float
+    held: float
+    updated_at: float
+
+
+def hold_performance(
+    state: PerformanceHold | None,
+    performance: float | None,
+    now: float,
+    *,
+    tau_s: float,
+    hysteresis: float,
+) -> PerformanceHold:
+    """Advance one endpoint's held performance factor to ``now`` (s).
+
+    Args:
+        state: the last step's, None for a new endpoint (smoothing starts from the measured value).
+        performance: the weight model's performance factor (:attr:`inferlb.weights.WeightBreakdown.
+            performance`: ``min(measured speed ratio, clock throttle)``, not the load, KV or error factors,
+            which follow the queue and would move the sets with every burst); None when the telemetry is
+            stale or missing. Values above 1 count as 1: a GPU faster than its profile never shrinks a set
+            below its static one.
+        tau_s / hysteresis: the weight model's ``smoothing_tau_s`` and ``hysteresis``
+            (:class:`inferlb.weights.WeightParams`), so the sets move on the same time scale as the weights.
+
+    Rule: ``smoothed`` is the EWMA of the factor in continuous time (as :func:`inferlb.weights.step`).
+    ``held`` stays 1.0 (healthy) until ``smoothed`` falls below ``1 - hysteresis``; then it follows
+    ``smoothed`` whenever that moves by at least ``hysteresis`` (relative) from it, and returns to exactly
+    1.0 once ``smoothed`` is back above ``1 - hysteresis / 2`` (the band between the two is what keeps a
+    factor hovering near ``1 - hysteresis`` from flapping between the healthy and the degraded sets).
+    Stale telemetry is 1.0 at once (the profile: knowing nothing, the static set is the best prior).
+    For a constant input ``smoothed`` moves monotonically, so ``held`` changes finitely often, then never.
+    """
+    if performance is None:
+        return PerformanceHold(smoothed=1.0, held=1.0, updated_at=now)
+    measured = min(1.0, max(0.0, performance))
+    if state is None:
+        smoothed, held, since = measured, 1.0, now
+    else:
+        dt = max(0.0, now - state.updated_at)
+        since = max(now, state.updated_at)
+        alpha = -math.expm1(-dt / tau_s) if tau_s > 0 else 1.0
+        smoothed, held = state.smoothed + alpha * (measured - state.smoothed), state.held
+    if held >= 1.0:
+        if smoothed < 1.0 - hysteresis:
+            held = smoothed
+    elif smoothed >= 1.0 - hysteresis / 2:
+        held = 1.0
+    elif abs(smoothed - held) >= hysteresis * held:
+        held = smoothed
+    return PerformanceHold(smoothed=smoothed, held=max(held, 1e-6), updated_at=since)

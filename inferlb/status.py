@@ -137,6 +137,9 @@ class WeightRow:
             rate (tokens/s); age_s: age of the freshest telemetry (s), None = none or stale;
         factors: ``performance``, ``load``, ``kv``, ``errors`` and ``target`` of
             :func:`inferlb.weights.target_weight`; fresh: whether telemetry counted.
+        length_classes: for a length-aware model, the confined length classes the endpoint serves (live
+            with telemetry weights, :func:`inferlb.length_aware.live_class_sets`), None otherwise;
+            profile_classes: those of its GPU profile alone.
     """
 
     cluster: str
@@ -157,6 +160,8 @@ class WeightRow:
     tokens_per_s: float | None
     age_s: float | None
     factors: dict[str, float | None]
+    length_classes: tuple[str, ...] | None = None
+    profile_classes: tuple[str, ...] | None = None
 
 
 def weight_rows(weights: dict[str, Any], envoy: list[HostRow]) -> list[WeightRow]:
@@ -193,9 +198,23 @@ def weight_rows(weights: dict[str, Any], envoy: list[HostRow]) -> list[WeightRow
                 tokens_per_s=inputs.get("generation_tokens_per_s"),
                 age_s=inputs.get("telemetry_age_s") if fresh else None,
                 factors={k: factors.get(k) for k in ("performance", "load", "kv", "errors", "target")},
+                length_classes=_classes(e.get("length_classes")),
+                profile_classes=_classes(e.get("profile_classes")),
             )
         )
     return out
+
+
+def _classes(v: Any) -> tuple[str, ...] | None:
+    return None if v is None else tuple(str(c) for c in v)
+
+
+def _classes_cell(r: WeightRow) -> str:
+    """``long-0,long-1`` (``-``: short only); a ``*`` marks live classes that differ from the profile's."""
+    if r.length_classes is None:
+        return ""
+    cell = ",".join(r.length_classes) or "-"
+    return cell + "*" if r.profile_classes is not None and r.length_classes != r.profile_classes else cell
 
 
 def _num(v: float | None, fmt: str) -> str:
@@ -204,15 +223,19 @@ def _num(v: float | None, fmt: str) -> str:
 
 def weights_table(rows: list[WeightRow], mode: str) -> Table:
     """A rich table of :func:`weight_rows`: Envoy's weight, the served one and its source, the inputs
-    (queue, batch, KV, throttle, throughput, age) and the policy's factors."""
+    (queue, batch, KV, throttle, throughput, age), the policy's factors and, for length-aware models, the
+    length classes served (``*``: live, differing from the GPU profile's)."""
     t = Table(title=f"inferlb weights (mode {mode}; target = profile x perf x load x kv x errors)")
     cols = (
         "cluster", "endpoint", "gpu", "envoy", "served", "source", "policy", "profile", "queue", "run",
-        "KV", "throttle", "clock", "tok/s", "age s", "perf", "load", "kv", "err", "target",
+        "KV", "throttle", "clock", "tok/s", "age s", "perf", "load", "kv", "err", "target", "classes",
     )  # fmt: skip
     for col in cols:
         t.add_column(
-            col, justify="left" if col in ("cluster", "endpoint", "gpu", "source", "throttle") else "right"
+            col,
+            justify="left"
+            if col in ("cluster", "endpoint", "gpu", "source", "throttle", "classes")
+            else "right",
         )
     for r in rows:
         f = r.factors
@@ -237,5 +260,6 @@ def weights_table(rows: list[WeightRow], mode: str) -> Table:
             _num(f.get("kv"), ".2f"),
             _num(f.get("errors"), ".2f"),
             _num(f.get("target"), ".0f"),
+            _classes_cell(r),
         )
     return t

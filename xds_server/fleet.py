@@ -153,17 +153,23 @@ def known_keys(config: Config, state: FleetState) -> set[str]:
 
 
 def effective_overrides(
-    state: FleetState, telemetry_weights: Mapping[str, int]
+    state: FleetState,
+    telemetry_weights: Mapping[str, int],
+    length_classes: Mapping[str, tuple[str, ...]] | None = None,
 ) -> dict[str, EndpointOverride]:
     """Per-endpoint overrides for :func:`xds_server.resources.build_resources`.
 
     Weight precedence: a fleet API pin, then a telemetry weight, then (no override) the capacity weight.
-    Draining endpoints get ``draining=True``.
+    Draining endpoints get ``draining=True``. ``length_classes``: the telemetry's live length classes of
+    the endpoints whose classes differ from their GPU profile's (the rest keep the profile's).
     """
+    classes = length_classes or {}
     out: dict[str, EndpointOverride] = {}
-    for key in {*state.weight_overrides, *telemetry_weights, *state.draining}:
+    for key in {*state.weight_overrides, *telemetry_weights, *state.draining, *classes}:
         weight = state.weight_overrides.get(key, telemetry_weights.get(key))
-        out[key] = EndpointOverride(weight=weight, draining=key in state.draining)
+        out[key] = EndpointOverride(
+            weight=weight, draining=key in state.draining, length_classes=classes.get(key)
+        )
     return out
 
 

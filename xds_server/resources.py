@@ -26,7 +26,9 @@ What is built (names are stable; the bootstrap and ``inferlb status`` rely on th
   selector on ``gpu_tier``, or on ``length_classes`` with ``list_as_any`` when tiered; fallback
   ``ANY_ENDPOINT``) and their endpoints ``envoy.lb`` metadata from their GPU profile
   (:func:`inferlb.length_aware.endpoint_lb_metadata`: ``{gpu_tier: fast|standard}``, or
-  ``{length_classes: [long-0, ...]}``, the classes the GPU may serve).
+  ``{length_classes: [long-0, ...]}``, the classes the GPU may serve), or, with ``weights.mode: telemetry``,
+  the live classes the telemetry computes (:attr:`EndpointOverride.length_classes`,
+  :func:`inferlb.length_aware.live_class_sets`).
 """
 
 from __future__ import annotations
@@ -86,6 +88,7 @@ from inferlb.length_aware import (
     ConfinedClass,
     confined_classes,
     endpoint_lb_metadata,
+    lb_metadata_of_classes,
     subset_key,
 )
 from inferlb.openai_api import INFERENCE_PATHS
@@ -881,10 +884,15 @@ class EndpointOverride:
     Attributes:
         weight: Envoy ``load_balancing_weight`` to send instead of the capacity weight (>= 1), or None.
         draining: send ``health_status: DRAINING`` (Envoy sends it no new requests; in-flight ones finish).
+        length_classes: for a length-aware model's endpoint, the confined length classes it may serve
+            (names, longest first) instead of those of its GPU profile
+            (:func:`inferlb.length_aware.live_endpoint_classes`: the telemetry's live sets); None: the
+            profile's (:func:`inferlb.length_aware.endpoint_lb_metadata`). Ignored for other models.
     """
 
     weight: int | None = None
     draining: bool = False
+    length_classes: tuple[str, ...] | None = None
 
 
 _NO_OVERRIDE: Final = EndpointOverride()
@@ -907,8 +915,9 @@ def _endpoint_ip(e: EndpointConfig, resolved_hosts: Mapping[str, str]) -> HostPo
     return HostPort(host=resolved, port=e.address.port)
 
 
-#: One endpoint's inputs to its LbEndpoint: ``(id(endpoint), ip, port, weight override or 0, draining)``.
-_EndpointInputs = tuple[int, str, int, int, bool]
+#: One endpoint's inputs to its LbEndpoint: ``(id(endpoint), ip, port, weight override or 0, draining,
+#: length classes override or None)``.
+_EndpointInputs = tuple[int, str, int, int, bool, tuple[str, ...] | None]
 
 
 @dataclass
@@ -953,7 +962,10 @@ def _lb_endpoint(
     if policy.length_aware is not None:
         # the subset load balancer reads the envoy.lb namespace (length_aware_subsets)
         tier = struct_pb2.Struct()
-        tier.update(endpoint_lb_metadata(config, e.gpu, policy.length_aware))
+        if override.length_classes is None:
+            tier.update(endpoint_lb_metadata(config, e.gpu, policy.length_aware))
+        else:
+            tier.update(lb_metadata_of_classes(policy.length_aware, override.length_classes))
         filter_metadata[ENVOY_LB_NAMESPACE] = tier
     lb = endpoint_components_pb2.LbEndpoint(
         endpoint=endpoint_components_pb2.Endpoint(address=_socket_address(address), hostname=e.display_name),
@@ -1012,7 +1024,9 @@ def build_load_assignment(
         resolved.append((e, address, override))
     signature: tuple[_EndpointInputs, ...] = ()
     if lb_cache is not None:
-        signature = tuple((id(e), a.host, a.port, o.weight or 0, o.draining) for e, a, o in resolved)
+        signature = tuple(
+            (id(e), a.host, a.port, o.weight or 0, o.draining, o.length_classes) for e, a, o in resolved
+        )
         hit = lb_cache.assignments.get(name)
         if hit is not None and hit[0] == signature:
             return hit[1]
@@ -1192,7 +1206,8 @@ def build_resources(
         resolved_hosts: ``{host name: IP literal}`` for endpoints written with a host name
             (``gpusim:8001`` in a container stack). This module does no I/O: the server resolves names
             with getaddrinfo and passes the answers in.
-        overrides: per-endpoint changes on top of the config (weight, draining), by :func:`endpoint_key`.
+        overrides: per-endpoint changes on top of the config (weight, draining, length classes), by
+            :func:`endpoint_key`.
         lb_cache: a memo of built endpoints the caller keeps across calls for the same config objects
             (:class:`LbEndpointCache`): a weight change on 1% of a fleet rebuilds 1% of its endpoints.
 

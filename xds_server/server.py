@@ -203,6 +203,7 @@ class XdsServer:
         self.fleet = FleetState()
         self.resolved_hosts: Mapping[str, str] = {}
         self.telemetry_weights: Mapping[str, int] = {}
+        self.telemetry_classes: Mapping[str, tuple[str, ...]] = {}
         self.port = 0
         self.host = ""
         self.api_port = 0
@@ -429,7 +430,7 @@ class XdsServer:
         group) and publish them (the coalescer's publish callback)."""
         assert self.effective is not None
         source = str(self.config_path)
-        overrides = effective_overrides(self.fleet, self.telemetry_weights)
+        overrides = effective_overrides(self.fleet, self.telemetry_weights, self.telemetry_classes)
         groups = self._group_configs()
         try:
             built = {
@@ -456,14 +457,21 @@ class XdsServer:
         log.info("snapshot published (%d groups): %s", len(groups), versions)
 
     # -- telemetry weights ----------------------------------------------------------------------------
-    def set_telemetry_weights(self, weights: Mapping[str, int]) -> None:
+    def set_telemetry_weights(
+        self, weights: Mapping[str, int], length_classes: Mapping[str, tuple[str, ...]] | None = None
+    ) -> None:
         """Replace the telemetry weights: ``{endpoint_key: Envoy weight}`` (``host:port`` as in the config;
         weights below 1 are sent as 1). Endpoints not named get their capacity weight; a fleet API weight
-        pin wins over a telemetry weight. The push is coalesced with every other change."""
+        pin wins over a telemetry weight. ``length_classes``: ``{endpoint_key: the confined length classes
+        it may serve}`` for the length-aware endpoints whose live classes differ from their profile's
+        (:func:`inferlb.length_aware.live_class_sets`); None or not named: the profile's. The push is
+        coalesced with every other change."""
         clean = {k: max(1, int(w)) for k, w in weights.items()}
-        if clean == self.telemetry_weights:
+        classes = {k: tuple(v) for k, v in (length_classes or {}).items()}
+        if clean == self.telemetry_weights and classes == self.telemetry_classes:
             return
         self.telemetry_weights = clean
+        self.telemetry_classes = classes
         self._changed()
 
     # -- the fleet API --------------------------------------------------------------------------------

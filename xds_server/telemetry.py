@@ -41,7 +41,18 @@ Routes added to the HTTP API (JSON; ``/v1`` behind the bearer token):
   the bad field as ``param`` (``gpus[1].uuid``).
 * ``GET /v1/weights``: per endpoint the weight, where it comes from (``pin``, ``telemetry``, ``capacity``),
   the inputs behind it and the factors of :func:`inferlb.weights.target_weight` (``inferlb status`` shows
-  them).
+  them), and for a length-aware model the length classes served (``length_classes``), the live and the
+  profile ones, and the held performance factor behind them.
+
+**Live length classes** (length-aware models, ``weights.mode: telemetry``): each period every endpoint's
+performance factor (the weight model's ``performance``: measured speed ratio and clock throttle, not its
+queue or KV factors) is held with :func:`inferlb.length_aware.hold_performance` (EWMA with the weights'
+``smoothing_tau_ms``, the weights' hysteresis, stale = 1.0), and each cluster's confined classes are
+re-derived with :func:`inferlb.length_aware.live_class_sets`: a class keeps the capacity its GPU classes give
+it, so a throttled H100 brings the next fastest GPU into the longest class. The endpoints whose classes then
+differ from their profile's go to :meth:`~xds_server.server.XdsServer.set_telemetry_weights` with the weights
+and out as EDS endpoint metadata through the same coalesced push; Envoy rebuilds a cluster's subsets when
+an endpoint's metadata changes. With ``static`` weights the profile's classes stay.
 """
 
 from __future__ import annotations
@@ -63,6 +74,14 @@ from prometheus_client.registry import Collector
 from inferlb.config import Config, EndpointConfig
 from inferlb.errors import RequestError
 from inferlb.fleet import capacity_weight
+from inferlb.length_aware import (
+    ClassSetMember,
+    PerformanceHold,
+    allowed_classes,
+    confined_classes,
+    hold_performance,
+    live_endpoint_classes,
+)
 from inferlb.telemetry import (
     GpuTelemetry,
     ServerMetrics,
@@ -126,6 +145,11 @@ class EndpointWeight:
         cluster: its Envoy cluster.
         inputs: what the policy saw; breakdown: the target and its factors.
         weight: the weight the policy pushes (``weights.scale`` units, in ``[1, max_weight]``).
+        held_performance: the performance factor the length classes are built from
+            (:func:`inferlb.length_aware.hold_performance`, (0, 1]; 1.0 healthy or stale).
+        length_classes / profile_classes: for a length-aware model's endpoint, the confined length classes
+            it may serve by the live rule (:func:`inferlb.length_aware.live_class_sets`) and by its GPU
+            profile alone; None for other models.
     """
 
     key: str
@@ -133,6 +157,9 @@ class EndpointWeight:
     inputs: WeightInputs
     breakdown: WeightBreakdown
     weight: int
+    held_performance: float = 1.0
+    length_classes: tuple[str, ...] | None = None
+    profile_classes: tuple[str, ...] | None = None
 
 
 def gpu_match_keys(endpoint: EndpointConfig) -> tuple[str | None, tuple[str, int]]:
@@ -252,6 +279,7 @@ class TelemetryCollector:
         self.servers: dict[str, ServerSample] = {}
         self.gpus: dict[str, GpuSample] = {}
         self.states: dict[str, WeightState] = {}
+        self.holds: dict[str, PerformanceHold] = {}
         self.last: dict[str, EndpointWeight] = {}
         self.scrapes: dict[str, int] = {}
         self.failures: dict[tuple[str, str], int] = {}
@@ -469,21 +497,71 @@ class TelemetryCollector:
                 state, _ = step(None, inputs, now - params.slow_start_s, params)
             state, weight = step(state, inputs, now, params)
             self.states[key] = state
+            breakdown = target_weight(inputs, params)
+            hold = hold_performance(
+                self.holds.get(key),
+                breakdown.performance if breakdown.fresh else None,
+                now,
+                tau_s=params.smoothing_tau_s,
+                hysteresis=params.hysteresis,
+            )
+            self.holds[key] = hold
             out[key] = EndpointWeight(
                 key=key,
                 cluster=cluster,
                 inputs=inputs,
-                breakdown=target_weight(inputs, params),
+                breakdown=breakdown,
                 weight=weight,
+                held_performance=hold.held,
             )
         self._seeded = True
+        self._classify(cfg, out)
         for gone in set(self.states) - set(out):
             del self.states[gone]
+            self.holds.pop(gone, None)
         for gone in (set(self.servers) | set(self.gpus)) - set(out):
             self.servers.pop(gone, None)
             self.gpus.pop(gone, None)
         self.last = out
         return out
+
+    def _classify(self, cfg: Config, out: dict[str, EndpointWeight]) -> None:
+        """Fill in the live and profile length classes of every length-aware model's endpoint in ``out``,
+        one cluster at a time (:func:`inferlb.length_aware.live_endpoint_classes` over the held
+        performance factors)."""
+        models = {m.name: m for m in cfg.models}
+        by_cluster: dict[str, list[EndpointConfig]] = {}
+        for e in cfg.endpoints:
+            if models[e.model].cluster.length_aware is not None:
+                by_cluster.setdefault(out[endpoint_key(e)].cluster, []).append(e)
+        for endpoints in by_cluster.values():
+            policy = models[endpoints[0].model].cluster.length_aware
+            assert policy is not None
+            members = [
+                ClassSetMember(
+                    name=endpoint_key(e),
+                    capacity=cfg.gpu_profiles[e.gpu].relative_capacity,
+                    performance=out[endpoint_key(e)].held_performance,
+                )
+                for e in endpoints
+            ]
+            live = live_endpoint_classes(members, confined_classes(policy))
+            for e in endpoints:
+                key = endpoint_key(e)
+                out[key] = replace(
+                    out[key],
+                    length_classes=live[key],
+                    profile_classes=allowed_classes(cfg, e.gpu, policy),
+                )
+
+    def live_class_overrides(self) -> dict[str, tuple[str, ...]]:
+        """``{endpoint key: live length classes}`` of the last :meth:`compute`, for the endpoints whose live
+        classes differ from their profile's (what :meth:`recompute` hands the server)."""
+        return {
+            k: w.length_classes
+            for k, w in self.last.items()
+            if w.length_classes is not None and w.length_classes != w.profile_classes
+        }
 
     def recompute(self) -> dict[str, int]:
         """One period: :meth:`compute` now and, with ``weights.mode: telemetry``, hand the weights to the
@@ -491,10 +569,10 @@ class TelemetryCollector:
         srv = self._server
         assert srv is not None
         outcome = self.compute(self._clock())
-        weights = (
-            {k: w.weight for k, w in outcome.items()} if self._config().weights.mode == "telemetry" else {}
-        )
-        srv.set_telemetry_weights(weights)
+        telemetry = self._config().weights.mode == "telemetry"
+        weights = {k: w.weight for k, w in outcome.items()} if telemetry else {}
+        # static mode keeps the profile's length classes, as it keeps the capacity weights
+        srv.set_telemetry_weights(weights, self.live_class_overrides() if telemetry else {})
         return weights
 
     # -- GET /v1/weights ----------------------------------------------------------------------------------
@@ -531,6 +609,12 @@ class TelemetryCollector:
                 "policy_weight": w.weight if w else None,
                 "profile_weight": profile_weight(cap, per_model.get(e.model, base)),
                 "capacity_weight": capacity_weight(cfg, e),
+                "length_classes": _served_classes(srv.telemetry_classes.get(key), w),
+                "profile_classes": None
+                if w is None or w.profile_classes is None
+                else list(w.profile_classes),
+                "live_classes": None if w is None or w.length_classes is None else list(w.length_classes),
+                "held_performance": None if w is None else w.held_performance,
                 "server_age_s": None if s is None else round(now - s.at, 3),
                 "gpu_age_s": None if g is None else round(now - g.at, 3),
                 "gpu_source": None if g is None else g.source,
@@ -585,3 +669,11 @@ class TelemetryCollector:
 
     async def _get_weights(self, _request: web.Request) -> web.Response:
         return web.json_response(self.weights_json())
+
+
+def _served_classes(pushed: tuple[str, ...] | None, w: EndpointWeight | None) -> list[str] | None:
+    """The length classes the server sends for an endpoint: the pushed live ones, else its profile's (None
+    for a model that is not length-aware, or before the first step)."""
+    if pushed is not None:
+        return list(pushed)
+    return None if w is None or w.profile_classes is None else list(w.profile_classes)

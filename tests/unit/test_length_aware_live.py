@@ -1,5 +1,6 @@
 """Live length-class sets (:func:`inferlb.length_aware.live_class_sets`, :func:`hold_performance`): the sets
-follow the GPUs' performance; healthy, they are the static sets exactly."""
+follow the GPUs' performance; healthy, they are the static sets exactly. Also their xDS form (EDS endpoint
+metadata through :class:`xds_server.resources.EndpointOverride`) and ``inferlb status``'s classes column."""
 
 from __future__ import annotations
 
@@ -7,13 +8,16 @@ import itertools
 import math
 
 import pytest
+from envoy.config.endpoint.v3 import endpoint_pb2
 from hypothesis import given
 from hypothesis import strategies as st
+from rich.console import Console
 
-from inferlb.config import LengthAwareRouting, LengthTier
+from inferlb.config import Config, LengthAwareRouting, LengthTier, parse_config
 from inferlb.length_aware import (
     ClassSetMember,
     PerformanceHold,
+    allowed_classes,
     confined_classes,
     hold_performance,
     lb_metadata_of_classes,
@@ -22,6 +26,9 @@ from inferlb.length_aware import (
     nominal_class_capacity,
     performance_rank,
 )
+from inferlb.status import weight_rows, weights_table
+from xds_server import resources as r
+from xds_server.fleet import FleetState, effective_overrides
 
 #: the bundled profiles' capacities and a few others, so ties between GPU classes occur
 CAPACITIES = (0.5, 1.0, 1.7, 2.0, 3.4)
@@ -206,3 +213,108 @@ def test_stale_telemetry_is_the_profile_at_once() -> None:
     assert low.held == pytest.approx(0.3)
     stale = hold_performance(low, None, 1.0, tau_s=1.0, hysteresis=0.1)
     assert stale.held == 1.0 and stale.smoothed == 1.0
+
+
+# -- the xDS resources: live classes as EDS endpoint metadata ---------------------------------------------
+
+
+def _tiered_config() -> Config:
+    return parse_config(
+        {
+            "models": [
+                {
+                    "name": "llama",
+                    "cluster": {
+                        "length_aware": {
+                            "tiers": [
+                                {"above_output_tokens": 800, "min_relative_capacity": 3.4},
+                                {"above_output_tokens": 300, "min_relative_capacity": 1.7},
+                            ]
+                        }
+                    },
+                }
+            ],
+            "endpoints": [
+                {"name": n, "address": f"127.0.0.1:{8001 + i}", "model": "llama", "gpu": g}
+                for i, (n, g) in enumerate(
+                    [("h0", "H100"), ("h1", "H100"), ("a0", "A100"), ("a1", "A100"), ("v0", "V100")]
+                )
+            ],
+        }
+    )
+
+
+def _classes_by_name(cla: endpoint_pb2.ClusterLoadAssignment) -> dict[str, list[str]]:
+    return {
+        lb.endpoint.hostname: [str(v) for v in lb.metadata.filter_metadata["envoy.lb"]["length_classes"]]
+        for loc in cla.endpoints
+        for lb in loc.lb_endpoints
+    }
+
+
+def test_healthy_live_classes_of_a_config_are_its_profile_classes() -> None:
+    config = _tiered_config()
+    policy = config.models[0].cluster.length_aware
+    assert policy is not None
+    members = [
+        ClassSetMember(name=r.endpoint_key(e), capacity=config.gpu_profiles[e.gpu].relative_capacity)
+        for e in config.endpoints
+    ]
+    live = live_endpoint_classes(members, confined_classes(policy))
+    for e in config.endpoints:
+        assert live[r.endpoint_key(e)] == allowed_classes(config, e.gpu, policy)
+
+
+def test_a_class_override_goes_out_as_endpoint_metadata_and_rebuilds_the_cached_assignment() -> None:
+    config = _tiered_config()
+    memo = r.LbEndpointCache()
+    (plain,) = r.build_load_assignments(config, lb_cache=memo)
+    assert _classes_by_name(plain) == {
+        "h0": ["long-0", "long-1"], "h1": ["long-0", "long-1"], "a0": ["long-1"], "a1": ["long-1"], "v0": [],
+    }  # fmt: skip
+    overrides = {
+        "127.0.0.1:8003": r.EndpointOverride(length_classes=("long-0", "long-1")),
+        "127.0.0.1:8005": r.EndpointOverride(weight=40, length_classes=("long-1",)),
+    }
+    (live,) = r.build_load_assignments(config, overrides=overrides, lb_cache=memo)
+    assert live is not plain
+    got = _classes_by_name(live)
+    assert got["a0"] == ["long-0", "long-1"] and got["v0"] == ["long-1"] and got["a1"] == ["long-1"]
+    assert [lb.load_balancing_weight.value for lb in live.endpoints[0].lb_endpoints][-1] == 40
+    # the same inputs again: the very same object (the snapshot cache does not re-serialize it)
+    (again,) = r.build_load_assignments(config, overrides=dict(overrides), lb_cache=memo)
+    assert again is live
+    # back to the profile's classes: the profile's metadata again, byte for byte
+    (back,) = r.build_load_assignments(config, lb_cache=memo)
+    assert back.SerializeToString(deterministic=True) == plain.SerializeToString(deterministic=True)
+
+
+def test_effective_overrides_carry_the_live_classes_next_to_pins_and_drains() -> None:
+    state = FleetState(draining={"b:1": 0.0}, weight_overrides={"a:1": 7})
+    out = effective_overrides(state, {"a:1": 50, "c:1": 60}, {"b:1": ("long-0",), "d:1": ()})
+    assert out["a:1"] == r.EndpointOverride(weight=7)
+    assert out["b:1"] == r.EndpointOverride(draining=True, length_classes=("long-0",))
+    assert out["c:1"] == r.EndpointOverride(weight=60)
+    assert out["d:1"] == r.EndpointOverride(length_classes=())
+
+
+def test_status_marks_live_classes_that_differ_from_the_profile() -> None:
+    body = {
+        "endpoints": [
+            {
+                "key": f"127.0.0.1:{p}", "name": n, "gpu": "A100", "served_weight": 170,
+                "weight_source": "telemetry", "profile_weight": 170, "cluster": "llama",
+                "length_classes": live, "profile_classes": prof,
+            }
+            for p, n, live, prof in (
+                (1, "a0", ["long-0", "long-1"], ["long-1"]), (2, "a1", ["long-1"], ["long-1"]),
+                (3, "v0", [], []), (4, "q", None, None),
+            )
+        ]
+    }  # fmt: skip
+    rows = weight_rows(body, [])
+    console = Console(width=400, record=True)
+    console.print(weights_table(rows, "telemetry"))
+    text = console.export_text()
+    assert "long-0,long-1*" in text and "long-1 " in text
+    assert rows[0].length_classes == ("long-0", "long-1") and rows[3].length_classes is None

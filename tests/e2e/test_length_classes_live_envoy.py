@@ -30,21 +30,16 @@ def live_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningStac
     doc = make_config_doc()
     doc["weights"] = {"mode": "telemetry", "stale_after_ms": 1_500, "smoothing_tau_ms": 300}
     doc["telemetry"] = {"scrape_interval_ms": 200, "scrape_timeout_ms": 500}
-    tiers = [
-        {"above_output_tokens": 100, "min_relative_capacity": 3.0},
-        {"above_output_tokens": 40, "min_relative_capacity": 1.5},
-    ]
+    tiers = [{"above_output_tokens": 100, "min_relative_capacity": 3.0}]
+    tiers.append({"above_output_tokens": 40, "min_relative_capacity": 1.5})
     doc["models"].append({"name": MISTRAL, "cluster": {"length_aware": {"tiers": tiers}}})
-    for gpu, port in zip(("H100", "A100", "V100"), free_ports(3), strict=True):
-        doc["endpoints"].append(
-            {
-                "name": f"mistral-{gpu.lower()}",
-                "address": f"{LOOPBACK}:{port}",
-                "model": MISTRAL,
-                "gpu": gpu,
-                "simulated": True,
-            }
-        )
+    gpus = ("H100", "A100", "V100")
+    doc["endpoints"] += [
+        {"name": f"mistral-{g.lower()}", "address": f"{LOOPBACK}:{p}", "model": MISTRAL, "gpu": g}
+        for g, p in zip(gpus, free_ports(3), strict=True)
+    ]
+    for e in doc["endpoints"][-3:]:
+        e["simulated"] = True
     with started_stack(tmp_path_factory.mktemp("live-classes"), doc) as rs:
         yield rs
 

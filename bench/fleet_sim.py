@@ -24,7 +24,10 @@ gateway sees; real clients' caps are only upper bounds of their outputs (often a
 thresholds from the rule :func:`inferlb.length_aware.tier_thresholds` (``--tier-fraction``) over the
 ``--threshold-window`` (else the replayed rows); ``--long-rule`` gives ``length_aware`` its threshold by the
 same rule, for a like-for-like two-tier row; ``--no-spill`` keeps every confined request in its tier set
-as Envoy's subsets do (the default lets a saturated set spill to the next wider one).
+as Envoy's subsets do (the default lets a saturated set spill to the next wider one). ``tiered_live`` is
+``tiered`` whose class sets follow the GPUs' clock throttle as the xDS server's do with telemetry weights
+(:func:`inferlb.length_aware.live_class_sets`; ``Scenario.live_classes``): a throttled H100 brings the next
+fastest GPUs into its classes until each class has its nominal capacity again.
 """
 
 from __future__ import annotations
@@ -64,6 +67,14 @@ ATTRIBUTION = (
 )
 
 
+#: The benchmark's policy names: the simulator's, and ``tiered_live`` (``tiered`` with live class sets).
+BENCH_POLICIES: tuple[str, ...] = (*POLICIES, "tiered_live")
+
+
+def _name(r: FleetRunResult) -> str:
+    return f"{r.policy}_live" if r.live_classes else r.policy
+
+
 def _fmt(x: float, digits: int = 2) -> str:
     return "-" if math.isnan(x) else f"{x:.{digits}f}"
 
@@ -77,7 +88,7 @@ def _table(title: str, results: list[tuple[str, FleetRunResult]], *, throttle: b
     for col in ("work % H/A/V", "refused", "long > tok (fallback)"):
         t.add_column(col, justify="right")
     # p99 ratios against round robin and least request at the same load (and scenario)
-    ref = {(load, r.policy): r.e2e_p99_s for load, r in results}
+    ref = {(load, _name(r)): r.e2e_p99_s for load, r in results}
     if throttle:
         for col in ("share fell after s", "window s", "weight fell after s", "share post/pre"):
             t.add_column(col, justify="right")
@@ -85,7 +96,7 @@ def _table(title: str, results: list[tuple[str, FleetRunResult]], *, throttle: b
         wt = r.work_by_type
         row = [
             load,
-            r.policy,
+            _name(r),
             _fmt(r.e2e_p50_s),
             _fmt(r.e2e_p99_s),
             _fmt(r.ttft_p50_s),
@@ -118,7 +129,8 @@ def _long_cell(r: FleetRunResult) -> str:
     if r.tier_thresholds is not None:
         ts = "/".join(str(t) for t in r.tier_thresholds)
         counts = "/".join(f"{c:,}" for c in r.class_requests[:-1])
-        return f"{ts}: {counts} ({r.long_fallbacks:,})"
+        live = f", sets changed {r.class_set_changes}x" if r.live_classes else ""
+        return f"{ts}: {counts} ({r.long_fallbacks:,}){live}"
     if r.long_output_threshold is None:
         return "-"
     return f"{r.long_output_threshold}: {r.long_requests:,} ({r.long_fallbacks:,})"
@@ -150,7 +162,7 @@ def _plots(
             xs = [i + j * width for i in range(len(rs))]
             ax.bar(xs, [getattr(r, metric) for r in rs], width=width, label=f"load {load}")
             ax.set_xticks([i + width * (len(loads) - 1) / 2 for i in range(len(rs))])
-            ax.set_xticklabels([r.policy.replace("_", "\n") for r in rs])
+            ax.set_xticklabels([_name(r).replace("_", "\n") for r in rs])
         ax.set_ylabel(label)
         ax.set_yscale("log")
         ax.grid(axis="y", alpha=0.3)
@@ -168,7 +180,7 @@ def _plots(
     fig, ax = plt.subplots(figsize=(10, 4.5))
     ax.boxplot([list(r.work_percent) for r in rs], whis=(0, 100))
     ax.set_xticks(range(1, len(rs) + 1))
-    ax.set_xticklabels([r.policy for r in rs])
+    ax.set_xticklabels([_name(r) for r in rs])
     ax.set_ylabel("per-GPU work utilization (% of capacity)")
     ax.set_title(f"{n} GPUs at load {top}: per-GPU utilization (box: quartiles, whiskers: min/max)")
     ax.grid(axis="y", alpha=0.3)
@@ -194,7 +206,7 @@ def _plots(
                 end=scenario_thr.duration_s,
                 bin_s=bin_s,
             )
-            ax.plot([t - fault for t, _ in series], [s / pre for _, s in series], label=r.policy)
+            ax.plot([t - fault for t, _ in series], [s / pre for _, s in series], label=_name(r))
         ax.axvline(0.0, color="k", lw=0.8)
         ax.axhline(0.6, color="grey", lw=0.8, ls="--")
         ax.axhline(0.5, color="grey", lw=0.8, ls=":")
@@ -221,7 +233,7 @@ def main() -> None:
     ap.add_argument("--loads", type=float, nargs="+", default=[0.7, 0.9], help="fractions of capacity")
     ap.add_argument("--duration", type=float, default=60.0, help="seconds of arrivals (simulated)")
     ap.add_argument("--warmup", type=float, default=10.0, help="seconds left out of the figures")
-    ap.add_argument("--policies", nargs="+", default=list(POLICIES), choices=POLICIES)
+    ap.add_argument("--policies", nargs="+", default=list(POLICIES), choices=BENCH_POLICIES)
     ap.add_argument("--throttle-load", type=float, default=0.9)
     ap.add_argument("--throttle-fraction", type=float, default=0.01, help="of the fleet; at least 1 GPU")
     ap.add_argument("--throttle-at", type=float, default=None, help="default: the middle of the run")
@@ -319,7 +331,7 @@ def main() -> None:
             f"trace window {lo:g}-{hi:g} of the span: {len(rows):,} rows; length_aware threshold: {rule}; "
             f"seed {args.seed}"
         )
-    if "tiered" in args.policies:
+    if {"tiered", "tiered_live"} & set(args.policies):
         src = (
             "the replayed rows"
             if args.threshold_window is None
@@ -418,7 +430,7 @@ def trace_part(rows: list[TraceRow], start: float, end: float) -> list[TraceRow]
 
 
 def _scenario(
-    policy: Policy,
+    policy: str,
     args: argparse.Namespace,
     *,
     push_delay: float,
@@ -427,8 +439,11 @@ def _scenario(
     targets: tuple[int, ...] = (),
     throttle_at: float | None = None,
 ) -> Scenario:
+    live = policy == "tiered_live"
+    sim_policy: Policy = "tiered" if live else policy  # type: ignore[assignment]
     return Scenario(
-        policy=policy,
+        policy=sim_policy,
+        live_classes=live,
         duration_s=args.duration,
         warmup_s=args.warmup,
         telemetry_period_s=period,

@@ -89,10 +89,19 @@ from typing import Literal, Protocol, overload, runtime_checkable
 
 from inferlb.config import Config, EndpointConfig, HostPort
 from inferlb.fleet import capacity_weight
-from inferlb.length_aware import DEFAULT_TIER_WORK_FRACTION, tier_capacity_shares, tier_thresholds
+from inferlb.length_aware import (
+    DEFAULT_TIER_WORK_FRACTION,
+    ClassSetMember,
+    PerformanceHold,
+    class_set_performance,
+    hold_performance,
+    live_class_sets,
+    tier_capacity_shares,
+    tier_thresholds,
+)
 from inferlb.replay import TraceRow, percentile
 from inferlb.telemetry import REASON_SW_THERMAL, GpuTelemetry, ServerMetrics, weight_inputs
-from inferlb.weights import WeightParams, WeightState, fleet_reference_rate, step
+from inferlb.weights import WeightParams, WeightState, fleet_reference_rate, step, target_weight
 
 Policy = Literal[
     "round_robin", "least_request", "static_weights", "telemetry_weights", "length_aware", "tiered"
@@ -569,6 +578,10 @@ class TieredBalancer:
         if len(saturation_active) != n_hosts:
             raise ValueError(f"expected {n_hosts} saturation bounds, got {len(saturation_active)}")
         self._n = n_hosts
+        self._rng = rng
+        self._bias = active_request_bias
+        self._choices = choice_count
+        self._weights: tuple[int, ...] | None = None
         self.class_hosts: tuple[tuple[int, ...], ...] = tuple(sets)
         self.thresholds: tuple[int, ...] = tuple(thresholds)
         self._bound = tuple(saturation_active)
@@ -588,9 +601,35 @@ class TieredBalancer:
     def set_weights(self, weights: Sequence[int], active: Sequence[int]) -> None:
         """New EDS weights for every host (each >= 1): every schedule is rebuilt."""
         _check_weights(weights, self._n)
+        self._weights = tuple(weights)
         self._all.set_weights(weights, active)
         for hosts, lb in zip(self.class_hosts, self._sets, strict=True):
             lb.set_weights([weights[h] for h in hosts], _SubsetActive(hosts, active))
+
+    def set_class_hosts(self, class_hosts: Sequence[Sequence[int]], active: Sequence[int]) -> None:
+        """New host sets for the confined classes (one per class, nested, as at construction), as Envoy
+        rebuilds its subsets when the endpoints' metadata change (the live sets of
+        :func:`inferlb.length_aware.live_class_sets`); each changed set gets a fresh schedule on the last
+        weights.
+
+        Raises:
+            ValueError: not one set per class, an empty set, a host out of range, or sets not nested.
+        """
+        sets = [tuple(sorted(set(hosts))) for hosts in class_hosts]
+        if len(sets) != len(self.class_hosts) or any(not s for s in sets):
+            raise ValueError("need one non-empty host set per confined class")
+        if any(not 0 <= h < self._n for s in sets for h in s):
+            raise ValueError(f"class hosts must be in [0, {self._n})")
+        if any(not set(a) <= set(b) for a, b in pairwise(sets)):
+            raise ValueError("class host sets must be nested (each contains the one before)")
+        for k, hosts in enumerate(sets):
+            if hosts != self.class_hosts[k]:
+                self._sets[k] = LeastRequestBalancer(
+                    len(hosts), rng=self._rng, active_request_bias=self._bias, choice_count=self._choices
+                )
+                if self._weights is not None:
+                    self._sets[k].set_weights([self._weights[h] for h in hosts], _SubsetActive(hosts, active))
+        self.class_hosts = tuple(sets)
 
     def length_class(self, completion_tokens: int) -> int:
         """The class of a request with this completion cap: the first ``k`` with ``cap > thresholds[k]``,
@@ -756,6 +795,12 @@ class Scenario:
         tier_work_fraction: for ``tiered`` without ``tier_thresholds``: the rule's fraction.
         spill: for ``length_aware`` and ``tiered``: a confined request whose set is saturated spills to the
             next wider set (the default, the first model's); False: never, as Envoy's subsets do.
+        live_classes: for ``length_aware`` and ``tiered``: the class sets follow the GPUs' performance as the
+            xDS server's do with telemetry weights (each telemetry tick: the clock-throttle factor,
+            :func:`inferlb.length_aware.class_set_performance`, held by
+            :func:`inferlb.length_aware.hold_performance`; the sets by
+            :func:`inferlb.length_aware.live_class_sets` over each set's minimum capacity; applied with the
+            weights, ``push_delay_s`` later); False: fixed by GPU class.
 
     Raises:
         ValueError: a non-positive duration, period or factor, a negative delay, a warm-up not before the
@@ -780,6 +825,7 @@ class Scenario:
     tier_thresholds: tuple[int, ...] | None = None
     tier_work_fraction: float = DEFAULT_TIER_WORK_FRACTION
     spill: bool = True
+    live_classes: bool = False
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -859,6 +905,8 @@ class FleetRunResult:
         long_requests / long_fallbacks: for ``length_aware`` and ``tiered``: arrivals routed as long
             (any confined class), and those of them
             sent to the whole fleet because the fast set was saturated (0 for the other policies).
+        class_set_changes / live_classes: whether the class sets followed the GPUs (``Scenario.
+            live_classes``), and how many times the applied sets changed.
     """
 
     policy: Policy
@@ -892,6 +940,8 @@ class FleetRunResult:
     long_fallbacks: int = 0
     tier_thresholds: tuple[int, ...] | None = None
     class_requests: tuple[int, ...] = ()
+    class_set_changes: int = 0
+    live_classes: bool = False
 
 
 def make_balancer(
@@ -1037,6 +1087,16 @@ def simulate(
         tier_thresholds=tiers,
     )
     length_aware = balancer if isinstance(balancer, TieredBalancer) else None
+    # live class sets: each confined class's minimum profile capacity (as make_balancer built its set)
+    live = length_aware is not None and scenario.live_classes and scenario.policy in TELEMETRY_POLICIES
+    class_min_caps = (
+        [c for c, _ in tier_capacity_shares([g.relative_capacity for g in gpus])]
+        if scenario.policy == "tiered"
+        else [scenario.long_min_relative_capacity]
+    )
+    holds: list[PerformanceHold | None] = [None] * n
+    pending_sets: dict[int, list[list[int]]] = {}
+    class_set_changes = 0
     m = len(rows)
     active = [0] * n
     arrival_gpu = [-1] * m
@@ -1163,6 +1223,22 @@ def simulate(
             state, w = step(weight_state[g], inputs, now, params)
             weight_state[g] = state
             weights.append(w)
+            if live:
+                holds[g] = hold_performance(
+                    holds[g],
+                    class_set_performance(target_weight(inputs, params)),
+                    now,
+                    tau_s=params.smoothing_tau_s,
+                    hysteresis=params.hysteresis,
+                )
+        if live:
+            members = [
+                ClassSetMember(name=f"{g:09d}", capacity=gpus[g].relative_capacity, performance=h.held)
+                for g, h in enumerate(holds)
+                if h is not None
+            ]
+            sets = live_class_sets(members, class_min_caps)
+            pending_sets[seq] = [[int(name) for name in names] for names in sets]
         pending_weights[seq] = weights
         push(now + scenario.push_delay_s, _APPLY, seq)
         if now + period < scenario.duration_s:
@@ -1190,6 +1266,14 @@ def simulate(
             elif kind == _TELEMETRY:
                 telemetry_tick(t)
             elif kind == _APPLY:
+                new_sets = pending_sets.pop(payload, None)
+                if (
+                    new_sets is not None
+                    and length_aware is not None
+                    and [sorted(x) for x in new_sets] != [list(x) for x in length_aware.class_hosts]
+                ):
+                    length_aware.set_class_hosts(new_sets, active)
+                    class_set_changes += 1
                 weights = pending_weights.pop(payload)
                 if weights != applied:
                     balancer.set_weights(weights, active)
@@ -1306,6 +1390,8 @@ def simulate(
         long_fallbacks=0 if length_aware is None else length_aware.fallbacks,
         tier_thresholds=tiers if scenario.policy == "tiered" else None,
         class_requests=() if length_aware is None else tuple(length_aware.class_picks),
+        class_set_changes=class_set_changes,
+        live_classes=live,
     )
 
 

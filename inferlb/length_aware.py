@@ -42,6 +42,7 @@ from itertools import pairwise
 from typing import Final
 
 from inferlb.config import Config, LengthAwareRouting
+from inferlb.weights import WeightBreakdown
 
 #: ``x-inferlb-length-class`` value of a request whose output cap exceeds the model's threshold.
 LONG: Final = "long"
@@ -391,6 +392,25 @@ def lb_metadata_of_classes(policy: LengthAwareRouting, classes: Sequence[str]) -
     return {CLASSES_KEY: list(classes)}
 
 
+def class_set_performance(breakdown: WeightBreakdown) -> float | None:
+    """The performance factor the class sets follow, from the weight model's breakdown of one endpoint:
+    its ``throttle`` factor (SM clock over its maximum, from NVML; else ``throttle_factor`` when a thermal
+    or power throttle reason is set; 1.0 otherwise), None when the telemetry is stale or missing.
+
+    Why the clock and not the weight model's whole ``performance`` (which also takes the measured speed
+    ratio): the speed ratio is measured per scrape from the generation-token counter over the running
+    requests, and a scrape period sees prefills stall the batch and requests join and leave. In the
+    discrete-event fleet (8 GPUs, 90% load, 0.5 s ticks) its per-tick deciles were 0.61..1.22 on healthy
+    H100s and 0.26..1.49 on V100s, and with it the class sets of a healthy fleet changed 92 times in 60 s
+    even through the EWMA and hysteresis of :func:`hold_performance`; the weights absorb such noise (a 10%
+    weight error moves a few requests), a class set does not (it moves a GPU class's share of the long
+    requests at once). The clock ratio is exact and is what a thermal or power throttle changes (NVML
+    ``nvmlDeviceGetClockInfo`` / ``nvmlDeviceGetMaxClockInfo``). A GPU slowed without a clock change (a
+    noisy neighbour, a bad link) therefore loses weight but keeps its classes.
+    """
+    return breakdown.throttle if breakdown.fresh else None
+
+
 @dataclass(frozen=True, kw_only=True)
 class PerformanceHold:
     """What :func:`hold_performance` remembers about one endpoint (times in the caller's clock, s).
@@ -418,9 +438,9 @@ def hold_performance(
 
     Args:
         state: the last step's, None for a new endpoint (smoothing starts from the measured value).
-        performance: the weight model's performance factor (:attr:`inferlb.weights.WeightBreakdown.
-            performance`: ``min(measured speed ratio, clock throttle)``, not the load, KV or error factors,
-            which follow the queue and would move the sets with every burst); None when the telemetry is
+        performance: the endpoint's performance factor, :func:`class_set_performance` (the weight model's
+            clock-throttle factor; not its load, KV or error factors, which follow the queue and would move
+            the sets with every burst, nor its noisy measured speed ratio); None when the telemetry is
             stale or missing. Values above 1 count as 1: a GPU faster than its profile never shrinks a set
             below its static one.
         tau_s / hysteresis: the weight model's ``smoothing_tau_s`` and ``hysteresis``

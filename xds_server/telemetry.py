@@ -45,9 +45,10 @@ Routes added to the HTTP API (JSON; ``/v1`` behind the bearer token):
   profile ones, and the held performance factor behind them.
 
 **Live length classes** (length-aware models, ``weights.mode: telemetry``): each period every endpoint's
-performance factor (the weight model's ``performance``: measured speed ratio and clock throttle, not its
-queue or KV factors) is held with :func:`inferlb.length_aware.hold_performance` (EWMA with the weights'
-``smoothing_tau_ms``, the weights' hysteresis, stale = 1.0), and each cluster's confined classes are
+performance factor (:func:`inferlb.length_aware.class_set_performance`: the weight model's clock-throttle
+factor; not its queue or KV factors, nor the noisy measured speed ratio) is held with
+:func:`inferlb.length_aware.hold_performance` (EWMA with the weights' ``smoothing_tau_ms``, the weights'
+hysteresis, stale = 1.0), and each cluster's confined classes are
 re-derived with :func:`inferlb.length_aware.live_class_sets`: a class keeps the capacity its GPU classes give
 it, so a throttled H100 brings the next fastest GPU into the longest class. The endpoints whose classes then
 differ from their profile's go to :meth:`~xds_server.server.XdsServer.set_telemetry_weights` with the weights
@@ -78,6 +79,7 @@ from inferlb.length_aware import (
     ClassSetMember,
     PerformanceHold,
     allowed_classes,
+    class_set_performance,
     confined_classes,
     hold_performance,
     live_endpoint_classes,
@@ -500,7 +502,7 @@ class TelemetryCollector:
             breakdown = target_weight(inputs, params)
             hold = hold_performance(
                 self.holds.get(key),
-                breakdown.performance if breakdown.fresh else None,
+                class_set_performance(breakdown),
                 now,
                 tau_s=params.smoothing_tau_s,
                 hysteresis=params.hysteresis,

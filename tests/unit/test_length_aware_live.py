@@ -121,10 +121,10 @@ def test_throttled_h100_brings_the_next_fastest_gpu_into_the_longest_class() -> 
     assert long1 == ("h100-1", "h100-0", "a100-0", "a100-1", "a100-2", "v100-0", "v100-1")
     classes = confined_classes(
         LengthAwareRouting(
-            tiers=[
+            tiers=(
                 LengthTier(above_output_tokens=800, min_relative_capacity=3.4),
                 LengthTier(above_output_tokens=300, min_relative_capacity=1.7),
-            ]
+            )
         )
     )
     by = live_endpoint_classes(members, classes)
@@ -149,7 +149,7 @@ def test_lb_metadata_of_classes_both_forms() -> None:
     two = LengthAwareRouting(long_output_tokens=500, fast_min_relative_capacity=3.0)
     assert lb_metadata_of_classes(two, ("long",)) == {"gpu_tier": "fast"}
     assert lb_metadata_of_classes(two, ()) == {"gpu_tier": "standard"}
-    tiered = LengthAwareRouting(tiers=[LengthTier(above_output_tokens=800, min_relative_capacity=3.4)])
+    tiered = LengthAwareRouting(tiers=(LengthTier(above_output_tokens=800, min_relative_capacity=3.4),))
     assert lb_metadata_of_classes(tiered, ("long-0",)) == {"length_classes": ["long-0"]}
 
 

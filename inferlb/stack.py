@@ -399,7 +399,7 @@ def describe(config: Config) -> Sequence[str]:
     ext_proc_addresses = (config.ext_proc.listen, *config.ext_proc.extra_listen)
     return (
         f"gateway  http://{config.gateway.listen}  (OpenAI-compatible: /v1/chat/completions, /v1/completions,"
-        " /v1/embeddings, /v1/models)",
+        " /v1/embeddings, /v1/responses, /v1/models)",
         f"admin    http://{config.gateway.admin}  (Envoy admin; `inferlb status` reads it)",
         f"xds      {config.xds.listen}  ext_proc {', '.join(map(str, ext_proc_addresses))}",
     )

@@ -24,7 +24,10 @@ Not a test: it prints a table and writes PNG plots under ``bench/out/``. For eac
      requests on the H100s only, the next on the H100s and A100s, the rest anywhere. The thresholds come
      from the rule :func:`inferlb.length_aware.tier_thresholds` (fraction ``--tier-fraction``, default
      0.75) over the *first half* of the trace (the training window; the run's own window is held out
-     when ``--trace-start`` lies in the second half, from 1751 s), printed before the runs;
+     when ``--trace-start`` lies in the second half, from 1751 s), printed before the runs. With
+     ``weights.mode: telemetry`` the classes' GPU sets are live (:func:`inferlb.length_aware.
+     live_class_sets`): when ``h100-0`` throttles, the next fastest GPUs join its classes, so "on their
+     tiers" (by GPU type) then counts fewer than all;
 
 3. replays a window of ``inferlb/data/azure_llm_2023_conv.csv`` (Azure LLM inference trace 2023, Patel et
    al., "Splitwise", ISCA 2024; CC-BY 4.0) with :func:`inferlb.replay.plan` / :func:`~inferlb.replay.send_all`

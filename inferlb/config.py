@@ -561,6 +561,9 @@ class EndpointConfig(_Frozen):
         return self.name or str(self.address)
 
 
+_TENANT_LIMITS = ("requests_per_minute", "tokens_per_minute", "max_concurrent_requests", "daily_token_budget")
+
+
 class TenantConfig(_Frozen):
     """A tenant: its API keys, priority and quotas. ``None`` means unlimited."""
 
@@ -587,6 +590,11 @@ class TenantConfig(_Frozen):
         if any(any(c.isspace() for c in k) for k in v):
             raise ValueError("API keys cannot contain white space")
         return v
+
+    def limits_set(self) -> tuple[str, ...]:
+        """The names of the limits this tenant sets, of ``requests_per_minute``, ``tokens_per_minute``,
+        ``max_concurrent_requests``, ``daily_token_budget`` (in that order); empty when unlimited."""
+        return tuple(f for f in _TENANT_LIMITS if getattr(self, f) is not None)
 
 
 class Config(_Frozen):
@@ -665,6 +673,24 @@ class Config(_Frozen):
                 taken[str(hp)] = field
         if problems:
             raise ValueError("; ".join(problems))
+        return self
+
+    @model_validator(mode="after")
+    def _check_quota_shared_by_extra_processes(self) -> Self:
+        # Envoy spreads requests over every ext_proc process; with quota_backend memory each keeps its
+        # own windows, concurrency slots and daily budgets, so N processes admit N x every limit.
+        processes = 1 + len(self.ext_proc.extra_listen)
+        if processes == 1 or self.ext_proc.quota_backend != "memory":
+            return self
+        limited = [(t.name, fields) for t in self.tenants if (fields := t.limits_set())]
+        if limited:
+            name, fields = limited[0]
+            raise ValueError(
+                f"ext_proc.extra_listen: {processes} ext_proc processes with quota_backend memory would "
+                f"each enforce every tenant's limits on their own share (limits x {processes}, e.g. tenant "
+                f"{name!r} sets {', '.join(fields)}): use quota_backend: redis, or drop extra_listen, "
+                "or give no tenant a limit"
+            )
         return self
 
     # -- lookups used by the services -------------------------------------------------------------

@@ -10,6 +10,7 @@ import sys
 import time
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -34,8 +35,16 @@ def _requests_served(metrics_addr: str) -> float:
     )
 
 
-def test_each_extra_listen_address_gets_its_own_ext_proc_process(tmp_path: Path) -> None:
+def _doc_without_tenant_limits() -> dict[str, Any]:
+    """The test config with every tenant unlimited: with ``quota_backend: memory`` each ext_proc process
+    would enforce a limit on its own share, so the config refuses extra processes plus limits."""
     doc = make_config_doc()
+    doc["tenants"] = [{k: t[k] for k in ("name", "api_keys", "priority")} for t in doc["tenants"]]
+    return doc
+
+
+def test_each_extra_listen_address_gets_its_own_ext_proc_process(tmp_path: Path) -> None:
+    doc = _doc_without_tenant_limits()
     extra, extra_metrics = free_ports(2)
     doc["ext_proc"]["extra_listen"] = [f"127.0.0.1:{extra}"]
     doc["ext_proc"]["extra_metrics_listen"] = [f"127.0.0.1:{extra_metrics}"]
@@ -66,7 +75,7 @@ def test_each_extra_listen_address_gets_its_own_ext_proc_process(tmp_path: Path)
 
 
 def test_a_busy_extra_ext_proc_address_is_refused_up_front(tmp_path: Path) -> None:
-    doc = make_config_doc()
+    doc = _doc_without_tenant_limits()
     (extra,) = free_ports(1)
     doc["ext_proc"]["extra_listen"] = [f"127.0.0.1:{extra}"]
     doc["ext_proc"]["extra_metrics_listen"] = [f"127.0.0.1:{free_ports(1)[0]}"]

@@ -205,13 +205,18 @@ def test_any_other_envoy_error_reply_becomes_json_by_class() -> None:
 
 
 def test_extra_ext_proc_processes_get_metrics_addresses_and_their_sockets_are_checked() -> None:
-    config = parse_config(_doc(extra_listen=["127.0.0.1:18090", "127.0.0.1:18091"]))
+    # several processes share the default tenants' limits through Redis (memory quotas are refused)
+    config = parse_config(_doc(extra_listen=["127.0.0.1:18090", "127.0.0.1:18091"], quota_backend="redis"))
     derived = [str(hp) for hp in config.ext_proc.extra_metrics_addresses()]
     assert derived == ["127.0.0.1:18082", "127.0.0.1:18083"]  # metrics_listen 18081 + 1, + 2
     sockets = dict(config.listen_sockets())
     assert str(sockets["ext_proc.extra_listen[1]"]) == "127.0.0.1:18091"
     assert str(sockets["ext_proc.extra_metrics_listen[0]"]) == "127.0.0.1:18082"
-    explicit = parse_config(_doc(extra_listen=["127.0.0.1:18090"], extra_metrics_listen=["127.0.0.1:19999"]))
+    explicit = parse_config(
+        _doc(
+            extra_listen=["127.0.0.1:18090"], extra_metrics_listen=["127.0.0.1:19999"], quota_backend="redis"
+        )
+    )
     assert [str(hp) for hp in explicit.ext_proc.extra_metrics_addresses()] == ["127.0.0.1:19999"]
 
 

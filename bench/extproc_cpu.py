@@ -13,13 +13,14 @@ with the gateway's processing mode and response accounting on (the default):
    scheme, content-type, content-length, authorization, x-forwarded-for/-proto, x-request-id,
    x-envoy-internal), with ``protocol_config`` as Envoy >= 1.32 sends on the first message;
 2. the BUFFERED request body (a ~3 KB chat completion: system prompt + one user turn, ``max_tokens`` 16);
-3. the STREAMED response body, the first chunk carrying the status as the ``response.code`` attribute
-   (the gateway skips the response headers phase): a JSON completion with ``usage``, then the empty
-   end-of-stream chunk Envoy 1.40 sends after an HTTP/1.1 upstream's body; or with ``--sse`` a streamed
-   completion (one chunk per SSE event, the last with ``end_of_stream``). With ``--response-headers``
-   (the gateway's configuration before 2026-11-29, for comparison) a response headers message
-   (``:status`` 200, content type, content-length, date, server, x-envoy-upstream-service-time) comes
-   before the body instead.
+3. response headers (``:status`` 200, content type, content-length, date, server,
+   x-envoy-upstream-service-time);
+4. the response body: one BUFFERED message with ``end_of_stream`` (a JSON completion with ``usage``: ext_proc
+   asks for a buffered body at the response headers), or with ``--sse`` a STREAMED completion (one chunk
+   per SSE event, the last with ``end_of_stream``). With ``--status-attribute`` (an Envoy that skips the
+   response headers phase) there is no headers message: the first body chunk carries the status as the
+   ``response.code`` attribute, and a JSON body comes as the body then an empty end-of-stream chunk, as
+   Envoy 1.40 streams an HTTP/1.1 upstream's body.
 
 Each message waits for its answer before the next is sent, as Envoy does. ``--concurrency`` streams run
 at once (Envoy multiplexes its workers' streams on one HTTP/2 connection; so does this client).
@@ -128,7 +129,7 @@ def _sse_chunks() -> list[bytes]:
     return chunks
 
 
-def envoy_messages(body: bytes, *, sse: bool, response_headers: bool = False) -> list[ep.ProcessingRequest]:
+def envoy_messages(body: bytes, *, sse: bool, status_attribute: bool = False) -> list[ep.ProcessingRequest]:
     """The ``ProcessingRequest`` sequence of one request, as Envoy sends it (module docstring)."""
     request_headers = [
         (":authority", "127.0.0.1:10000"),
@@ -159,9 +160,9 @@ def envoy_messages(body: bytes, *, sse: bool, response_headers: bool = False) ->
         content_type, length = "text/event-stream", None
     else:
         reply = json.dumps(REPLY).encode()
-        chunks = [reply, b""]
+        chunks = [reply, b""] if status_attribute else [reply]
         content_type, length = "application/json", str(len(reply))
-    if response_headers:
+    if not status_attribute:
         pairs = [(":status", "200"), ("content-type", content_type)]
         if length is not None:
             pairs.append(("content-length", length))
@@ -173,7 +174,7 @@ def envoy_messages(body: bytes, *, sse: bool, response_headers: bool = False) ->
         msgs.append(ep.ProcessingRequest(response_headers=ep.HttpHeaders(headers=_hmap(pairs))))
     for i, chunk in enumerate(chunks):
         msg = ep.ProcessingRequest(response_body=ep.HttpBody(body=chunk, end_of_stream=i == len(chunks) - 1))
-        if i == 0 and not response_headers:
+        if i == 0 and status_attribute:
             msg.attributes["envoy.filters.http.ext_proc"].fields["response.code"].number_value = 200
         msgs.append(msg)
     return msgs
@@ -247,18 +248,18 @@ class Workload:
     """The messages of each request: the same body every time, or (``unique``) a user turn that no other
     request of the run repeats (the system prompt still repeats, as in real traffic)."""
 
-    def __init__(self, *, body_bytes: int, sse: bool, unique: bool, response_headers: bool = False) -> None:
+    def __init__(self, *, body_bytes: int, sse: bool, unique: bool, status_attribute: bool = False) -> None:
         self.body_bytes, self.sse, self.unique = body_bytes, sse, unique
-        self.response_headers = response_headers
+        self.status_attribute = status_attribute
         self._serial = itertools.count()
-        self.fixed = envoy_messages(chat_body(body_bytes), sse=sse, response_headers=response_headers)
+        self.fixed = envoy_messages(chat_body(body_bytes), sse=sse, status_attribute=status_attribute)
 
     def next(self) -> list[ep.ProcessingRequest]:
         """The messages of the next request."""
         if not self.unique:
             return self.fixed
         body = chat_body(self.body_bytes, next(self._serial))
-        return envoy_messages(body, sse=self.sse, response_headers=self.response_headers)
+        return envoy_messages(body, sse=self.sse, status_attribute=self.status_attribute)
 
 
 async def run_requests(port: int, n: int, concurrency: int, work: Workload) -> int:
@@ -396,9 +397,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--profile", type=int, default=0, help="profile N requests (0: no profile)")
     p.add_argument("--profile-top", type=int, default=30)
     p.add_argument(
-        "--response-headers",
+        "--status-attribute",
         action="store_true",
-        help="send a response headers message before the body (the gateway's mode before 2026-11-29)",
+        help="no response headers message: the status rides on the first body chunk (headers SKIPped)",
     )
     p.add_argument("--label", default="", help="a name for this run in the table title")
     args = p.parse_args(argv)
@@ -409,7 +410,7 @@ def main(argv: list[str] | None = None) -> int:
 
     console = Console(width=150)
     work = Workload(
-        body_bytes=args.body_bytes, sse=args.sse, unique=args.unique, response_headers=args.response_headers
+        body_bytes=args.body_bytes, sse=args.sse, unique=args.unique, status_attribute=args.status_attribute
     )
     body = work.fixed[1].request_body.body
     cpu = measure_cpu(args, work)
@@ -429,7 +430,7 @@ def main(argv: list[str] | None = None) -> int:
     table.add_row(
         ("SSE" if args.sse else "JSON")
         + (", unique user turns" if args.unique else ", same body")
-        + (", response headers" if args.response_headers else ""),
+        + (", status attribute" if args.status_attribute else ""),
         str(len(body)),
         str(len(work.fixed)),
         str(args.concurrency),

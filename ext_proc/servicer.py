@@ -1,10 +1,12 @@
 """The grpcio aio adapter between Envoy's ext_proc stream and :mod:`ext_proc.handlers`.
 
 One ``Process`` stream carries one HTTP request: request headers, then (BUFFERED) the whole body, then,
-when ``ext_proc.account_responses`` is on, the response body chunks (STREAMED), the first carrying the
-status as the ``response.code`` attribute (the gateway skips the response headers phase: one round trip
-less per request). A processor configured by someone else's Envoy config with response headers SEND and
-trailers works too: the status and content type are then read from the headers message. Each message gets
+when ``ext_proc.account_responses`` is on, the response headers (SEND) and the response body: STREAMED
+chunk by chunk for an SSE stream or a large or unsized answer, one BUFFERED message for a JSON answer that
+fits Envoy's buffer, none for a non-2xx answer (``mode_override`` in the answer to the response headers).
+An Envoy configured to skip the response headers phase and send the ``response.code`` attribute works
+too: the status then comes with the first body chunk (an answer with an empty body is then never seen,
+which is why the gateway keeps the phase). Each message gets
 exactly one answer: a headers/body response that continues (with header or body mutations) or an
 ``ImmediateResponse``.
 
@@ -229,6 +231,18 @@ PASSTHROUGH_MODE = _Mode(
     request_trailer_mode=_Mode.SKIP,
     response_trailer_mode=_Mode.SKIP,
 )
+#: ``mode_override`` in the answer to the response headers of a 2xx JSON response whose ``content-length``
+#: fits Envoy's buffer (the gateway's ``max_request_body_bytes``, which is also the listener's
+#: per-connection buffer limit): Envoy sends its whole body as one message, instead of the body and then an
+#: empty end-of-stream chunk as it streams an HTTP/1.1 upstream's body (measured on Envoy 1.40).
+BUFFERED_RESPONSE_BODY_MODE = _Mode(
+    request_header_mode=_Mode.SEND,
+    response_header_mode=_Mode.SEND,
+    request_body_mode=_Mode.BUFFERED,
+    response_body_mode=_Mode.BUFFERED,
+    request_trailer_mode=_Mode.SKIP,
+    response_trailer_mode=_Mode.SKIP,
+)
 #: ``mode_override`` in the answer to the response headers of a response that is charged nothing (a
 #: non-2xx status): Envoy sends none of its body, saving a message per body chunk.
 NO_RESPONSE_BODY_MODE = _Mode(
@@ -238,6 +252,9 @@ NO_RESPONSE_BODY_MODE = _Mode(
     response_body_mode=_Mode.NONE,
     request_trailer_mode=_Mode.SKIP,
     response_trailer_mode=_Mode.SKIP,
+)
+_RESPONSE_HEADERS_BUFFER_BODY = ep.ProcessingResponse(
+    response_headers=ep.HeadersResponse(response=_common()), mode_override=BUFFERED_RESPONSE_BODY_MODE
 )
 _PASSTHROUGH_CONTINUE = ep.ProcessingResponse(
     request_headers=ep.HeadersResponse(response=_common()), mode_override=PASSTHROUGH_MODE
@@ -314,21 +331,26 @@ def header_map(msg: ep.HttpHeaders) -> dict[str, str]:
     return out
 
 
-def response_status_and_type(msg: ep.HttpHeaders) -> tuple[str, str]:
-    """The ``:status`` and ``content-type`` values of a response header list, read as :func:`header_map`
-    reads them (names case-insensitive, ``raw_value`` preferred, last value wins; "" when absent) without
-    decoding the other headers."""
-    status = content_type = ""
+def response_status_and_type(msg: ep.HttpHeaders) -> tuple[str, str, str]:
+    """The ``:status``, ``content-type`` and ``content-length`` values of a response header list, read as
+    :func:`header_map` reads them (names case-insensitive, ``raw_value`` preferred, last value wins; "" when
+    absent) without decoding the other headers."""
+    status = content_type = content_length = ""
     for hv in msg.headers.headers:
         name = hv.key.lower()
-        if name == ":status" or name == "content-type":  # noqa: PLR1714  # two str compares beat a set
+        if name in _RESPONSE_HEADERS_READ:
             raw = hv.raw_value
             value = raw.decode("utf-8", "replace") if raw else hv.value
             if name == ":status":
                 status = value
-            else:
+            elif name == "content-type":
                 content_type = value
-    return status, content_type
+            else:
+                content_length = value
+    return status, content_type, content_length
+
+
+_RESPONSE_HEADERS_READ: frozenset[str] = frozenset({":status", "content-type", "content-length"})
 
 
 _INTERNAL_ERROR = handlers.ImmediateReply(
@@ -578,7 +600,7 @@ class ExternalProcessor(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc
         meter = ex.meter
         if meter is None or ex.settled:
             return _RESPONSE_HEADERS_CONTINUE
-        status_text, content_type = response_status_and_type(msg)
+        status_text, content_type, length_text = response_status_and_type(msg)
         try:
             status = int(status_text or "0")
         except ValueError:
@@ -587,6 +609,13 @@ class ExternalProcessor(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc
         if not 200 <= status < 300:
             # tell Envoy not to send the body (Process settles the stream on this answer)
             return _RESPONSE_HEADERS_NO_BODY
+        if (
+            not meter.streaming
+            and length_text.isdigit()
+            and int(length_text) < self.state.gateway.max_body_bytes
+        ):
+            # a JSON answer that fits Envoy's buffer: one body message instead of body + empty end chunk
+            return _RESPONSE_HEADERS_BUFFER_BODY
         return response_headers_continue(remove_content_length=meter.rewrites_body)
 
     async def _on_response_body(self, ex: _Exchange, req: ep.ProcessingRequest) -> ep.ProcessingResponse:

@@ -460,7 +460,19 @@ class ResponseMeter:
             aborted = False  # the stream reached [DONE]; only its transport was cut
         res = self.reservation
         if self.status is None:
-            # no response at all: the prompt went upstream and may have been prefilled; nothing generated
+            if not res.stream and aborted:
+                # the client left before a non-streamed answer began: its generation runs before the first
+                # byte, so any part of it, up to the whole cap, may have been produced and cannot be seen;
+                # charge the reservation (charging the prompt alone let a client abort to use GPU time
+                # for free: found by an adversarial test, 255 tokens generated, 8 charged)
+                return Usage(
+                    prompt_tokens=res.prompt_tokens,
+                    completion_tokens=res.reserved_tokens - res.prompt_tokens,
+                    source=UsageSource.RESERVED,
+                    aborted=True,
+                )
+            # no response yet on a stream: the prompt went upstream and may have been prefilled; nothing
+            # was streamed, so nothing generated is charged
             return Usage(
                 prompt_tokens=res.prompt_tokens,
                 completion_tokens=0,

@@ -92,7 +92,6 @@ from inferlb.length_aware import (
     subset_key,
 )
 from inferlb.openai_api import INFERENCE_PATHS
-from inferlb.usage import RESPONSE_CODE_ATTRIBUTE
 
 # -- type URLs (envoy/api/v3; the ADS stream multiplexes on these) --------------------------------------
 LISTENER_TYPE: Final = "type.googleapis.com/envoy.config.listener.v3.Listener"
@@ -395,16 +394,19 @@ def build_listener(config: Config) -> listener_pb2.Listener:
         grpc_service=grpc_service_pb2.GrpcService(
             envoy_grpc=grpc_service_pb2.GrpcService.EnvoyGrpc(cluster_name=EXT_PROC_CLUSTER)
         ),
-        # ext_proc.account_responses: ext_proc meters the response (usage) to settle quota, so Envoy streams
-        # it the body chunks as they pass. The response headers are not sent (one gRPC round trip less per
-        # request, bench/extproc_cpu.py): the status comes as the ``response.code`` attribute with the first
-        # body message, the body's format is read from its first bytes, and in STREAMED mode Envoy drops
-        # the response's content-length itself, so the meter may rewrite the body (checked on Envoy 1.40).
-        # The request headers phase cannot be skipped: the router picks the route at decodeHeaders, before
-        # a body answer could set the routing headers (Envoy reports "route cache blocked").
+        # ext_proc.account_responses: ext_proc meters the response (usage) to settle quota, so Envoy sends it
+        # the response headers and streams it the body; at the response headers ext_proc switches a small
+        # JSON answer to one BUFFERED body message and skips the body of a non-2xx answer (mode_override).
+        # The response headers phase stays: without it an answer with an empty body (a bare 503 or 429 from
+        # a proxy) sends ext_proc no message at all, so its status is never seen and it cannot be settled as
+        # an error (measured on Envoy 1.40; the ``response.code`` attribute only rides on a message).
+        # The request headers phase cannot be skipped either: the router picks the route at decodeHeaders,
+        # before a body answer could set the routing headers (Envoy reports "route cache blocked").
         processing_mode=processing_mode_pb2.ProcessingMode(
             request_header_mode=processing_mode_pb2.ProcessingMode.SEND,
-            response_header_mode=processing_mode_pb2.ProcessingMode.SKIP,
+            response_header_mode=processing_mode_pb2.ProcessingMode.SEND
+            if config.ext_proc.account_responses
+            else processing_mode_pb2.ProcessingMode.SKIP,
             request_body_mode=processing_mode_pb2.ProcessingMode.BUFFERED,
             response_body_mode=processing_mode_pb2.ProcessingMode.STREAMED
             if config.ext_proc.account_responses
@@ -416,11 +418,10 @@ def build_listener(config: Config) -> listener_pb2.Listener:
         message_timeout=_duration_ms(config.ext_proc.message_timeout_ms),
         # the default for paths without a failure-mode route (failure_mode_routes sets it per path)
         failure_mode_allow=config.ext_proc.failure_mode_allow,
-        # ext_proc answers the request headers of a let-through request (not an inference path) with a
-        # mode_override (ext_proc.servicer): it then gets no body or response phases, each message skipped
-        # being one gRPC round trip less
+        # ext_proc answers some headers messages with a mode_override (ext_proc.servicer): a let-through
+        # request gets no body or response phases, a non-2xx response (charged nothing) no body messages, a
+        # small JSON response one buffered body message; each message skipped is one gRPC round trip less
         allow_mode_override=True,
-        response_attributes=[RESPONSE_CODE_ATTRIBUTE] if config.ext_proc.account_responses else [],
     )
     hcm = http_connection_manager_pb2.HttpConnectionManager(
         stat_prefix=LISTENER_NAME,

@@ -383,3 +383,37 @@ async def test_missing_status_attribute_is_metered_as_200_with_a_warning(
     call.cancel()
     assert tokens_left(hx) == TPM - 18
     assert "response.code" in caplog.text
+
+
+# -- response headers: which body mode ext_proc asks for ------------------------------------------------
+def sized_headers(content_type: str, length: str | None) -> ep.ProcessingRequest:
+    pairs = {":status": "200", "content-type": content_type}
+    if length is not None:
+        pairs["content-length"] = length
+    return ep.ProcessingRequest(response_headers=ep.HttpHeaders(headers=hmap(pairs)))
+
+
+@pytest.mark.parametrize(
+    ("stream", "content_type", "length", "buffered"),
+    [
+        (False, "application/json", "120", True),  # fits the buffer: one body message
+        (False, "application/json", str(64 * 1024 * 1024), False),  # above the buffer: streamed
+        (False, "application/json", None, False),  # unsized: streamed
+        (True, "text/event-stream", None, False),  # SSE: streamed, chunk by chunk
+    ],
+)
+async def test_response_headers_pick_the_body_mode(
+    harness: Harness, stream: bool, content_type: str, length: str | None, buffered: bool
+) -> None:
+    hx = harness
+    call, _ = await admit(hx, "sk-metered-1", chat(stream=stream))
+    r = await hx.send(call, sized_headers(content_type, length))
+    assert r.HasField("response_headers")
+    mode = r.mode_override
+    assert r.HasField("mode_override") is buffered
+    if buffered:
+        assert mode.response_body_mode == mode.BUFFERED
+    body = json.dumps({"choices": [], "usage": USAGE["usage"]}).encode()
+    await hx.send(call, resp_body(sse(USAGE, "[DONE]") if stream else body, eos=True))
+    call.cancel()
+    assert tokens_left(hx) == TPM - 18

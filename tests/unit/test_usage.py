@@ -274,6 +274,17 @@ def test_abort_before_response_headers_charges_the_prompt() -> None:
     assert (usage.prompt_tokens, usage.completion_tokens, usage.aborted) == (20, 0, True)
 
 
+def test_abort_before_a_non_streamed_answer_charges_the_reservation() -> None:
+    # its generation runs before the first byte: what was produced cannot be seen, up to the whole cap
+    res = Reservation(prompt_tokens=20, reserved_tokens=120, stream=False)
+    usage = ResponseMeter(res, COUNTER).finish(aborted=True)
+    assert usage is not None
+    assert (usage.prompt_tokens, usage.completion_tokens, usage.source) == (20, 100, UsageSource.RESERVED)
+    # a stream with no response that was not aborted (Envoy ended it cleanly) keeps the prompt-only charge
+    clean = ResponseMeter(res, COUNTER).finish(aborted=False)
+    assert clean is not None and (clean.prompt_tokens, clean.completion_tokens) == (20, 0)
+
+
 def test_a_stream_cut_after_done_is_complete_not_aborted() -> None:
     meter = ResponseMeter(RES, COUNTER)
     meter.on_headers(200, "text/event-stream")

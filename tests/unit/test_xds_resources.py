@@ -219,16 +219,17 @@ def test_ext_proc_filter_settings() -> None:
     assert list(ep.response_attributes) == []
     assert ep.message_timeout.ToMilliseconds() == 7000
     assert ep.failure_mode_allow is True
-    # ext_proc's mode_override answers (fewer messages for let-through requests)
+    # ext_proc's mode_override answers (fewer messages for let-through requests, non-2xx and small JSON
+    # responses)
     assert ep.allow_mode_override is True
-    # ext_proc meters responses (quota settled with the real usage), the default: Envoy streams it the body
-    # and sends the status as an attribute with the first chunk instead of a response headers message
+    # ext_proc meters responses (quota settled with the real usage), the default: Envoy sends it the
+    # response headers (an empty-bodied error would otherwise never be seen) and streams it the body
     del doc["ext_proc"]["account_responses"]
     metered = ext_proc_pb2.ExternalProcessor()
     assert _hcm(r.build_listener(parse_config(doc))).http_filters[0].typed_config.Unpack(metered)
     pm = metered.processing_mode
-    assert (pm.response_header_mode, pm.response_body_mode) == (mode.SKIP, mode.STREAMED)
-    assert list(metered.response_attributes) == ["response.code"]
+    assert (pm.response_header_mode, pm.response_body_mode) == (mode.SEND, mode.STREAMED)
+    assert list(metered.response_attributes) == []
 
 
 def test_routes_per_version_with_high_priority_variant_first(config: Config) -> None:

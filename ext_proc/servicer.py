@@ -219,39 +219,39 @@ _RESPONSE_TRAILERS_CONTINUE = ep.ProcessingResponse(response_trailers=ep.Trailer
 
 
 _Mode = processing_mode_pb2.ProcessingMode
+
+
+def _override(
+    *, request_body: int, response_headers: int, response_body: int
+) -> processing_mode_pb2.ProcessingMode:
+    """A ``mode_override``: request headers SEND and trailers SKIP (as the gateway configures), the rest
+    as given."""
+    return processing_mode_pb2.ProcessingMode(
+        request_header_mode=_Mode.SEND,
+        response_header_mode=response_headers,
+        request_body_mode=request_body,
+        response_body_mode=response_body,
+        request_trailer_mode=_Mode.SKIP,
+        response_trailer_mode=_Mode.SKIP,
+    )
+
+
 #: ``mode_override`` for a request ext_proc lets through untouched (not an inference path): Envoy sends no
 #: request body and no response phases for it (honoured only with the filter's ``allow_mode_override``,
 #: which :func:`xds_server.resources.build_listener` sets; Envoy applies an override sent in answer to a
 #: headers message and ignores one sent with a body answer).
-PASSTHROUGH_MODE = _Mode(
-    request_header_mode=_Mode.SEND,
-    response_header_mode=_Mode.SKIP,
-    request_body_mode=_Mode.NONE,
-    response_body_mode=_Mode.NONE,
-    request_trailer_mode=_Mode.SKIP,
-    response_trailer_mode=_Mode.SKIP,
-)
+PASSTHROUGH_MODE = _override(request_body=_Mode.NONE, response_headers=_Mode.SKIP, response_body=_Mode.NONE)
 #: ``mode_override`` in the answer to the response headers of a 2xx JSON response whose ``content-length``
 #: fits Envoy's buffer (the gateway's ``max_request_body_bytes``, which is also the listener's
 #: per-connection buffer limit): Envoy sends its whole body as one message, instead of the body and then an
 #: empty end-of-stream chunk as it streams an HTTP/1.1 upstream's body (measured on Envoy 1.40).
-BUFFERED_RESPONSE_BODY_MODE = _Mode(
-    request_header_mode=_Mode.SEND,
-    response_header_mode=_Mode.SEND,
-    request_body_mode=_Mode.BUFFERED,
-    response_body_mode=_Mode.BUFFERED,
-    request_trailer_mode=_Mode.SKIP,
-    response_trailer_mode=_Mode.SKIP,
+BUFFERED_RESPONSE_BODY_MODE = _override(
+    request_body=_Mode.BUFFERED, response_headers=_Mode.SEND, response_body=_Mode.BUFFERED
 )
 #: ``mode_override`` in the answer to the response headers of a response that is charged nothing (a
 #: non-2xx status): Envoy sends none of its body, saving a message per body chunk.
-NO_RESPONSE_BODY_MODE = _Mode(
-    request_header_mode=_Mode.SEND,
-    response_header_mode=_Mode.SEND,
-    request_body_mode=_Mode.BUFFERED,
-    response_body_mode=_Mode.NONE,
-    request_trailer_mode=_Mode.SKIP,
-    response_trailer_mode=_Mode.SKIP,
+NO_RESPONSE_BODY_MODE = _override(
+    request_body=_Mode.BUFFERED, response_headers=_Mode.SEND, response_body=_Mode.NONE
 )
 _RESPONSE_HEADERS_BUFFER_BODY = ep.ProcessingResponse(
     response_headers=ep.HeadersResponse(response=_common()), mode_override=BUFFERED_RESPONSE_BODY_MODE

@@ -7,7 +7,9 @@ picks a free one, logged as ``ext_proc metrics on HOST:PORT``). Quota state live
 ``ext_proc.quota_backend`` says (``memory`` or ``redis``; a change needs a restart). It
 logs ``ext_proc ready on HOST:PORT`` once it accepts streams, polls the config file every
 ``--poll-interval`` seconds (0.5) by content hash and applies a changed file; a bad file is logged with the
-field named and the last good config keeps serving. The event loop is uvloop's when uvloop is installed
+field named and the last good config keeps serving (a file must also pass
+:func:`inferlb.config_checks.check_config`, as xds_server's does, so the two never serve different
+files). The event loop is uvloop's when uvloop is installed
 (``--event-loop auto``, the default; ``asyncio`` forces the standard loop): it cut the server's work per
 request by ~7% (bench/extproc_cpu.py --unique, callgrind: 3.55 M -> 3.30 M instructions).
 SIGINT/SIGTERM stop it cleanly (in-flight streams get a grace period). Exit status: 0 after a clean stop,
@@ -28,6 +30,7 @@ from ext_proc.reload import ConfigPoller
 from ext_proc.servicer import MAX_CONFIGURABLE_BODY_BYTES, ExtProcState, add_to_server, make_server
 from ext_proc.stores import make_quota_store, start_metrics_server
 from inferlb.config import Config, HostPort
+from inferlb.config_checks import check_config
 from inferlb.errors import ConfigError
 from inferlb.metrics import ExtProcMetrics
 
@@ -110,6 +113,12 @@ async def _watch_config(poller: ConfigPoller, state: ExtProcState, listen: str, 
             continue
         if config is None:
             continue
+        try:
+            # the checks xds_server runs too (tokenizers, host names), so both serve this file or neither
+            await check_config(config, str(poller.path))
+        except ConfigError as err:
+            _log_config_error(err, "config reload refused, still serving the last good config")
+            continue
         if str(config.ext_proc.listen) != listen:
             log.warning(
                 "ext_proc.listen changed to %s; the new address needs a restart", config.ext_proc.listen
@@ -139,6 +148,11 @@ async def serve(
     metrics_listen: HostPort | None = None,
 ) -> int:
     """Run the server until SIGINT/SIGTERM; returns the exit status."""
+    try:
+        await check_config(config, str(poller.path))
+    except ConfigError as err:
+        _log_config_error(err, "cannot start")
+        return 1
     metrics = ExtProcMetrics()
     quotas = make_quota_store(config, metrics)
     try:

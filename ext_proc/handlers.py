@@ -29,6 +29,7 @@ from types import MappingProxyType
 from inferlb import headers as h
 from inferlb.affinity import HASH_LB_POLICIES, NO_KEYS, affinity_keys
 from inferlb.config import Config, ModelConfig, TenantConfig
+from inferlb.config_checks import SHARED_TOKENIZERS
 from inferlb.errors import RequestError
 from inferlb.length_aware import length_class
 from inferlb.openai_api import INFERENCE_PATHS, EndpointKind, InferenceRequest, echo, parse_request
@@ -41,7 +42,6 @@ from inferlb.tokens import (
     count_each_prompt,
     count_prompt_tokens,
     default_counter,
-    make_counter,
     min_prompt_tokens,
 )
 from inferlb.usage import Reservation
@@ -200,8 +200,8 @@ class Gateway:
         counters: dict[str, TextTokenCounter] = {}
         for m in config.models:
             if m.tokenizer not in specs:
-                try:
-                    specs[m.tokenizer] = make_counter(m.tokenizer)
+                try:  # the process's cache: the reload check has just loaded it
+                    specs[m.tokenizer] = SHARED_TOKENIZERS.load(m.tokenizer)
                 except ValueError as exc:
                     raise ValueError(f"models[{m.name}].tokenizer: {exc}") from None
             counters[m.name] = specs[m.tokenizer]

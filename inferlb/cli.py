@@ -28,6 +28,7 @@ from rich.table import Table
 
 from inferlb.bootstrap import ADS_MODES, render_bootstrap_yaml
 from inferlb.config import Config, default_config_path, load_config
+from inferlb.config_checks import check_config_sync
 from inferlb.errors import ConfigError, InferlbError
 from inferlb.replay import EndpointShare, ReplaySummary
 
@@ -50,8 +51,11 @@ def _load(path: str | None) -> Config:
 
 
 def cmd_validate(args: argparse.Namespace, out: Console) -> int:
-    """``inferlb validate FILE``: check a config; exit 2 naming each bad field."""
+    """``inferlb validate FILE``: check a config as xds_server and ext_proc would before serving it (the
+    schema, then :func:`inferlb.config_checks.check_config`: tokenizers load, host names resolve); exit 2
+    naming each bad field."""
     cfg = load_config(args.file)
+    check_config_sync(cfg, args.file)
     out.print(
         f"ok: {args.file}: {len(cfg.models)} models, {len(cfg.endpoints)} endpoints "
         f"({sum(e.simulated for e in cfg.endpoints)} simulated), {len(cfg.tenants)} tenants"

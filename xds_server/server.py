@@ -18,9 +18,8 @@ import asyncio
 import contextlib
 import hashlib
 import logging
-import socket
 import time
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,6 +29,14 @@ import yaml
 from aiohttp import web
 
 from inferlb.config import Config, EndpointConfig, HostPort, parse_config
+from inferlb.config_checks import (
+    HostResolver,
+    check_config,
+    host_names,
+    lookup_hosts,
+    resolve_endpoint_hosts,
+    system_resolve,
+)
 from inferlb.errors import ConfigError
 from xds_server.ads import AggregatedDiscoveryServicer, add_ads_to_server
 from xds_server.cache import DEFAULT_GROUP, SnapshotCache, SnapshotInconsistentError
@@ -85,73 +92,6 @@ def parse_config_bytes(data: bytes, source: str) -> Config:
     except yaml.YAMLError as exc:
         raise ConfigError(source, [("", f"not valid YAML: {exc}")]) from None
     return parse_config(document, source)
-
-
-#: Resolves one host name to one IP literal; raises OSError (e.g. ``socket.gaierror``) when it cannot.
-HostResolver = Callable[[str], Awaitable[str]]
-
-
-async def system_resolve(name: str) -> str:
-    """Resolve a host name with the event loop's ``getaddrinfo`` (the system resolver: /etc/hosts, DNS, a
-    container network's service names), preferring an IPv4 answer since Envoy's default listeners and
-    most fleets are IPv4.
-
-    Raises:
-        OSError: the name does not resolve (``socket.gaierror``) or has no address.
-    """
-    answer = await asyncio.get_running_loop().getaddrinfo(name, None, type=socket.SOCK_STREAM)
-    ipv4 = [a for a in answer if a[0] == socket.AF_INET]
-    if not answer:
-        raise OSError("no address")
-    return str((ipv4 or answer)[0][4][0])
-
-
-async def lookup_hosts(names: Sequence[str], resolve: HostResolver) -> tuple[dict[str, str], dict[str, str]]:
-    """Resolve every name concurrently. Returns ``({name: IP}, {name: why it failed})``: any exception of
-    ``resolve`` is a failed lookup (``getaddrinfo`` raises ``UnicodeError`` for some malformed names)."""
-    answers = await asyncio.gather(*(resolve(n) for n in names), return_exceptions=True)
-    resolved: dict[str, str] = {}
-    failed: dict[str, str] = {}
-    for name, answer in zip(names, answers, strict=True):
-        if isinstance(answer, BaseException):
-            if not isinstance(answer, Exception):  # cancellation, not a failed lookup
-                raise answer
-            failed[name] = str(answer) or type(answer).__name__
-        else:
-            resolved[name] = answer
-    return resolved, failed
-
-
-def host_names(config: Config) -> list[str]:
-    """The distinct host names (not IP literals) among ``config.endpoints``, sorted."""
-    return sorted({e.address.host for e in config.endpoints if not e.address.is_ip})
-
-
-async def resolve_endpoint_hosts(
-    config: Config, source: str, resolve: HostResolver = system_resolve
-) -> dict[str, str]:
-    """Resolve every endpoint host name of a config to one IP address (EDS endpoints must be IPs).
-
-    IP literals are left alone and not looked up. ``resolve`` is :func:`system_resolve` by default.
-
-    Returns:
-        ``{host name: IP literal}`` for every distinct host name among ``config.endpoints``.
-
-    Raises:
-        ConfigError: naming ``endpoints[i].address`` for each endpoint whose host name does not resolve.
-    """
-    resolved, failed = await lookup_hosts(host_names(config), resolve)
-    problems = [
-        (
-            f"endpoints[{i}].address",
-            f"host name {e.address.host!r} does not resolve: {failed[e.address.host]}",
-        )
-        for i, e in enumerate(config.endpoints)
-        if e.address.host in failed
-    ]
-    if problems:
-        raise ConfigError(source, problems)
-    return resolved
 
 
 class XdsServer:
@@ -313,9 +253,14 @@ class XdsServer:
         digest = hashlib.sha256(data).hexdigest()
         source = str(self.config_path)
         config = parse_config_bytes(data, source)
+        # the checks ext_proc runs too (tokenizers, host names), so both serve this file or neither does
+        checked = await check_config(config, source, resolve=self._resolve)
         fleet = self.fleet.forget_hidden(config)
         effective = effective_config(config, fleet, source)
-        resolved: Mapping[str, str] = await resolve_endpoint_hosts(effective, source, self._resolve)
+        # endpoints registered through the fleet API are not in the file: resolve those too
+        resolved: Mapping[str, str] = await resolve_endpoint_hosts(
+            effective, source, self._resolve, known=checked.resolved_hosts
+        )
         # build once to refuse anything Envoy could not take before it replaces the last good file
         build_resources(effective, source, resolved_hosts=resolved)
         self.config, self.effective, self.fleet = config, effective, fleet

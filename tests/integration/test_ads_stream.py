@@ -272,6 +272,11 @@ async def test_new_subscription_is_answered_when_nothing_changed(
     assert again.nonce != a.nonce
 
 
+def _refused(server: XdsServer, count: int) -> Callable[[], bool]:
+    """A predicate: ``server`` has refused ``count`` changed files."""
+    return lambda: server.reload_errors == count
+
+
 async def test_bad_config_is_refused_and_the_last_good_keeps_serving(
     server: XdsServer,
     connect: Callable[[], AdsClient],
@@ -293,16 +298,24 @@ async def test_bad_config_is_refused_and_the_last_good_keeps_serving(
     await late.send(r.ENDPOINT_TYPE, names=CLUSTERS, node=True)
     assert (await late.recv()).version_info == first.version_info
     # a file Envoy cannot use (an EDS host name that does not resolve: .invalid is reserved, RFC 2606) is
-    # refused the same way, naming the field
+    # refused the same way, naming the field; and so is a file ext_proc could not serve (a tokenizer that
+    # does not load): both services run the same checks
     doc = _doc()
     doc["endpoints"][0]["address"] = "gpu-0.invalid:8001"
-    _write(config_file, doc)
-    await _until(lambda: server.reload_errors == 2, "the host-name config to be refused")
-    assert any(
-        "endpoints[0].address" in rec.getMessage() and "does not resolve" in rec.getMessage()
-        for rec in caplog.records
-    )
-    doc["endpoints"][0]["address"] = "127.0.0.1:8101"
+    refusals = [
+        ("endpoints[0].address", "does not resolve"),
+        ("models[0].tokenizer", "cannot load tokenizer"),
+    ]
+    for field, why in refusals:
+        _write(config_file, doc)
+        await _until(
+            _refused(server, server.reload_errors + 1), f"the config with a bad {field} to be refused"
+        )
+        assert any(field in rec.getMessage() and why in rec.getMessage() for rec in caplog.records)
+        doc["endpoints"][0]["address"] = "127.0.0.1:8101"
+        doc["models"][0]["tokenizer"] = "hf:/nonexistent/tokenizer.json"
+    await client.expect_silence(0.3)
+    del doc["models"][0]["tokenizer"]
     _write(config_file, doc)
     pushed = await client.recv()
     assert pushed.version_info != first.version_info

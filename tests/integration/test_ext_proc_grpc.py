@@ -323,6 +323,27 @@ async def test_process_serves_reloads_and_stops(tmp_path: Path) -> None:
         line = await proc.wait_for_line("config reload refused")
         assert "tenants[0].requests_per_minute" in line
         assert await first_status(addr, "sk-newt-0001") == 200
+
+        # a file xds_server would refuse (an endpoint host name that does not resolve: .invalid is reserved,
+        # RFC 2606) is refused here too, so the two never serve different files
+        unresolvable = {
+            **cfg,
+            "tenants": [*cfg["tenants"], {"name": "late", "api_keys": ["sk-late-0001"]}],
+            "endpoints": [
+                {
+                    "name": "gpu-9",
+                    "address": "gpu-9.invalid:8001",
+                    "model": "llama",
+                    "version": "v1",
+                    "gpu": "H100",
+                }
+            ],
+        }
+        path.write_text(yaml.safe_dump(unresolvable))
+        line = await proc.wait_for_line("endpoints[0].address")
+        assert "config reload refused" in line and "does not resolve" in line
+        assert await first_status(addr, "sk-late-0001") == 401
+        assert await first_status(addr, "sk-newt-0001") == 200
     finally:
         rc = await proc.stop()
     assert rc == 0

@@ -136,7 +136,8 @@ class WeightRow:
         throttle: ``thermal``/``power``/``-``; clock_ratio: SM clock over max; tokens_per_s: generation
             rate (tokens/s); age_s: age of the freshest telemetry (s), None = none or stale;
         factors: ``performance``, ``load``, ``kv``, ``errors`` and ``target`` of
-            :func:`inferlb.weights.target_weight`; fresh: whether telemetry counted.
+            :func:`inferlb.weights.target_weight`; fresh: whether telemetry counted; collected: whether
+            the xDS server collects telemetry for it at all (False in ``weights.mode: static``).
         length_classes: for a length-aware model, the confined length classes the endpoint serves (live
             with telemetry weights, :func:`inferlb.length_aware.live_class_sets`), None otherwise;
             profile_classes: those of its GPU profile alone.
@@ -162,6 +163,7 @@ class WeightRow:
     factors: dict[str, float | None]
     length_classes: tuple[str, ...] | None = None
     profile_classes: tuple[str, ...] | None = None
+    collected: bool = True
 
 
 def weight_rows(weights: dict[str, Any], envoy: list[HostRow]) -> list[WeightRow]:
@@ -198,6 +200,7 @@ def weight_rows(weights: dict[str, Any], envoy: list[HostRow]) -> list[WeightRow
                 tokens_per_s=inputs.get("generation_tokens_per_s"),
                 age_s=inputs.get("telemetry_age_s") if fresh else None,
                 factors={k: factors.get(k) for k in ("performance", "load", "kv", "errors", "target")},
+                collected=bool(factors),
                 length_classes=_classes(e.get("length_classes")),
                 profile_classes=_classes(e.get("profile_classes")),
             )
@@ -254,7 +257,8 @@ def weights_table(rows: list[WeightRow], mode: str) -> Table:
             r.throttle,
             _num(r.clock_ratio, ".2f"),
             _num(r.tokens_per_s, ".0f"),
-            "stale" if not r.fresh else _num(r.age_s, ".1f"),
+            # static mode collects nothing: nothing is stale
+            ("stale" if r.collected else "-") if not r.fresh else _num(r.age_s, ".1f"),
             _num(f.get("performance"), ".2f"),
             _num(f.get("load"), ".2f"),
             _num(f.get("kv"), ".2f"),

@@ -9,10 +9,11 @@ from typing import Any
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from rich.console import Console
 
 from gpusim.faults import FaultCommand, FaultState, parse_fault_command
 from inferlb.config import Config, parse_config
-from inferlb.status import HostRow, weight_rows
+from inferlb.status import HostRow, weight_rows, weights_table
 from inferlb.telemetry import GpuTelemetry, ServerMetrics
 from xds_server.telemetry import GpuSample, ServerSample, TelemetryCollector, gpu_match_keys, match_gpus
 
@@ -175,6 +176,12 @@ def test_status_joins_the_weights_with_envoys_view() -> None:
     assert rows[0].envoy_weight == 170 and rows[0].throttle == "thermal" and rows[0].waiting == 3
     assert rows[0].factors["target"] == 153.0
     assert rows[1].envoy_weight is None and rows[1].fresh is False and rows[1].waiting is None
+    assert (rows[0].collected, rows[1].collected) == (True, False)
+    # the table's age column: a number when fresh, "-" when nothing is collected (static mode), not "stale"
+    console = Console(width=400, record=True)
+    console.print(weights_table(rows, "telemetry"))
+    lines = {line.split("│")[2].strip(): line for line in console.export_text().splitlines() if "│" in line}
+    assert "stale" not in lines["b"] and "0.2" in lines["h"]
 
 
 @pytest.mark.parametrize("mode", ["throttle", "slow", "fail"])

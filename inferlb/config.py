@@ -64,7 +64,7 @@ class HostPort(_Frozen):
     """A ``host:port`` socket address. IPv6 hosts are written in brackets (``[::1]:8000``)."""
 
     host: str
-    port: Annotated[int, Field(ge=1, le=65535)]
+    port: Annotated[int, Field(strict=True, ge=1, le=65535)]
 
     @model_validator(mode="before")
     @classmethod
@@ -104,16 +104,16 @@ class GatewayConfig(_Frozen):
     listen: HostPort = HostPort(host="127.0.0.1", port=10000)
     admin: HostPort = HostPort(host="127.0.0.1", port=9901)
     #: Request bodies above this get 413 from Envoy's buffer limit, before ext_proc sees them (bytes).
-    max_request_body_bytes: Annotated[int, Field(ge=1024, le=64 * 1024 * 1024)] = 4 * 1024 * 1024
+    max_request_body_bytes: Annotated[int, Field(strict=True, ge=1024, le=64 * 1024 * 1024)] = 4 * 1024 * 1024
     #: Envoy route timeout for one inference request (ms); 0 disables it (long generations).
-    request_timeout_ms: Annotated[int, Field(ge=0)] = 300_000
+    request_timeout_ms: Annotated[int, Field(strict=True, ge=0)] = 300_000
     #: Retries Envoy makes on connect-failure/refused-stream/reset/503 to another host (previous_hosts).
-    num_retries: Annotated[int, Field(ge=0, le=10)] = 2
+    num_retries: Annotated[int, Field(strict=True, ge=0, le=10)] = 2
     #: ``retry-after`` (s) on Envoy's 503 when a model cluster's circuit breaker for the request's routing
     #: priority is full (response flag UO): DEFAULT traffic is shed this way before HIGH.
-    overflow_retry_after_s: Annotated[int, Field(ge=1, le=3600)] = 1
+    overflow_retry_after_s: Annotated[int, Field(strict=True, ge=1, le=3600)] = 1
     #: Envoy worker threads (``--concurrency``); 0 lets Envoy use one per core.
-    concurrency: Annotated[int, Field(ge=0, le=256)] = 2
+    concurrency: Annotated[int, Field(strict=True, ge=0, le=256)] = 2
     #: Envoy node cluster name the xDS server groups snapshots by.
     node_cluster: str = "inferlb-gateway"
     #: Where the gateway's Envoys run: a model's ``cluster.failover`` puts endpoints of this region (and
@@ -134,10 +134,10 @@ class XdsConfig(_Frozen):
 
     listen: HostPort = HostPort(host="127.0.0.1", port=18000)
     #: Changes within this window are coalesced into one push (ms).
-    push_debounce_ms: Annotated[int, Field(ge=0, le=60_000)] = 100
+    push_debounce_ms: Annotated[int, Field(strict=True, ge=0, le=60_000)] = 100
     #: Bound on staleness: a burst of changes is pushed at most this long after its first change (ms),
     #: even while changes keep arriving within ``push_debounce_ms`` of each other.
-    push_max_delay_ms: Annotated[int, Field(ge=0, le=600_000)] = 1_000
+    push_max_delay_ms: Annotated[int, Field(strict=True, ge=0, le=600_000)] = 1_000
     #: HTTP address of the xDS server's fleet API, ``/metrics`` and client list; None: no HTTP API.
     api_listen: HostPort | None = HostPort(host="127.0.0.1", port=18001)
     #: Bearer token the fleet API requires (``Authorization: Bearer <token>``). The env variable
@@ -145,10 +145,10 @@ class XdsConfig(_Frozen):
     api_token: Annotated[str, Field(min_length=16, max_length=512)] | None = None
     #: How long a drained endpoint stays in its cluster as DRAINING (no new requests, in-flight ones
     #: finish) before it is removed (ms).
-    drain_period_ms: Annotated[int, Field(ge=0, le=3_600_000)] = 30_000
+    drain_period_ms: Annotated[int, Field(strict=True, ge=0, le=3_600_000)] = 30_000
     #: How often endpoint host names are resolved again (ms); a changed address is pushed like any other
     #: change, a name that stops resolving keeps its last address (logged). 0: only at load/registration.
-    resolve_interval_ms: Annotated[int, Field(ge=0, le=86_400_000)] = 30_000
+    resolve_interval_ms: Annotated[int, Field(strict=True, ge=0, le=86_400_000)] = 30_000
     #: Snapshots per node group: Envoys whose ``node.cluster`` is a key here run in that locality and get
     #: their own snapshot, with each model's ``cluster.failover`` priorities relative to it; other Envoys
     #: get the default snapshot (relative to ``gateway.region``/``gateway.zone``).
@@ -164,7 +164,7 @@ class ExtProcConfig(_Frozen):
     #: endpoint per worker, so processes behind one SO_REUSEPORT address would not share the load.
     extra_listen: tuple[HostPort, ...] = ()
     #: Envoy ``message_timeout`` per ext_proc message (ms). Envoy's 200 ms default breaks big bodies.
-    message_timeout_ms: Annotated[int, Field(ge=10, le=60_000)] = 5_000
+    message_timeout_ms: Annotated[int, Field(strict=True, ge=10, le=60_000)] = 5_000
     #: Envoy ``failure_mode_allow``: on an ext_proc failure (process down, gRPC error, ``message_timeout``),
     #: forward unprocessed (True, "fail open") or answer 5xx JSON (False, "fail closed"). The default for
     #: every path; ``path_failure_modes`` overrides it per path.
@@ -192,7 +192,7 @@ class ExtProcConfig(_Frozen):
     #: Prefix of every Redis key inferlb writes.
     redis_key_prefix: Annotated[str, Field(min_length=1, max_length=64)] = "inferlb:quota"
     #: Timeout of one Redis call (ms); a slower call counts as Redis being unreachable.
-    redis_timeout_ms: Annotated[int, Field(ge=1, le=10_000)] = 100
+    redis_timeout_ms: Annotated[int, Field(strict=True, ge=1, le=10_000)] = 100
     #: When Redis is unreachable: ``open`` admits the request unchecked, ``closed`` answers 503.
     redis_failure_mode: Literal["open", "closed"] = "open"
     #: A request header carrying the client's session id (e.g. ``x-session-id``): its value, when sent,
@@ -232,8 +232,8 @@ class GpuProfile(_Frozen):
     """One GPU type. ``relative_capacity`` is its LLM serving throughput relative to a V100 (= 1.0);
     the endpoint weight Envoy receives is proportional to it (see :func:`inferlb.fleet.capacity_weight`)."""
 
-    relative_capacity: Annotated[float, Field(gt=0, le=100)]
-    memory_gb: Annotated[float, Field(gt=0)] = 80.0
+    relative_capacity: Annotated[float, Field(strict=True, gt=0, le=100)]
+    memory_gb: Annotated[float, Field(strict=True, gt=0)] = 80.0
 
 
 class Simulation(_Frozen):
@@ -245,11 +245,11 @@ class Simulation(_Frozen):
     ~30 tokens/s per sequence decode).
     """
 
-    prefill_tokens_per_s: Annotated[float, Field(gt=0)] = 4000.0
-    decode_tokens_per_s: Annotated[float, Field(gt=0)] = 30.0
-    max_batch: Annotated[int, Field(ge=1, le=4096)] = 16
+    prefill_tokens_per_s: Annotated[float, Field(strict=True, gt=0)] = 4000.0
+    decode_tokens_per_s: Annotated[float, Field(strict=True, gt=0)] = 30.0
+    max_batch: Annotated[int, Field(strict=True, ge=1, le=4096)] = 16
     #: Queue bound behind the batch; beyond it the simulated server answers 503 (as vLLM does when full).
-    max_queue: Annotated[int, Field(ge=0, le=100_000)] = 256
+    max_queue: Annotated[int, Field(strict=True, ge=0, le=100_000)] = 256
 
 
 class WeightsConfig(_Frozen):
@@ -269,70 +269,70 @@ class WeightsConfig(_Frozen):
     mode: Literal["static", "telemetry"] = "static"
     #: Weight units per unit of relative capacity (V100 = 1.0 -> 100). Finer than the static
     #: ``inferlb.fleet.WEIGHT_SCALE`` (10) so that a few percent of load shows in Envoy's integer weights.
-    scale: Annotated[float, Field(gt=0, le=10_000)] = 100.0
+    scale: Annotated[float, Field(strict=True, gt=0, le=10_000)] = 100.0
     #: Upper bound of a pushed weight (Envoy caps the sum per locality at 2^32-1).
-    max_weight: Annotated[int, Field(ge=1, le=1_000_000)] = 10_000
+    max_weight: Annotated[int, Field(strict=True, ge=1, le=1_000_000)] = 10_000
     #: EWMA time constant (ms): after a step change of the inputs, 63% of the change is applied after
     #: one time constant, 90% after 2.3.
-    smoothing_tau_ms: Annotated[int, Field(ge=0, le=600_000)] = 1_000
+    smoothing_tau_ms: Annotated[int, Field(strict=True, ge=0, le=600_000)] = 1_000
     #: A new weight is pushed only when it differs from the pushed one by at least this much (%).
-    hysteresis_percent: Annotated[float, Field(ge=0, le=100)] = 10.0
+    hysteresis_percent: Annotated[float, Field(strict=True, ge=0, le=100)] = 10.0
     #: A new endpoint's weight ramps linearly from ``slow_start_min_percent`` to 100% over this time (ms).
-    slow_start_ms: Annotated[int, Field(ge=0, le=3_600_000)] = 10_000
-    slow_start_min_percent: Annotated[float, Field(gt=0, le=100)] = 10.0
+    slow_start_ms: Annotated[int, Field(strict=True, ge=0, le=3_600_000)] = 10_000
+    slow_start_min_percent: Annotated[float, Field(strict=True, gt=0, le=100)] = 10.0
     #: Telemetry older than this (ms) is ignored: the endpoint falls back to its profile weight.
-    stale_after_ms: Annotated[int, Field(ge=1, le=3_600_000)] = 5_000
+    stale_after_ms: Annotated[int, Field(strict=True, ge=1, le=3_600_000)] = 5_000
     #: Weight lost per waiting request, relative to the batch size: ``load = 1 / (1 + q * waiting / batch
     #: + r * running / batch)`` with ``q = queue_penalty`` and ``r = running_penalty``.
-    queue_penalty: Annotated[float, Field(ge=0, le=100)] = 1.0
-    running_penalty: Annotated[float, Field(ge=0, le=100)] = 0.25
+    queue_penalty: Annotated[float, Field(strict=True, ge=0, le=100)] = 1.0
+    running_penalty: Annotated[float, Field(strict=True, ge=0, le=100)] = 0.25
     #: KV-cache usage (0..1) above which the weight falls linearly, to ``kv_floor`` at a full cache.
-    kv_knee: Annotated[float, Field(ge=0, lt=1)] = 0.8
-    kv_floor: Annotated[float, Field(gt=0, le=1)] = 0.2
+    kv_knee: Annotated[float, Field(strict=True, ge=0, lt=1)] = 0.8
+    kv_floor: Annotated[float, Field(strict=True, gt=0, le=1)] = 0.2
     #: Factor applied when a thermal or power throttle reason is set and no clock ratio is known.
-    throttle_factor: Annotated[float, Field(gt=0, le=1)] = 0.5
+    throttle_factor: Annotated[float, Field(strict=True, gt=0, le=1)] = 0.5
     #: ``errors = max(error_floor, 1 - error_penalty * error_rate)``.
-    error_penalty: Annotated[float, Field(ge=0, le=100)] = 2.0
-    error_floor: Annotated[float, Field(gt=0, le=1)] = 0.05
+    error_penalty: Annotated[float, Field(strict=True, ge=0, le=100)] = 2.0
+    error_floor: Annotated[float, Field(strict=True, gt=0, le=1)] = 0.05
 
 
 class TelemetryConfig(_Frozen):
     """Where and how often telemetry is gathered: the model-server ``/metrics`` scrape and the GPU agents."""
 
     #: Period of the model-server ``/metrics`` scrape (ms).
-    scrape_interval_ms: Annotated[int, Field(ge=50, le=600_000)] = 500
+    scrape_interval_ms: Annotated[int, Field(strict=True, ge=50, le=600_000)] = 500
     #: Timeout of one scrape (ms); a timed-out scrape keeps the last sample, which then ages.
-    scrape_timeout_ms: Annotated[int, Field(ge=10, le=60_000)] = 1_000
+    scrape_timeout_ms: Annotated[int, Field(strict=True, ge=10, le=60_000)] = 1_000
     #: Period at which ``inferlb agent`` reads NVML and reports (ms).
-    agent_interval_ms: Annotated[int, Field(ge=50, le=600_000)] = 1_000
+    agent_interval_ms: Annotated[int, Field(strict=True, ge=50, le=600_000)] = 1_000
 
 
 class OutlierDetection(_Frozen):
     """Envoy ``outlier_detection`` for a model's clusters. Envoy defaults differ (gateway-failure and
     failure-percentage enforcement default to 0%, i.e. off): every field is sent explicitly."""
 
-    consecutive_5xx: Annotated[int, Field(ge=1)] = 5
-    consecutive_gateway_failure: Annotated[int, Field(ge=1)] = 3
-    enforcing_consecutive_gateway_failure: Annotated[int, Field(ge=0, le=100)] = 100
-    interval_ms: Annotated[int, Field(ge=100)] = 5_000
-    base_ejection_time_ms: Annotated[int, Field(ge=100)] = 15_000
-    max_ejection_percent: Annotated[int, Field(ge=0, le=100)] = 50
+    consecutive_5xx: Annotated[int, Field(strict=True, ge=1)] = 5
+    consecutive_gateway_failure: Annotated[int, Field(strict=True, ge=1)] = 3
+    enforcing_consecutive_gateway_failure: Annotated[int, Field(strict=True, ge=0, le=100)] = 100
+    interval_ms: Annotated[int, Field(strict=True, ge=100)] = 5_000
+    base_ejection_time_ms: Annotated[int, Field(strict=True, ge=100)] = 15_000
+    max_ejection_percent: Annotated[int, Field(strict=True, ge=0, le=100)] = 50
     #: Failure-percentage ejection: a host whose error rate is at least this (%) over an interval is
     #: ejected, when the cluster has ``failure_percentage_minimum_hosts`` hosts and the host served
     #: ``failure_percentage_request_volume`` requests. Enforcement defaults to 0 (off), as in Envoy.
-    failure_percentage_threshold: Annotated[int, Field(ge=0, le=100)] = 85
-    enforcing_failure_percentage: Annotated[int, Field(ge=0, le=100)] = 0
-    failure_percentage_minimum_hosts: Annotated[int, Field(ge=0)] = 5
-    failure_percentage_request_volume: Annotated[int, Field(ge=0)] = 50
+    failure_percentage_threshold: Annotated[int, Field(strict=True, ge=0, le=100)] = 85
+    enforcing_failure_percentage: Annotated[int, Field(strict=True, ge=0, le=100)] = 0
+    failure_percentage_minimum_hosts: Annotated[int, Field(strict=True, ge=0)] = 5
+    failure_percentage_request_volume: Annotated[int, Field(strict=True, ge=0)] = 50
 
 
 class CircuitBreaker(_Frozen):
     """Envoy ``circuit_breakers.thresholds`` for one routing priority."""
 
-    max_connections: Annotated[int, Field(ge=1)] = 4096
-    max_pending_requests: Annotated[int, Field(ge=1)] = 1024
-    max_requests: Annotated[int, Field(ge=1)] = 4096
-    max_retries: Annotated[int, Field(ge=0)] = 16
+    max_connections: Annotated[int, Field(strict=True, ge=1)] = 4096
+    max_pending_requests: Annotated[int, Field(strict=True, ge=1)] = 1024
+    max_requests: Annotated[int, Field(strict=True, ge=1)] = 4096
+    max_retries: Annotated[int, Field(strict=True, ge=0)] = 16
 
 
 class HealthCheck(_Frozen):
@@ -344,23 +344,23 @@ class HealthCheck(_Frozen):
 
     #: The model server's health path (vLLM, SGLang, TGI and gpusim serve ``/health``).
     path: Annotated[str, Field(pattern=r"^/")] = "/health"
-    interval_ms: Annotated[int, Field(ge=100, le=600_000)] = 5_000
-    interval_jitter_ms: Annotated[int, Field(ge=0, le=600_000)] = 500
-    timeout_ms: Annotated[int, Field(ge=10, le=60_000)] = 1_000
-    unhealthy_threshold: Annotated[int, Field(ge=1, le=100)] = 2
-    healthy_threshold: Annotated[int, Field(ge=1, le=100)] = 1
+    interval_ms: Annotated[int, Field(strict=True, ge=100, le=600_000)] = 5_000
+    interval_jitter_ms: Annotated[int, Field(strict=True, ge=0, le=600_000)] = 500
+    timeout_ms: Annotated[int, Field(strict=True, ge=10, le=60_000)] = 1_000
+    unhealthy_threshold: Annotated[int, Field(strict=True, ge=1, le=100)] = 2
+    healthy_threshold: Annotated[int, Field(strict=True, ge=1, le=100)] = 1
     #: Check interval while the cluster has had no traffic (ms): Envoy's ``no_traffic_interval``, whose
     #: default (60 s) would make an idle model's recovered GPU wait a minute to come back.
-    no_traffic_interval_ms: Annotated[int, Field(ge=100, le=600_000)] = 5_000
+    no_traffic_interval_ms: Annotated[int, Field(strict=True, ge=100, le=600_000)] = 5_000
 
 
 class LengthTier(_Frozen):
     """One confined length class of tiered placement (:attr:`LengthAwareRouting.tiers`)."""
 
     #: Requests whose output cap exceeds this (tokens), and no higher class's, are of this class.
-    above_output_tokens: Annotated[int, Field(ge=0, le=10_000_000)]
+    above_output_tokens: Annotated[int, Field(strict=True, ge=0, le=10_000_000)]
     #: They are balanced among the GPUs whose profile's ``relative_capacity`` is at least this (V100 = 1.0).
-    min_relative_capacity: Annotated[float, Field(gt=0, le=100)]
+    min_relative_capacity: Annotated[float, Field(strict=True, gt=0, le=100)]
 
 
 class LengthAwareRouting(_Frozen):
@@ -382,10 +382,10 @@ class LengthAwareRouting(_Frozen):
     """
 
     #: Output caps above this are long (tokens). Two-tier form only.
-    long_output_tokens: Annotated[int, Field(ge=1, le=10_000_000)] = 384
+    long_output_tokens: Annotated[int, Field(strict=True, ge=1, le=10_000_000)] = 384
     #: GPUs whose profile's ``relative_capacity`` is at least this form the fast tier (V100 = 1.0).
     #: Two-tier form only.
-    fast_min_relative_capacity: Annotated[float, Field(gt=0, le=100)] = 1.5
+    fast_min_relative_capacity: Annotated[float, Field(strict=True, gt=0, le=100)] = 1.5
     #: Tiered form: the confined length classes, longest first (1 to 8); None: the two-tier form.
     tiers: Annotated[tuple[LengthTier, ...], Field(min_length=1, max_length=8)] | None = None
 
@@ -425,12 +425,12 @@ class ClusterPolicy(_Frozen):
     #: ``ring_hash``/``maglev`` only: Envoy ``consistent_hashing_lb_config.hash_balance_factor``, the bounded
     #: load of consistent hashing (%): a host takes at most this share of the average load before a key
     #: spills to the next host (150 = 1.5 x average; Envoy's minimum is 100).
-    hash_balance_factor: Annotated[int, Field(ge=100, le=100_000)] = 150
+    hash_balance_factor: Annotated[int, Field(strict=True, ge=100, le=100_000)] = 150
     #: Envoy ``least_request_lb_config.active_request_bias`` (1.0 = Envoy default).
-    active_request_bias: Annotated[float, Field(ge=0, le=10)] = 1.0
+    active_request_bias: Annotated[float, Field(strict=True, ge=0, le=10)] = 1.0
     #: Envoy ``common_lb_config.healthy_panic_threshold`` (%). Envoy's default is 50.
-    healthy_panic_threshold: Annotated[float, Field(ge=0, le=100)] = 25.0
-    connect_timeout_ms: Annotated[int, Field(ge=1)] = 2_000
+    healthy_panic_threshold: Annotated[float, Field(strict=True, ge=0, le=100)] = 25.0
+    connect_timeout_ms: Annotated[int, Field(strict=True, ge=1)] = 2_000
     outlier_detection: OutlierDetection = OutlierDetection()
     circuit_breaker_default: CircuitBreaker = CircuitBreaker()
     circuit_breaker_high: CircuitBreaker = CircuitBreaker(
@@ -440,23 +440,23 @@ class ClusterPolicy(_Frozen):
     health_check: HealthCheck | None = None
     #: Envoy ``slow_start_config``: a new endpoint's share ramps up over this window (ms); 0 = off.
     #: Needs ``least_request`` or ``round_robin``.
-    slow_start_window_ms: Annotated[int, Field(ge=0, le=3_600_000)] = 0
+    slow_start_window_ms: Annotated[int, Field(strict=True, ge=0, le=3_600_000)] = 0
     #: Slow-start curve: weight factor ``time_fraction ** (1 / aggression)`` (1.0 = linear).
-    slow_start_aggression: Annotated[float, Field(gt=0, le=100)] = 1.0
+    slow_start_aggression: Annotated[float, Field(strict=True, gt=0, le=100)] = 1.0
     #: Slow-start floor: a new endpoint gets at least this share of its weight (%).
-    slow_start_min_weight_percent: Annotated[float, Field(ge=0, le=100)] = 10.0
+    slow_start_min_weight_percent: Annotated[float, Field(strict=True, ge=0, le=100)] = 10.0
     #: Envoy ``locality_weighted_lb_config``: pick a locality (region/zone) by its weight first, then an
     #: endpoint in it. A locality's weight is ``locality_weights["region/zone"]``, else the sum of its
     #: endpoints' weights.
     locality_weighted: bool = False
-    locality_weights: dict[str, Annotated[int, Field(ge=1)]] = {}
+    locality_weights: dict[str, Annotated[int, Field(strict=True, ge=1)]] = {}
     #: Priorities relative to the gateway's locality (``gateway.region``/``gateway.zone``): ``zone``: its own
     #: zone is priority 0, the region's other zones 1, other regions 2; ``region``: its own region 0, other
     #: regions 1; ``off``: every endpoint priority 0. Envoy spills to the next priority as the healthy
     #: share of one drops below 100% / ``overprovisioning_factor``.
     failover: Literal["off", "zone", "region"] = "off"
     #: Envoy ``ClusterLoadAssignment.policy.overprovisioning_factor`` (%; Envoy's default 140).
-    overprovisioning_factor: Annotated[int, Field(ge=100, le=1000)] = 140
+    overprovisioning_factor: Annotated[int, Field(strict=True, ge=100, le=1000)] = 140
     #: Long generations to the fast GPUs (:class:`LengthAwareRouting`); None (default): every request is
     #: balanced over every endpoint. Needs ``least_request`` or ``round_robin``.
     length_aware: LengthAwareRouting | None = None
@@ -485,7 +485,7 @@ class ModelVersion(_Frozen):
     """One deployed version of a model and its share of the model's traffic (a canary is a small share)."""
 
     name: Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")]
-    traffic_percent: Annotated[float, Field(ge=0, le=100)] = 100.0
+    traffic_percent: Annotated[float, Field(strict=True, ge=0, le=100)] = 100.0
 
 
 _MODEL_NAME = r"^[A-Za-z0-9][A-Za-z0-9_.:/@-]{0,127}$"
@@ -497,10 +497,10 @@ class ModelConfig(_Frozen):
     name: Annotated[str, Field(pattern=_MODEL_NAME)]
     aliases: tuple[Annotated[str, Field(pattern=_MODEL_NAME)], ...] = ()
     #: Context window (tokens); prompt + requested output above it is refused.
-    context_length: Annotated[int, Field(ge=16)] = 32_768
+    context_length: Annotated[int, Field(strict=True, ge=16)] = 32_768
     #: Completion tokens assumed when a request sets no ``max_tokens``/``max_completion_tokens``: what
     #: quota admission reserves and what the simulated servers generate (tokens).
-    default_max_tokens: Annotated[int, Field(ge=1)] = 256
+    default_max_tokens: Annotated[int, Field(strict=True, ge=1)] = 256
     #: How prompts are counted: ``tiktoken:<encoding>`` (bundled offline encodings: ``cl100k_base``),
     #: ``hf:<path to tokenizer.json>`` (HF ``tokenizers``), or ``estimate`` (UTF-8 bytes: never fewer than
     #: a byte-level BPE tokenizer counts). See :func:`inferlb.tokens.make_counter`.
@@ -508,7 +508,7 @@ class ModelConfig(_Frozen):
         "tiktoken:cl100k_base"
     )
     #: Prompt tokens charged per image part; None: OpenAI's vision pricing (85 at ``detail: low``, else 765).
-    image_tokens: Annotated[int, Field(ge=0, le=1_000_000)] | None = None
+    image_tokens: Annotated[int, Field(strict=True, ge=0, le=1_000_000)] | None = None
     versions: tuple[ModelVersion, ...] = (ModelVersion(name="v1"),)
     cluster: ClusterPolicy = ClusterPolicy()
 
@@ -552,7 +552,7 @@ class EndpointConfig(_Frozen):
     #: ``gpu_uuid`` (NVML UUID) when set, else the GPU ``gpu_index`` (default 0) of node ``gpu_node``
     #: (default: the address's host). See xds_server/telemetry.py.
     gpu_node: Annotated[str, Field(min_length=1, max_length=253)] | None = None
-    gpu_index: Annotated[int, Field(ge=0, le=1023)] | None = None
+    gpu_index: Annotated[int, Field(strict=True, ge=0, le=1023)] | None = None
     gpu_uuid: Annotated[str, Field(min_length=1, max_length=128)] | None = None
 
     @property
@@ -572,15 +572,15 @@ class TenantConfig(_Frozen):
     priority: Priority = Priority.DEFAULT
     #: Requests admitted in any 60 s: a sliding window of whole seconds that never overshoots
     #: (inferlb/quota.py).
-    requests_per_minute: Annotated[int, Field(ge=1)] | None = None
+    requests_per_minute: Annotated[int, Field(strict=True, ge=1)] | None = None
     #: Prompt + completion tokens admitted in any 60 s (the same window; reservations settled with the
     #: real usage).
-    tokens_per_minute: Annotated[int, Field(ge=1)] | None = None
+    tokens_per_minute: Annotated[int, Field(strict=True, ge=1)] | None = None
     #: Requests in flight at once, from admission to the end of the response (or the client's abort).
-    max_concurrent_requests: Annotated[int, Field(ge=1)] | None = None
+    max_concurrent_requests: Annotated[int, Field(strict=True, ge=1)] | None = None
     #: Prompt + completion tokens per UTC calendar day; a request is admitted only if its reservation
     #: (prompt + largest output cap x n) still fits today's remainder.
-    daily_token_budget: Annotated[int, Field(ge=1)] | None = None
+    daily_token_budget: Annotated[int, Field(strict=True, ge=1)] | None = None
 
     @field_validator("api_keys")
     @classmethod

@@ -159,3 +159,41 @@ def test_duplicate_keys_inside_lists_are_named_by_index(tmp_path: Path) -> None:
     with pytest.raises(ConfigError) as info:
         load_config(bad)
     assert info.value.problems[0][0] == "models[0].context_length"
+
+
+# YAML booleans and quoted numbers are not numbers: pydantic's lax mode used to turn `true` into 1 and "384"
+# into 384 (adversarial trial); every int/float field is strict, and an int still fills a float field.
+NUMERIC_FIELDS = [
+    (("tenants", 2, "tokens_per_minute"), "tenants[2].tokens_per_minute"),
+    (("gateway", "max_request_body_bytes"), "gateway.max_request_body_bytes"),
+    (("gpu_profiles", "H100", "relative_capacity"), "gpu_profiles.H100.relative_capacity"),
+    (("ext_proc", "message_timeout_ms"), "ext_proc.message_timeout_ms"),
+]
+
+
+def _set(doc: dict[str, Any], path: tuple[str | int, ...], value: object) -> None:
+    node: Any = doc
+    for part in path[:-1]:
+        node = node[part]
+    node[path[-1]] = value
+
+
+@given(
+    st.sampled_from(NUMERIC_FIELDS),
+    st.one_of(st.booleans(), st.integers(min_value=1, max_value=10**6).map(str), st.just("2.5")),
+)
+def test_booleans_and_quoted_numbers_are_not_numbers(
+    target: tuple[tuple[str | int, ...], str], value: object
+) -> None:
+    path, field = target
+    doc = default_doc()
+    _set(doc, path, value)
+    with pytest.raises(ConfigError) as info:
+        parse_config(doc, "x.yaml")
+    assert field in fields_of(info.value), info.value.problems
+
+
+def test_an_int_fills_a_float_field() -> None:
+    doc = default_doc()
+    doc["gpu_profiles"]["H100"]["relative_capacity"] = 3
+    assert parse_config(doc).gpu_profiles["H100"].relative_capacity == 3.0

@@ -65,21 +65,12 @@ import psutil
 from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
+from extproc_overhead import API_KEY, MODEL, REPLY, chat_body  # the same model, tenant, body and reply
 from rich.console import Console
 from rich.table import Table
 
 from ext_proc.__main__ import run_event_loop
 
-MODEL = "bench-model"
-API_KEY = "sk-bench-key-0001"
-REPLY: dict[str, Any] = {
-    "id": "chatcmpl-bench",
-    "object": "chat.completion",
-    "created": 0,
-    "model": MODEL,
-    "choices": [{"index": 0, "message": {"role": "assistant", "content": "ok"}, "finish_reason": "stop"}],
-    "usage": {"prompt_tokens": 700, "completion_tokens": 1, "total_tokens": 701},
-}
 CONFIG: dict[str, Any] = {
     "models": [{"name": MODEL}],
     "endpoints": [{"address": "127.0.0.1:9", "model": MODEL, "gpu": "H100"}],
@@ -87,25 +78,6 @@ CONFIG: dict[str, Any] = {
     "ext_proc": {"account_responses": True},
 }
 SSE_WORDS = ("Hello", " there", ",", " how", " can", " I", " help", " you", " today", "?")
-
-
-def chat_body(size: int = 3072, serial: int | None = None) -> bytes:
-    """A chat completion request body of about ``size`` bytes (the body of ``bench/extproc_overhead.py``);
-    with ``serial``, the user turn starts with it, so no two requests share their user text."""
-    filler = "The quick brown fox jumps over the lazy dog. "
-    text = (filler * (size // len(filler) + 1))[: size - 200]
-    if serial is not None:
-        text = f"Request {serial}: {text}"[: size - 200]
-    return json.dumps(
-        {
-            "model": MODEL,
-            "messages": [
-                {"role": "system", "content": "You are a helpful assistant."},
-                {"role": "user", "content": text},
-            ],
-            "max_tokens": 16,
-        }
-    ).encode()
 
 
 def _hmap(pairs: list[tuple[str, str]]) -> base_pb2.HeaderMap:
@@ -252,13 +224,14 @@ class Workload:
         self.body_bytes, self.sse, self.unique = body_bytes, sse, unique
         self.status_attribute = status_attribute
         self._serial = itertools.count()
-        self.fixed = envoy_messages(chat_body(body_bytes), sse=sse, status_attribute=status_attribute)
+        body = chat_body(body_bytes).encode()
+        self.fixed = envoy_messages(body, sse=sse, status_attribute=status_attribute)
 
     def next(self) -> list[ep.ProcessingRequest]:
         """The messages of the next request."""
         if not self.unique:
             return self.fixed
-        body = chat_body(self.body_bytes, next(self._serial))
+        body = chat_body(self.body_bytes, next(self._serial)).encode()
         return envoy_messages(body, sse=self.sse, status_attribute=self.status_attribute)
 
 

@@ -65,10 +65,13 @@ REPLY = {
 }
 
 
-def chat_body(size: int = 3072) -> str:
-    """A chat completion request body of about ``size`` bytes (system prompt + one user turn)."""
+def chat_body(size: int = 3072, serial: int | None = None) -> str:
+    """A chat completion request body of about ``size`` bytes (system prompt + one user turn); with
+    ``serial``, the user turn starts with it, so no two requests share their user text."""
     filler = "The quick brown fox jumps over the lazy dog. "
     text = (filler * (size // len(filler) + 1))[: size - 200]
+    if serial is not None:
+        text = f"Request {serial}: {text}"[: size - 200]
     return json.dumps(
         {
             "model": MODEL,

@@ -6,9 +6,12 @@ tenants or models no other test in the module relies on.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import http.client
 import json
+import random
+import subprocess
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,7 +21,7 @@ import openai
 import pytest
 
 from inferlb.config import Config
-from inferlb.stack import Stack
+from inferlb.stack import Stack, find_envoy
 from tests.conftest import make_config_doc, write_config
 
 pytestmark = pytest.mark.e2e
@@ -116,3 +119,14 @@ def running_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningS
     """The default fleet, fast simulated GPUs, on free ports; stopped after the module."""
     with started_stack(tmp_path_factory.mktemp("stack"), make_config_doc()) as rs:
         yield rs
+
+
+async def spawn_envoy(bootstrap: Path, log: Path) -> asyncio.subprocess.Process:
+    """Start the real Envoy (:func:`inferlb.stack.find_envoy`) on ``bootstrap`` with one worker and warning
+    logs into ``log``, under a random ``--base-id`` so several Envoys of one test run do not share
+    shared-memory names. The caller kills it."""
+    with log.open("wb") as fh:
+        return await asyncio.create_subprocess_exec(
+            find_envoy(), "-c", str(bootstrap), "--base-id", str(random.randint(10_000, 2_000_000)),
+            "--concurrency", "1", "-l", "warning", stdout=fh, stderr=subprocess.STDOUT,
+        )  # fmt: skip

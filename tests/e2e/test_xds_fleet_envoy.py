@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import random
-import subprocess
 import urllib.error
 import urllib.request
 from collections.abc import AsyncIterator
@@ -24,7 +22,9 @@ from envoy.config.cluster.v3 import cluster_pb2
 
 from inferlb.bootstrap import render_bootstrap
 from inferlb.config import default_config_path, load_config
-from tests.e2e.test_xds_envoy import WAIT_S, _envoy_bin, _free_ports, _http, _poll
+from inferlb.stack import free_ports
+from tests.e2e.conftest import spawn_envoy
+from tests.e2e.test_xds_envoy import WAIT_S, _http, _poll
 from xds_server import resources as r
 from xds_server.fleet import effective_overrides
 from xds_server.server import XdsServer
@@ -100,7 +100,7 @@ class Fleet:
 
 @pytest.fixture
 async def fleet(tmp_path: Path) -> AsyncIterator[Fleet]:
-    gw, xds, ext_proc, new_ep, *ports = _free_ports(4 + 8 + 3)
+    gw, xds, ext_proc, new_ep, *ports = free_ports(4 + 8 + 3)
     eps, admins = ports[:8], ports[8:]
     doc = yaml.safe_load(default_config_path().read_text(encoding="utf-8"))
     doc["gateway"].update(listen=f"127.0.0.1:{gw}", admin=f"127.0.0.1:{admins[0]}")
@@ -122,11 +122,7 @@ async def fleet(tmp_path: Path) -> AsyncIterator[Fleet]:
             path = tmp_path / f"bootstrap-{i}.yaml"
             path.write_text(yaml.safe_dump(boot), encoding="utf-8")
             log = tmp_path / f"envoy-{i}.log"
-            with log.open("wb") as fh:
-                proc = await asyncio.create_subprocess_exec(
-                    _envoy_bin(), "-c", str(path), "--base-id", str(random.randint(10_000, 2_000_000)),
-                    "--concurrency", "1", "-l", "warning", stdout=fh, stderr=subprocess.STDOUT,
-                )  # fmt: skip
+            proc = await spawn_envoy(path, log)
             gateways.append(Gateway(node_id, mode, f"http://127.0.0.1:{admin}", proc, log))
         fleet = Fleet(server, gateways, f"http://127.0.0.1:{server.api_port}")
         fleet.new_endpoint = f"127.0.0.1:{new_ep}"  # type: ignore[attr-defined]

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import random
-import subprocess
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -21,7 +19,9 @@ from aiohttp import web
 
 from inferlb.bootstrap import render_bootstrap
 from inferlb.config import default_config_path, load_config
-from tests.e2e.test_xds_envoy import WAIT_S, _envoy_bin, _free_ports, _http, _poll
+from inferlb.stack import free_ports
+from tests.e2e.conftest import spawn_envoy
+from tests.e2e.test_xds_envoy import WAIT_S, _http, _poll
 from xds_server.server import XdsServer
 
 pytestmark = pytest.mark.e2e
@@ -69,7 +69,7 @@ async def health() -> AsyncIterator[HealthServers]:
 async def test_failover_priorities_health_checks_and_slow_start_reach_envoy(
     tmp_path: Path, health: HealthServers
 ) -> None:
-    gw, admin, xds, ext_proc, *eps = _free_ports(4 + 8)
+    gw, admin, xds, ext_proc, *eps = free_ports(4 + 8)
     doc = yaml.safe_load(default_config_path().read_text(encoding="utf-8"))
     doc["gateway"].update(listen=f"127.0.0.1:{gw}", admin=f"127.0.0.1:{admin}", region="eu", zone="a")
     doc["xds"].update(listen=f"127.0.0.1:{xds}", push_debounce_ms=20)
@@ -106,11 +106,7 @@ async def test_failover_priorities_health_checks_and_slow_start_reach_envoy(
         yaml.safe_dump(render_bootstrap(load_config(config_file), node_id="e2e-locality", mode="delta"))
     )
     log = tmp_path / "envoy.log"
-    with log.open("wb") as fh:
-        envoy = await asyncio.create_subprocess_exec(
-            _envoy_bin(), "-c", str(boot), "--base-id", str(random.randint(10_000, 2_000_000)),
-            "--concurrency", "1", "-l", "warning", stdout=fh, stderr=subprocess.STDOUT,
-        )  # fmt: skip
+    envoy = await spawn_envoy(boot, log)
 
     async def hosts() -> dict[str, dict[str, Any]]:
         status, body = await asyncio.to_thread(_http, f"http://127.0.0.1:{admin}/clusters?format=json")

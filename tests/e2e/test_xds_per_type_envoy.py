@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import random
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -16,7 +14,9 @@ import yaml
 
 from inferlb.bootstrap import XDS_CLUSTER, render_bootstrap
 from inferlb.config import default_config_path, load_config
-from tests.e2e.test_xds_envoy import EXPECTED_WEIGHTS, WAIT_S, Stack, _envoy_bin, _free_ports, _poll
+from inferlb.stack import free_ports
+from tests.e2e.conftest import spawn_envoy
+from tests.e2e.test_xds_envoy import EXPECTED_WEIGHTS, WAIT_S, Stack, _poll
 from xds_server import resources as r
 from xds_server.server import XdsServer
 
@@ -24,7 +24,7 @@ pytestmark = pytest.mark.e2e
 
 
 async def test_envoy_on_the_per_type_services_follows_config_changes(tmp_path: Path) -> None:
-    gw, admin, xds, ext_proc, *eps = _free_ports(4 + 8)
+    gw, admin, xds, ext_proc, *eps = free_ports(4 + 8)
     doc = yaml.safe_load(default_config_path().read_text(encoding="utf-8"))
     doc["gateway"].update(listen=f"127.0.0.1:{gw}", admin=f"127.0.0.1:{admin}")
     doc["xds"].update(listen=f"127.0.0.1:{xds}", push_debounce_ms=20)
@@ -38,11 +38,7 @@ async def test_envoy_on_the_per_type_services_follows_config_changes(tmp_path: P
     boot = tmp_path / "bootstrap.yaml"
     boot.write_text(yaml.safe_dump(render_bootstrap(load_config(config_file), node_id="e2e-xds", mode="xds")))
     log = tmp_path / "envoy.log"
-    with log.open("wb") as fh:
-        envoy = await asyncio.create_subprocess_exec(
-            _envoy_bin(), "-c", str(boot), "--base-id", str(random.randint(10_000, 2_000_000)),
-            "--concurrency", "1", "-l", "warning", stdout=fh, stderr=subprocess.STDOUT,
-        )  # fmt: skip
+    envoy = await spawn_envoy(boot, log)
     stack = Stack(
         xds=server,
         envoy=envoy,

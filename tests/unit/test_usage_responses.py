@@ -14,6 +14,7 @@ from gpusim.openai_api import ResponseBuilder, typed_sse
 from inferlb.openai_api import EndpointKind, parse_request
 from inferlb.tokens import default_counter
 from inferlb.usage import Reservation, ResponseMeter, Usage, UsageSource
+from tests.unit.test_usage import chunked
 
 COUNTER = default_counter()
 STREAM_RES = Reservation(prompt_tokens=20, reserved_tokens=20 + 100, stream=True)
@@ -54,16 +55,6 @@ DELTAS = [
 COMPLETED = event("response.completed", 6, response=response_obj("completed", USAGE, "".join(TEXTS)))
 STREAM = typed(*OPENING, *DELTAS, COMPLETED)
 STREAM_CUT = typed(*OPENING, *DELTAS)
-
-
-def chunked(data: bytes, cuts: list[int]) -> list[bytes]:
-    points = sorted({c % (len(data) + 1) for c in cuts})
-    out, prev = [], 0
-    for p in points:
-        out.append(data[prev:p])
-        prev = p
-    out.append(data[prev:])
-    return out
 
 
 def run_sse(chunks: list[bytes], *, aborted: bool = False) -> tuple[bytes, Usage | None, bool]:

@@ -9,7 +9,6 @@ from typing import Any
 import pytest
 import yaml
 from envoy.config.core.v3 import base_pb2
-from envoy.config.listener.v3 import listener_pb2
 from envoy.config.route.v3 import route_components_pb2
 from envoy.extensions.access_loggers.filters.cel.v3 import cel_pb2
 from envoy.extensions.filters.http.ext_proc.v3 import ext_proc_pb2
@@ -19,6 +18,7 @@ from ext_proc import handlers
 from inferlb.config import Config, default_config_path, parse_config
 from inferlb.errors import ConfigError
 from inferlb.openai_api import INFERENCE_PATHS
+from tests.unit.test_xds_resources import _hcm
 from xds_server import resources as r
 
 
@@ -27,12 +27,6 @@ def _doc(**ext_proc: Any) -> dict[str, Any]:
     assert isinstance(doc, dict)
     doc["ext_proc"].update(ext_proc)
     return doc
-
-
-def _hcm(listener: listener_pb2.Listener) -> http_connection_manager_pb2.HttpConnectionManager:
-    hcm = http_connection_manager_pb2.HttpConnectionManager()
-    assert listener.filter_chains[0].filters[0].typed_config.Unpack(hcm)
-    return hcm
 
 
 def _failure_routes(config: Config) -> dict[str, route_components_pb2.Route]:

@@ -3,28 +3,13 @@
 from __future__ import annotations
 
 import json
-from typing import Any
 
-import yaml
 from envoy.config.cluster.v3 import cluster_pb2
-from envoy.config.listener.v3 import listener_pb2
-from envoy.extensions.filters.network.http_connection_manager.v3 import http_connection_manager_pb2
 
 from inferlb import headers
-from inferlb.config import ClusterPolicy, default_config_path, parse_config
+from inferlb.config import ClusterPolicy, parse_config
+from tests.unit.test_xds_resources import _default_doc, _hcm
 from xds_server import resources as r
-
-
-def _default_doc() -> dict[str, Any]:
-    doc = yaml.safe_load(default_config_path().read_text(encoding="utf-8"))
-    assert isinstance(doc, dict)
-    return doc
-
-
-def _hcm(listener: listener_pb2.Listener) -> http_connection_manager_pb2.HttpConnectionManager:
-    hcm = http_connection_manager_pb2.HttpConnectionManager()
-    assert listener.filter_chains[0].filters[0].typed_config.Unpack(hcm)
-    return hcm
 
 
 def test_default_priority_budget_is_tighter_than_high() -> None:

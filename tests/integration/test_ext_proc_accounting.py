@@ -7,6 +7,7 @@ the status as the ``response.code`` attribute (response headers SKIP, what the g
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -109,10 +110,11 @@ class Harness:
         return 0.0 if value is None else value
 
 
-@pytest.fixture
-async def harness() -> AsyncIterator[Harness]:
-    # a frozen monotonic clock: nothing leaves the quota window during a test, so the quota bounds are exact
-    state = ExtProcState(parse_config(CONFIG), clock=lambda: 1000.0)
+@contextlib.asynccontextmanager
+async def serving(config: dict[str, Any]) -> AsyncIterator[Harness]:
+    """The real servicer over ``config`` on a free loopback port, and a client to it. The monotonic clock
+    is frozen: nothing leaves the quota window during a test, so the quota bounds are exact."""
+    state = ExtProcState(parse_config(config), clock=lambda: 1000.0)
     server = grpc.aio.server()
     servicer = add_to_server(server, state)
     port = server.add_insecure_port("127.0.0.1:0")
@@ -122,6 +124,12 @@ async def harness() -> AsyncIterator[Harness]:
             yield Harness(ep_grpc.ExternalProcessorStub(channel), servicer, state)
     finally:
         await server.stop(None)
+
+
+@pytest.fixture
+async def harness() -> AsyncIterator[Harness]:
+    async with serving(CONFIG) as hx:
+        yield hx
 
 
 async def admit(hx: Harness, key: str, body: bytes) -> tuple[Any, ep.ProcessingResponse]:
@@ -304,28 +312,17 @@ async def test_stream_settles_at_done_even_without_an_end_of_stream_message(harn
 
 async def test_without_response_accounting_the_reservation_is_the_charge() -> None:
     cfg = {**CONFIG, "ext_proc": {"account_responses": False}}
-    state = ExtProcState(parse_config(cfg), clock=lambda: 1000.0)
-    server = grpc.aio.server()
-    add_to_server(server, state)
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    try:
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-            hx = Harness(
-                ep_grpc.ExternalProcessorStub(channel), add_to_server(grpc.aio.server(), state), state
-            )
-            call, r = await admit(hx, "sk-metered-1", chat(stream=True))
-            assert not r.request_body.response.HasField("body_mutation")  # no include_usage rewrite
-            call.cancel()
-            held = TPM - tokens_left(hx)
-            assert held > 100  # prompt + 100: kept, not credited back at the stream's end
-            # the concurrency slot is released at admission: nothing holds "narrow" slots
-            calls = [(await admit(hx, "sk-narrow-01", chat()))[0] for _ in range(3)]
-            assert hx.store.book.in_flight("narrow") == 0
-            for c in calls:
-                c.cancel()
-    finally:
-        await server.stop(None)
+    async with serving(cfg) as hx:
+        call, r = await admit(hx, "sk-metered-1", chat(stream=True))
+        assert not r.request_body.response.HasField("body_mutation")  # no include_usage rewrite
+        call.cancel()
+        held = TPM - tokens_left(hx)
+        assert held > 100  # prompt + 100: kept, not credited back at the stream's end
+        # the concurrency slot is released at admission: nothing holds "narrow" slots
+        calls = [(await admit(hx, "sk-narrow-01", chat()))[0] for _ in range(3)]
+        assert hx.store.book.in_flight("narrow") == 0
+        for c in calls:
+            c.cancel()
 
 
 # -- response headers skipped: the status comes as an attribute with the first body chunk -------------------

@@ -16,9 +16,9 @@ from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 
-from ext_proc.servicer import ExtProcState, add_to_server
-from inferlb.config import parse_config
+from ext_proc.servicer import ExtProcState
 from inferlb.quota import MemoryQuotaStore
+from tests.integration.test_ext_proc_accounting import serving
 
 Mode = processing_mode_pb2.ProcessingMode
 TPM = 1_000
@@ -61,16 +61,8 @@ def resp_headers(status: int) -> ep.ProcessingRequest:
 
 @pytest.fixture
 async def served() -> AsyncIterator[tuple[ep_grpc.ExternalProcessorStub, ExtProcState]]:
-    state = ExtProcState(parse_config(CONFIG), clock=lambda: 1000.0)  # frozen: nothing leaves the window
-    server = grpc.aio.server()
-    add_to_server(server, state)
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    try:
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-            yield ep_grpc.ExternalProcessorStub(channel), state
-    finally:
-        await server.stop(None)
+    async with serving(CONFIG) as hx:  # the quota clock frozen: nothing leaves the window
+        yield hx.stub, hx.state
 
 
 async def send(call: Any, msg: ep.ProcessingRequest) -> ep.ProcessingResponse:

@@ -37,6 +37,7 @@ import math
 import time
 from pathlib import Path
 
+from plots import ATTRIBUTION, save_figure  # bench/plots.py
 from rich.console import Console
 from rich.table import Table
 
@@ -62,9 +63,6 @@ from inferlb.replay import DEFAULT_TRACE, TraceRow, read_trace
 from inferlb.weights import WeightParams
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "inferlb" / "data" / "local.yaml"
-ATTRIBUTION = (
-    "Trace: Azure LLM inference trace 2023 (conversation), Patel et al., Splitwise, ISCA 2024; CC-BY 4.0"
-)
 
 
 #: The benchmark's policy names: the simulator's, and ``tiered_live`` (``tiered`` with live class sets).
@@ -168,12 +166,7 @@ def _plots(
         ax.grid(axis="y", alpha=0.3)
         ax.legend()
     fig.suptitle(f"{n} simulated GPUs: p99 latency per balancer (log scale)")
-    fig.text(0.01, 0.01, ATTRIBUTION, fontsize=7)
-    fig.tight_layout(rect=(0, 0.04, 1, 1))
-    p = out / f"fleet_sim_{n}_latency.png"
-    fig.savefig(p, dpi=110)
-    plt.close(fig)
-    paths.append(p)
+    paths.append(save_figure(fig, out / f"fleet_sim_{n}_latency.png"))
     # 2. per-GPU work utilization at the highest load, by policy
     top = loads[-1]
     rs = [r for ld, r in base if ld == top]
@@ -184,12 +177,7 @@ def _plots(
     ax.set_ylabel("per-GPU work utilization (% of capacity)")
     ax.set_title(f"{n} GPUs at load {top}: per-GPU utilization (box: quartiles, whiskers: min/max)")
     ax.grid(axis="y", alpha=0.3)
-    fig.text(0.01, 0.01, ATTRIBUTION, fontsize=7)
-    fig.tight_layout(rect=(0, 0.04, 1, 1))
-    p = out / f"fleet_sim_{n}_utilization.png"
-    fig.savefig(p, dpi=110)
-    plt.close(fig)
-    paths.append(p)
+    paths.append(save_figure(fig, out / f"fleet_sim_{n}_utilization.png"))
     # 3. throttled GPUs' share of arrivals over time, relative to before the fault
     if thr and scenario_thr.throttle_at_s is not None:
         fault = scenario_thr.throttle_at_s
@@ -215,12 +203,7 @@ def _plots(
         ax.set_title(f"{n} GPUs: {len(targets)} H100(s) throttled to half speed")
         ax.legend()
         ax.grid(alpha=0.3)
-        fig.text(0.01, 0.01, ATTRIBUTION, fontsize=7)
-        fig.tight_layout(rect=(0, 0.04, 1, 1))
-        p = out / f"fleet_sim_{n}_throttle_share.png"
-        fig.savefig(p, dpi=110)
-        plt.close(fig)
-        paths.append(p)
+        paths.append(save_figure(fig, out / f"fleet_sim_{n}_throttle_share.png"))
     return paths
 
 

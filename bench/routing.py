@@ -84,6 +84,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from plots import ATTRIBUTION, save_figure  # bench/plots.py
 from rich.console import Console
 from rich.table import Table
 
@@ -123,9 +124,6 @@ POLICIES = ("rr-equal", "lr-equal", "static", "telemetry", "length-aware", "leng
 TELEMETRY_POLICIES = frozenset({"telemetry", "length-aware", "length-tiered"})
 #: The policies with a ``cluster.length_aware`` block.
 LENGTH_POLICIES = frozenset({"length-aware", "length-tiered"})
-ATTRIBUTION = (
-    "Trace: Azure LLM inference trace 2023 (conversation), Patel et al., 'Splitwise', ISCA 2024; CC-BY 4.0"
-)
 
 
 def config_doc(
@@ -573,11 +571,7 @@ def write_plots(results: Sequence[RunResult], out_dir: Path, load_s: float) -> l
         ax.set_ylabel(label)
         ax.legend()
     fig.suptitle("p99 by policy (steady runs)")
-    fig.text(0.01, 0.01, ATTRIBUTION, fontsize=7)
-    fig.tight_layout(rect=(0, 0.04, 1, 1))
-    paths.append(out_dir / "routing_p99.png")
-    fig.savefig(paths[-1], dpi=110)
-    plt.close(fig)
+    paths.append(save_figure(fig, out_dir / "routing_p99.png"))
 
     for load in loads:
         rs = [r for r in steady if r.load == load]
@@ -597,11 +591,7 @@ def write_plots(results: Sequence[RunResult], out_dir: Path, load_s: float) -> l
         ax.set_ylabel("GPU busy (%)")
         ax.set_title(f"per-GPU utilization at {load:.0%} load")
         ax.legend()
-        fig.text(0.01, 0.01, ATTRIBUTION, fontsize=7)
-        fig.tight_layout(rect=(0, 0.04, 1, 1))
-        paths.append(out_dir / f"routing_utilization_{round(load * 100)}.png")
-        fig.savefig(paths[-1], dpi=110)
-        plt.close(fig)
+        paths.append(save_figure(fig, out_dir / f"routing_utilization_{round(load * 100)}.png"))
 
     throttled = [r for r in results if r.scenario == "throttle"]
     if throttled:
@@ -618,11 +608,7 @@ def write_plots(results: Sequence[RunResult], out_dir: Path, load_s: float) -> l
         ax2.axvline(load_s / 2, color="k", linestyle="--", linewidth=1)
         ax2.set_ylabel(f"Envoy weight of {THROTTLED} (telemetry)")
         ax2.set_xlabel("seconds since the load started (throttle at the dashed line)")
-        fig.text(0.01, 0.01, ATTRIBUTION, fontsize=7)
-        fig.tight_layout(rect=(0, 0.04, 1, 1))
-        paths.append(out_dir / "routing_throttle.png")
-        fig.savefig(paths[-1], dpi=110)
-        plt.close(fig)
+        paths.append(save_figure(fig, out_dir / "routing_throttle.png"))
     return paths
 
 

@@ -17,10 +17,7 @@ with the gateway's processing mode and response accounting on (the default):
    x-envoy-upstream-service-time);
 4. the response body: one BUFFERED message with ``end_of_stream`` (a JSON completion with ``usage``: ext_proc
    asks for a buffered body at the response headers), or with ``--sse`` a STREAMED completion (one chunk
-   per SSE event, the last with ``end_of_stream``). With ``--status-attribute`` (an Envoy that skips the
-   response headers phase) there is no headers message: the first body chunk carries the status as the
-   ``response.code`` attribute, and a JSON body comes as the body then an empty end-of-stream chunk, as
-   Envoy 1.40 streams an HTTP/1.1 upstream's body.
+   per SSE event, the last with ``end_of_stream``).
 
 Each message waits for its answer before the next is sent, as Envoy does. ``--concurrency`` streams run
 at once (Envoy multiplexes its workers' streams on one HTTP/2 connection; so does this client).
@@ -101,7 +98,7 @@ def _sse_chunks() -> list[bytes]:
     return chunks
 
 
-def envoy_messages(body: bytes, *, sse: bool, status_attribute: bool = False) -> list[ep.ProcessingRequest]:
+def envoy_messages(body: bytes, *, sse: bool) -> list[ep.ProcessingRequest]:
     """The ``ProcessingRequest`` sequence of one request, as Envoy sends it (module docstring)."""
     request_headers = [
         (":authority", "127.0.0.1:10000"),
@@ -131,24 +128,21 @@ def envoy_messages(body: bytes, *, sse: bool, status_attribute: bool = False) ->
         chunks = _sse_chunks()
         content_type, length = "text/event-stream", None
     else:
-        reply = json.dumps(REPLY).encode()
-        chunks = [reply, b""] if status_attribute else [reply]
-        content_type, length = "application/json", str(len(reply))
-    if not status_attribute:
-        pairs = [(":status", "200"), ("content-type", content_type)]
-        if length is not None:
-            pairs.append(("content-length", length))
-        pairs += [
-            ("date", "Mon, 01 Jan 2024 00:00:00 GMT"),
-            ("server", "envoy"),
-            ("x-envoy-upstream-service-time", "0"),
-        ]
-        msgs.append(ep.ProcessingRequest(response_headers=ep.HttpHeaders(headers=_hmap(pairs))))
+        chunks = [json.dumps(REPLY).encode()]
+        content_type, length = "application/json", str(len(chunks[0]))
+    response_headers = [(":status", "200"), ("content-type", content_type)]
+    if length is not None:
+        response_headers.append(("content-length", length))
+    response_headers += [
+        ("date", "Mon, 01 Jan 2024 00:00:00 GMT"),
+        ("server", "envoy"),
+        ("x-envoy-upstream-service-time", "0"),
+    ]
+    msgs.append(ep.ProcessingRequest(response_headers=ep.HttpHeaders(headers=_hmap(response_headers))))
     for i, chunk in enumerate(chunks):
-        msg = ep.ProcessingRequest(response_body=ep.HttpBody(body=chunk, end_of_stream=i == len(chunks) - 1))
-        if i == 0 and status_attribute:
-            msg.attributes["envoy.filters.http.ext_proc"].fields["response.code"].number_value = 200
-        msgs.append(msg)
+        msgs.append(
+            ep.ProcessingRequest(response_body=ep.HttpBody(body=chunk, end_of_stream=i == len(chunks) - 1))
+        )
     return msgs
 
 
@@ -220,19 +214,18 @@ class Workload:
     """The messages of each request: the same body every time, or (``unique``) a user turn that no other
     request of the run repeats (the system prompt still repeats, as in real traffic)."""
 
-    def __init__(self, *, body_bytes: int, sse: bool, unique: bool, status_attribute: bool = False) -> None:
+    def __init__(self, *, body_bytes: int, sse: bool, unique: bool) -> None:
         self.body_bytes, self.sse, self.unique = body_bytes, sse, unique
-        self.status_attribute = status_attribute
         self._serial = itertools.count()
         body = chat_body(body_bytes).encode()
-        self.fixed = envoy_messages(body, sse=sse, status_attribute=status_attribute)
+        self.fixed = envoy_messages(body, sse=sse)
 
     def next(self) -> list[ep.ProcessingRequest]:
         """The messages of the next request."""
         if not self.unique:
             return self.fixed
         body = chat_body(self.body_bytes, next(self._serial)).encode()
-        return envoy_messages(body, sse=self.sse, status_attribute=self.status_attribute)
+        return envoy_messages(body, sse=self.sse)
 
 
 async def run_requests(port: int, n: int, concurrency: int, work: Workload) -> int:
@@ -369,11 +362,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--callgrind-warmup", type=int, default=50)
     p.add_argument("--profile", type=int, default=0, help="profile N requests (0: no profile)")
     p.add_argument("--profile-top", type=int, default=30)
-    p.add_argument(
-        "--status-attribute",
-        action="store_true",
-        help="no response headers message: the status rides on the first body chunk (headers SKIPped)",
-    )
     p.add_argument("--label", default="", help="a name for this run in the table title")
     args = p.parse_args(argv)
     if args.serve:
@@ -382,9 +370,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     console = Console(width=150)
-    work = Workload(
-        body_bytes=args.body_bytes, sse=args.sse, unique=args.unique, status_attribute=args.status_attribute
-    )
+    work = Workload(body_bytes=args.body_bytes, sse=args.sse, unique=args.unique)
     body = work.fixed[1].request_body.body
     cpu = measure_cpu(args, work)
     instructions = measure_instructions(args, work) if args.callgrind_requests > 0 else None
@@ -401,9 +387,7 @@ def main(argv: list[str] | None = None) -> int:
     ):
         table.add_column(col, justify="right")
     table.add_row(
-        ("SSE" if args.sse else "JSON")
-        + (", unique user turns" if args.unique else ", same body")
-        + (", status attribute" if args.status_attribute else ""),
+        ("SSE" if args.sse else "JSON") + (", unique user turns" if args.unique else ", same body"),
         str(len(body)),
         str(len(work.fixed)),
         str(args.concurrency),

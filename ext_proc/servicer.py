@@ -3,12 +3,9 @@
 One ``Process`` stream carries one HTTP request: request headers, then (BUFFERED) the whole body, then,
 when ``ext_proc.account_responses`` is on, the response headers (SEND) and the response body: STREAMED
 chunk by chunk for an SSE stream or a large or unsized answer, one BUFFERED message for a JSON answer that
-fits Envoy's buffer, none for a non-2xx answer (``mode_override`` in the answer to the response headers).
-An Envoy configured to skip the response headers phase and send the ``response.code`` attribute works
-too: the status then comes with the first body chunk (an answer with an empty body is then never seen,
-which is why the gateway keeps the phase). Each message gets
-exactly one answer: a headers/body response that continues (with header or body mutations) or an
-``ImmediateResponse``.
+fits Envoy's buffer, none for a non-2xx answer (``mode_override`` in the answer to the response headers),
+and response trailers if Envoy is configured to send them. Each message gets exactly one answer: a
+headers/body response that continues (with header or body mutations) or an ``ImmediateResponse``.
 
 Quota accounting per stream: admission takes a reservation (and a concurrency lease) from the
 :class:`~inferlb.quota.QuotaStore`; a :class:`~inferlb.usage.ResponseMeter` follows the response, and the
@@ -43,7 +40,7 @@ from inferlb import headers as h
 from inferlb.config import Config, GatewayConfig
 from inferlb.metrics import ExtProcMetrics
 from inferlb.quota import Admitted, MemoryQuotaStore, QuotaStore, Refused, limits_from_config
-from inferlb.usage import RESPONSE_CODE_ATTRIBUTE, ResponseMeter, Usage
+from inferlb.usage import ResponseMeter, Usage
 
 log = logging.getLogger("ext_proc")
 
@@ -310,17 +307,6 @@ def response_body_continue(chunk: bytes, out: bytes) -> ep.ProcessingResponse:
     return ep.ProcessingResponse(response_body=ep.BodyResponse(response=common))
 
 
-def response_code(req: ep.ProcessingRequest) -> int | None:
-    """The HTTP status Envoy sent as the ``response.code`` attribute (:data:`RESPONSE_CODE_ATTRIBUTE`) with
-    a response message, or None when it is absent. Envoy keys the attributes by the filter's name, so every
-    entry is searched."""
-    for fields in req.attributes.values():
-        value = fields.fields.get(RESPONSE_CODE_ATTRIBUTE)
-        if value is not None and value.WhichOneof("kind") == "number_value":
-            return int(value.number_value)
-    return None
-
-
 def header_map(msg: ep.HttpHeaders) -> dict[str, str]:
     """Envoy's header list as a dict of lower-case name -> value (``raw_value`` preferred; for a repeated
     name the last value wins, which is enough for the single-valued headers read here)."""
@@ -432,7 +418,6 @@ class ExternalProcessor(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc
         self._gave_up_log = RateLimitedLog(log)
         self._budget_log = RateLimitedLog(log)
         self._unknown_log = RateLimitedLog(log)
-        self._status_log = RateLimitedLog(log)
 
     async def drain(self) -> None:
         """Wait for settlements still running after their streams ended."""
@@ -473,7 +458,7 @@ class ExternalProcessor(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc
                             # (inferlb.usage.ResponseMeter.finish): settle now, no body will come
                             await self._finish(ex, aborted=False)
                     elif phase == "response_body":
-                        out = await self._on_response_body(ex, req)
+                        out = await self._on_response_body(ex, req.response_body)
                     elif phase == "request_trailers":
                         out = _REQUEST_TRAILERS_CONTINUE
                     elif phase == "response_trailers":
@@ -618,28 +603,10 @@ class ExternalProcessor(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc
             return _RESPONSE_HEADERS_BUFFER_BODY
         return response_headers_continue(remove_content_length=meter.rewrites_body)
 
-    async def _on_response_body(self, ex: _Exchange, req: ep.ProcessingRequest) -> ep.ProcessingResponse:
+    async def _on_response_body(self, ex: _Exchange, msg: ep.HttpBody) -> ep.ProcessingResponse:
         meter = ex.meter
         if meter is None or ex.settled:
             return _RESPONSE_BODY_CONTINUE
-        msg = req.response_body
-        if meter.status is None:
-            # the response headers phase is skipped (xds_server.resources.build_listener): the first body
-            # message carries the status as an attribute
-            status = response_code(req)
-            if status is None:
-                self._status_log.log(
-                    logging.WARNING,
-                    "a response body came without its status (no response headers phase and no %r "
-                    "attribute; check the ext_proc filter's response_attributes): metering it as a 200",
-                    RESPONSE_CODE_ATTRIBUTE,
-                )
-                status = 200
-            meter.on_status(status)
-            if not 200 <= status < 300:
-                # charged nothing whatever its body says (inferlb.usage.ResponseMeter.finish)
-                await self._finish(ex, aborted=False)
-                return _RESPONSE_BODY_CONTINUE
         out = meter.on_body(msg.body, end_of_stream=msg.end_of_stream)
         if msg.end_of_stream or meter.complete:
             await self._finish(ex, aborted=False)

@@ -42,10 +42,6 @@ from inferlb.request_rewrite import rewrite_request
 from inferlb.tokens import TextTokenCounter
 
 #: JSON bodies up to this size are kept to read their ``usage`` (bytes); larger ones charge the reservation.
-#: The Envoy attribute (``ExternalProcessor.response_attributes``) that carries a response's HTTP status to
-#: ext_proc with the first response body message when the response headers phase is skipped
-#: (https://www.envoyproxy.io/docs/envoy/latest/intro/arch_overview/advanced/attributes: ``response.code``).
-RESPONSE_CODE_ATTRIBUTE: Final = "response.code"
 MAX_JSON_BYTES: Final = 8 * 1024 * 1024
 #: A single SSE line longer than this is not an OpenAI event; it is skipped, not buffered (bytes).
 MAX_SSE_LINE_BYTES: Final = 4 * 1024 * 1024
@@ -361,23 +357,13 @@ class Reservation:
 class ResponseMeter:
     """Follows one response through its headers and body chunks and yields its :class:`Usage` once.
 
-    Usage: :meth:`on_headers` (status, content type) or :meth:`on_status` (status only), :meth:`on_body` per
-    chunk (returns the bytes to
+    Usage: :meth:`on_headers` (status, content type), :meth:`on_body` per chunk (returns the bytes to
     send the client), then :meth:`finish` (``aborted=True`` when the body did not reach its end). Only the
     first :meth:`finish` computes a usage; later calls return None, which is how the caller settles a
     reservation exactly once.
     """
 
-    __slots__ = (
-        "_body",
-        "_counter",
-        "_finished",
-        "_json_overflow",
-        "_sniff",
-        "_sse",
-        "reservation",
-        "status",
-    )
+    __slots__ = ("_body", "_counter", "_finished", "_json_overflow", "_sse", "reservation", "status")
 
     def __init__(
         self, reservation: Reservation, counter: TextTokenCounter, *, max_json_bytes: int = MAX_JSON_BYTES
@@ -389,7 +375,6 @@ class ResponseMeter:
         self._body = bytearray()
         self._json_overflow = max_json_bytes
         self._finished = False
-        self._sniff = False
 
     @property
     def streaming(self) -> bool:
@@ -417,23 +402,8 @@ class ResponseMeter:
             strip = self.reservation.strip_usage_event and 200 <= status < 300
             self._sse = SseMeter(self._counter, strip_usage_event=strip)
 
-    def on_status(self, status: int) -> None:
-        """The response's HTTP ``status`` alone, when its headers were not seen (the gateway skips the
-        response headers phase and Envoy sends the status as the :data:`RESPONSE_CODE_ATTRIBUTE` attribute
-        with the first body chunk). The body's format is then read from its first bytes: a 2xx answer to a
-        streamed request whose first non-blank byte is not ``{`` is an SSE stream (``data:``, ``event:``
-        or a ``:`` comment), anything else is metered as JSON."""
-        self.status = status
-        self._sniff = self.reservation.stream and 200 <= status < 300
-
     def on_body(self, chunk: bytes, *, end_of_stream: bool) -> bytes:
         """One response body chunk; returns the bytes the client should get in its place."""
-        if self._sniff:
-            first = chunk.lstrip()[:1]
-            if first:
-                self._sniff = False
-                if first != b"{":
-                    self._sse = SseMeter(self._counter, strip_usage_event=self.reservation.strip_usage_event)
         if self._sse is not None:
             out = self._sse.feed(chunk)
             if end_of_stream:

@@ -1,8 +1,6 @@
 """Usage accounting and quotas over real gRPC: a grpc aio ext_proc server on a free loopback port, driven
-by a client that sends what Envoy sends with response bodies STREAMED: request headers, the buffered request
-body, then either response headers and body chunks (response headers SEND) or body chunks whose first carries
-the status as the ``response.code`` attribute (response headers SKIP, what the gateway configures); and aborts
-(stream reset)."""
+by a client that sends what Envoy sends with response headers SEND and response bodies STREAMED: request
+headers, the buffered request body, response headers, response body chunks; and aborts (stream reset)."""
 
 from __future__ import annotations
 
@@ -60,15 +58,6 @@ def resp_headers(status: int = 200, content_type: str = "text/event-stream") -> 
 
 def resp_body(chunk: bytes, eos: bool = False) -> ep.ProcessingRequest:
     return ep.ProcessingRequest(response_body=ep.HttpBody(body=chunk, end_of_stream=eos))
-
-
-def first_resp_body(chunk: bytes, status: int | None, eos: bool = False) -> ep.ProcessingRequest:
-    """The first response body message as the gateway's Envoy sends it (response headers SKIPped): the
-    status rides along as the ``response.code`` attribute, keyed by the filter's name."""
-    msg = resp_body(chunk, eos)
-    if status is not None:
-        msg.attributes["envoy.filters.http.ext_proc"].fields["response.code"].number_value = status
-    return msg
 
 
 def chat(stream: bool = False, **extra: Any) -> bytes:
@@ -323,63 +312,6 @@ async def test_without_response_accounting_the_reservation_is_the_charge() -> No
         assert hx.store.book.in_flight("narrow") == 0
         for c in calls:
             c.cancel()
-
-
-# -- response headers skipped: the status comes as an attribute with the first body chunk -------------------
-async def test_status_attribute_stream_settles_and_hides_the_added_usage_chunk(harness: Harness) -> None:
-    hx = harness
-    call, _ = await admit(hx, "sk-metered-1", chat(stream=True))
-    stream = sse(delta("Hi"), delta(" there"), USAGE, "[DONE]")
-    split = stream.index(b'"usage"') + 3
-    seen = b""
-    for msg, chunk in (
-        (first_resp_body(stream[:split], 200), stream[:split]),
-        (resp_body(stream[split:], eos=True), stream[split:]),
-    ):
-        r = await hx.send(call, msg)
-        mutated = r.response_body.response.HasField("body_mutation")
-        seen += r.response_body.response.body_mutation.body if mutated else chunk
-    call.cancel()
-    assert seen == sse(delta("Hi"), delta(" there"), "[DONE]")
-    assert tokens_left(hx) == TPM - 18
-    assert hx.metric("inferlb_requests_total", tenant="metered", model="llama", status="200") == 1
-    assert hx.metric("inferlb_usage_settled_total", source="reported") == 1
-
-
-async def test_status_attribute_json_settles_with_its_usage(harness: Harness) -> None:
-    hx = harness
-    call, _ = await admit(hx, "sk-metered-1", chat())
-    body = json.dumps({"choices": [{"message": {"content": "ok"}}], "usage": USAGE["usage"]}).encode()
-    r = await hx.send(call, first_resp_body(body, 200, eos=True))
-    assert not r.response_body.response.HasField("body_mutation")
-    call.cancel()
-    assert tokens_left(hx) == TPM - 18
-    assert hx.metric("inferlb_requests_total", tenant="metered", model="llama", status="200") == 1
-
-
-@pytest.mark.parametrize("status", [429, 503])
-async def test_status_attribute_error_charges_nothing_at_once(harness: Harness, status: int) -> None:
-    hx = harness
-    call, _ = await admit(hx, "sk-metered-1", chat(stream=True))
-    # settled on the first chunk, before the end of the body
-    await hx.send(call, first_resp_body(b'{"error": {"message": "overloaded"}}', status))
-    assert tokens_left(hx) == TPM
-    assert hx.metric("inferlb_requests_total", tenant="metered", model="llama", status=str(status)) == 1
-    await hx.send(call, resp_body(b"", eos=True))
-    call.cancel()
-    assert tokens_left(hx) == TPM
-
-
-async def test_missing_status_attribute_is_metered_as_200_with_a_warning(
-    harness: Harness, caplog: pytest.LogCaptureFixture
-) -> None:
-    hx = harness
-    call, _ = await admit(hx, "sk-metered-1", chat())
-    body = json.dumps({"choices": [], "usage": USAGE["usage"]}).encode()
-    await hx.send(call, first_resp_body(body, None, eos=True))
-    call.cancel()
-    assert tokens_left(hx) == TPM - 18
-    assert "response.code" in caplog.text
 
 
 # -- response headers: which body mode ext_proc asks for ------------------------------------------------

@@ -6,7 +6,7 @@ COPY pyproject.toml README.md ./
 COPY inferlb ./inferlb
 COPY xds_server ./xds_server
 COPY ext_proc ./ext_proc
-COPY gpusim ./gpusim
+COPY simulation ./simulation
 RUN pip install --no-cache-dir .
 USER nobody
 ENTRYPOINT ["python", "-m"]

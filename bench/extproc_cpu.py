@@ -1,4 +1,4 @@
-"""CPU cost of inferlb's ext_proc service per request, in-process, without Envoy (issue 4, point 9).
+"""CPU cost of inferlb's ext_proc service per request, in-process, without Envoy.
 
 Run: ``.venv/bin/python bench/extproc_cpu.py [--requests 3000] [--rounds 5] [--concurrency 16]
 [--callgrind-requests 300] [--profile 3000] [--sse]``. Prints rich tables; not a test.
@@ -150,7 +150,7 @@ def envoy_messages(body: bytes, *, sse: bool) -> list[ep.ProcessingRequest]:
 async def _serve(profile_path: str | None) -> None:
     # imported here so the client process does not pay for tiktoken and the config models
     from ext_proc.servicer import ExtProcState, add_to_server, make_server  # noqa: PLC0415
-    from inferlb.config import parse_config  # noqa: PLC0415
+    from inferlb.config.schema import parse_config  # noqa: PLC0415
 
     state = ExtProcState(parse_config(CONFIG))
     state.gateway.counter.count("warm up the encoding")

@@ -1,4 +1,4 @@
-"""What ext_proc costs on the request path: Envoy alone vs Envoy + inferlb's ext_proc (issue 4, point 9).
+"""What ext_proc costs on the request path: Envoy alone vs Envoy + inferlb's ext_proc.
 
 Run: ``.venv/bin/python bench/extproc_overhead.py [--duration 5] [--connections 1,16,64] [--processes 1,2]``
 (needs ``wrk``: ``apt-get install wrk``). Prints one table; not a test.
@@ -14,9 +14,9 @@ Set-up, all on 127.0.0.1:
   ``json.loads`` to set the two routing headers (model, version). It is the floor any grpc-python
   processor pays here, measured in the same run; what inferlb's ext_proc costs above it is our code;
 - ``envoy + ext_proc xN``: the real inferlb gateway (xds_server + Envoy configured over ADS with the
-  ext_proc filter, ``inferlb.stack.Stack``) with N ext_proc processes, each its own endpoint of the ext_proc
-  cluster (``ext_proc.extra_listen``), routing to the same backend; response accounting on (the default:
-  the response body goes through ext_proc too, its first chunk carrying the status);
+  ext_proc filter, ``inferlb.ops.stack.Stack``) with N ext_proc processes, each its own endpoint of the
+  ext_proc cluster (``ext_proc.extra_listen``), routing to the same backend; response accounting on (the
+  default: the response body goes through ext_proc too, its first chunk carrying the status);
 - ``..., unmetered``: the same with ``ext_proc.account_responses`` off (quotas settled on the reservation,
   no response phases: two messages per request instead of four), for the real and the null processor.
 
@@ -46,8 +46,8 @@ import yaml
 from rich.console import Console
 from rich.table import Table
 
-from inferlb.config import HostPort, default_config_path
-from inferlb.stack import Child, Stack, find_envoy, free_ports, port_open
+from inferlb.config.schema import HostPort, default_config_path
+from inferlb.ops.stack import Child, Stack, find_envoy, free_ports, port_open
 
 sys.path.insert(0, str(Path(__file__).parents[1]))
 
@@ -263,7 +263,7 @@ def serve_null(port: int, model: str, version: str) -> None:
 
     from ext_proc.__main__ import run_event_loop  # noqa: PLC0415
     from ext_proc.servicer import make_server  # noqa: PLC0415
-    from inferlb import headers  # noqa: PLC0415
+    from inferlb.request import headers  # noqa: PLC0415
 
     overwrite = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
     answers = {

@@ -1,14 +1,14 @@
-"""Fleet-scale routing benchmark without Envoy: a discrete-event simulation of N GPUs (inferlb.fleetsim).
+"""Fleet-scale routing benchmark without Envoy: a discrete-event simulation of N GPUs (simulation.fleetsim).
 
 Not a test: it prints tables and writes PNG plots. For a fleet of ``--gpus`` GPUs in the config's GPU mix,
-each a ``gpusim.engine.BatchEngine`` with the config's ``simulation:`` timing, it replays the bundled Azure
-LLM inference trace 2023 (conversation; Patel et al., "Splitwise", ISCA 2024; CC-BY 4.0) scaled to each
-``--loads`` fraction of the fleet's capacity, under six Envoy balancers (round robin, least request (P2C),
-weighted least request with static capacity weights, with telemetry-driven weights from
-``inferlb.weights.step``, length-aware placement: long completions to the fast GPUs, by those weights, and
-tiered placement: one length class per GPU class),
+each a ``simulation.gpusim.engine.BatchEngine`` with the config's ``simulation:`` timing, it replays the
+bundled Azure LLM inference trace 2023 (conversation; Patel et al., "Splitwise", ISCA 2024; CC-BY 4.0) scaled
+to each ``--loads`` fraction of the fleet's capacity, under six Envoy balancers (round robin, least request
+(P2C), weighted least request with static capacity weights, with telemetry-driven weights from
+``inferlb.policy.weights.step``, length-aware placement: long completions to the fast GPUs, by those weights,
+and tiered placement: one length class per GPU class),
 then a second run per policy at ``--throttle-load`` where ``--throttle-fraction``
-of the H100s slow to half speed mid-way. See inferlb/fleetsim.py for the model and every definition.
+of the H100s slow to half speed mid-way. See simulation/fleetsim.py for the model and every definition.
 
 Usage: ``.venv/bin/python bench/fleet_sim.py [--gpus 1000] [--duration 60] [--out bench/out]``
 (``--help`` for the rest). Needs matplotlib for the plots.
@@ -21,13 +21,13 @@ what ``inferlb replay`` (and bench/routing.py) sends as ``max_tokens``, so the t
 gateway sees; real clients' caps are only upper bounds of their outputs (often a default).
 
 ``tiered`` (every GPU class a tier: the longest outputs on the fastest tier only, and so on) takes its
-thresholds from the rule :func:`inferlb.length_aware.tier_thresholds` (``--tier-fraction``) over the
+thresholds from the rule :func:`inferlb.policy.length_aware.tier_thresholds` (``--tier-fraction``) over the
 ``--threshold-window`` (else the replayed rows); ``--long-rule`` gives ``length_aware`` its threshold by the
 same rule, for a like-for-like two-tier row; ``--no-spill`` keeps every confined request in its tier set
 as Envoy's subsets do (the default lets a saturated set spill to the next wider one). ``tiered_live`` is
 ``tiered`` whose class sets follow the GPUs' clock throttle as the xDS server's do with telemetry weights
-(:func:`inferlb.length_aware.live_class_sets`; ``Scenario.live_classes``): a throttled H100 brings the next
-fastest GPUs into its classes until each class has its nominal capacity again.
+(:func:`inferlb.policy.length_aware.live_class_sets`; ``Scenario.live_classes``): a throttled H100 brings the
+next fastest GPUs into its classes until each class has its nominal capacity again.
 """
 
 from __future__ import annotations
@@ -41,9 +41,11 @@ from plots import ATTRIBUTION, save_figure  # bench/plots.py
 from rich.console import Console
 from rich.table import Table
 
-from gpusim.engine import BatchEngine, TimingModel
-from inferlb.config import Config, load_config
-from inferlb.fleetsim import (
+from inferlb.config.schema import Config, load_config
+from inferlb.policy.length_aware import DEFAULT_TIER_WORK_FRACTION, tier_thresholds
+from inferlb.policy.weights import WeightParams
+from inferlb.traces import DEFAULT_TRACE, TraceRow, read_trace
+from simulation.fleetsim import (
     POLICIES,
     FleetGpu,
     FleetRunResult,
@@ -58,9 +60,7 @@ from inferlb.fleetsim import (
     simulate,
     tiered_thresholds,
 )
-from inferlb.length_aware import DEFAULT_TIER_WORK_FRACTION, tier_thresholds
-from inferlb.replay import DEFAULT_TRACE, TraceRow, read_trace
-from inferlb.weights import WeightParams
+from simulation.gpusim.engine import BatchEngine, TimingModel
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "inferlb" / "data" / "local.yaml"
 
@@ -255,7 +255,7 @@ def main() -> None:
         type=float,
         default=DEFAULT_TIER_WORK_FRACTION,
         help="tiered (and length_aware with --long-rule): share of each tier set's capacity its confined "
-        "requests may take (inferlb.length_aware.tier_thresholds)",
+        "requests may take (inferlb.policy.length_aware.tier_thresholds)",
     )
     ap.add_argument(
         "--long-rule",
@@ -397,7 +397,7 @@ def main() -> None:
 
 def trace_part(rows: list[TraceRow], start: float, end: float) -> list[TraceRow]:
     """The rows whose offset lies in ``[start, end)`` of the trace's span (fractions; ``end`` 1.0 keeps the
-    last row), offsets kept (:func:`inferlb.fleetsim.scale_trace` re-times them).
+    last row), offsets kept (:func:`simulation.fleetsim.scale_trace` re-times them).
 
     Raises:
         SystemExit: the fractions are not ``0 <= start < end <= 1`` or the part holds no row.

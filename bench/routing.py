@@ -5,7 +5,7 @@ Not a test: it prints a table and writes PNG plots under ``bench/out/``. For eac
 
 1. writes a config with one model served by 8 simulated GPUs of 3 types (2 x H100, 3 x A100, 3 x V100;
    relative capacity 3.4 / 1.7 / 1.0, 14.9 V100-units in all) and starts the whole stack (gpusim, xds_server,
-   ext_proc, a real Envoy) with :class:`inferlb.stack.Stack`;
+   ext_proc, a real Envoy) with :class:`inferlb.ops.stack.Stack`;
 2. applies the policy:
 
    - ``rr-equal``: Envoy ``ROUND_ROBIN``, every weight pinned to 1 over the fleet API (``PUT /v1/weights``);
@@ -14,35 +14,36 @@ Not a test: it prints a table and writes PNG plots under ``bench/out/``. For eac
    - ``telemetry``: ``LEAST_REQUEST`` with the telemetry weights (``weights.mode: telemetry``, the default
      policy parameters, ``/metrics`` and ``/sim/telemetry`` scraped every 500 ms);
    - ``length-aware``: ``telemetry`` plus length-aware placement (``cluster.length_aware``,
-     :mod:`inferlb.length_aware`): requests whose ``max_tokens`` exceeds ``--long-tokens`` (default: the
-     config default, 384, chosen in the 1,000-GPU simulation) go to the GPUs of relative capacity >=
+     :mod:`inferlb.policy.length_aware`): requests whose ``max_tokens`` exceeds ``--long-tokens`` (default:
+     the config default, 384, chosen in the 1,000-GPU simulation) go to the GPUs of relative capacity >=
      ``--long-min-capacity`` (1.5: the H100s and A100s) through Envoy's subset load balancer; the others to
-     every GPU. The replay's ``max_tokens`` is the trace's completion length (:func:`inferlb.replay.plan`),
-     so the gateway knows each output length exactly: the best case for this policy, since real clients
-     send an upper bound (often a default);
+     every GPU. The replay's ``max_tokens`` is the trace's completion length
+     (:func:`inferlb.ops.replay.plan`), so the gateway knows each output length exactly: the best case for
+     this policy, since real clients send an upper bound (often a default);
    - ``length-tiered``: ``telemetry`` plus tiered placement (``cluster.length_aware.tiers``): the longest
      requests on the H100s only, the next on the H100s and A100s, the rest anywhere. The thresholds come
-     from the rule :func:`inferlb.length_aware.tier_thresholds` (fraction ``--tier-fraction``, default
+     from the rule :func:`inferlb.policy.length_aware.tier_thresholds` (fraction ``--tier-fraction``, default
      0.75) over the *first half* of the trace (the training window; the run's own window is held out
      when ``--trace-start`` lies in the second half, from 1751 s), printed before the runs. With
-     ``weights.mode: telemetry`` the classes' GPU sets are live (:func:`inferlb.length_aware.
+     ``weights.mode: telemetry`` the classes' GPU sets are live (:func:`inferlb.policy.length_aware.
      live_class_sets`): when ``h100-0`` throttles, the next fastest GPUs join its classes, so "on their
      tiers" (by GPU type) then counts fewer than all;
 
 3. replays a window of ``inferlb/data/azure_llm_2023_conv.csv`` (Azure LLM inference trace 2023, Patel et
-   al., "Splitwise", ISCA 2024; CC-BY 4.0) with :func:`inferlb.replay.plan` / :func:`~inferlb.replay.send_all`
-   (streamed chat completions, so the client measures TTFT), compressed in time so that its request rate is
-   the target fraction of the fleet's capacity and the replay lasts ``--load-s`` seconds;
+   al., "Splitwise", ISCA 2024; CC-BY 4.0) with :func:`inferlb.ops.replay.plan` /
+   :func:`~inferlb.ops.replay.send_all` (streamed chat completions, so the client measures TTFT), compressed
+   in time so that its request rate is the target fraction of the fleet's capacity and the replay lasts
+   ``--load-s`` seconds;
 4. in the throttle scenario, puts ``h100-0`` at half speed (``POST /sim/fault`` throttle 2.0: clock halved,
    thermal reason set) half-way through the load;
 5. reads each GPU's busy seconds (``gpusim:gpu_busy_seconds_total``) before and after the load, and polls
    Envoy's ``/clusters`` every 250 ms for the throttled GPU's weight.
 
-**Capacity** (requests/s) comes from the simulation parameters (gpusim/engine.py's timing model): at a full
-batch of ``B`` sequences one decode step of a GPU of capacity ``c`` takes ``(1 + 0.02 (B - 1)) / (c D)`` s and
-yields ``B`` tokens, a prefill of ``p`` tokens takes ``p / (c P)`` s, so a request costs ``c``-GPU seconds
-``E[p] / (c P) + E[o] (1 + 0.02 (B - 1)) / (c D B)``, and the fleet serves ``sum(c) / (E[p] / P + E[o] (1 +
-0.02 (B - 1)) / (D B))`` requests/s with ``E[p]``, ``E[o]`` the means of the replayed window. It is the
+**Capacity** (requests/s) comes from the simulation parameters (simulation/gpusim/engine.py's timing model):
+at a full batch of ``B`` sequences one decode step of a GPU of capacity ``c`` takes ``(1 + 0.02 (B - 1)) / (c
+D)`` s and yields ``B`` tokens, a prefill of ``p`` tokens takes ``p / (c P)`` s, so a request costs ``c``-GPU
+seconds ``E[p] / (c P) + E[o] (1 + 0.02 (B - 1)) / (c D B)``, and the fleet serves ``sum(c) / (E[p] / P + E[o]
+(1 + 0.02 (B - 1)) / (D B))`` requests/s with ``E[p]``, ``E[o]`` the means of the replayed window. It is the
 saturation rate with every batch full: a real fleet never reaches it (batches are not always full), so
 "90%" is a heavy load. The simulated GPUs run at ``--decode-tps`` (40) tokens/s per sequence and
 ``--prefill-tps`` (6000) tokens/s at capacity 1.0, faster than ``local.yaml``'s 30 / 4000 (same ratios
@@ -88,10 +89,16 @@ from plots import ATTRIBUTION, save_figure  # bench/plots.py
 from rich.console import Console
 from rich.table import Table
 
-from gpusim.engine import BATCH_SLOWDOWN_PER_SEQUENCE, TimingModel
-from inferlb.config import Config, LengthAwareRouting, LengthTier, parse_config
-from inferlb.fleetsim import request_service_seconds
-from inferlb.length_aware import (
+from inferlb.config.schema import Config, LengthAwareRouting, LengthTier, parse_config
+from inferlb.ops.replay import (
+    Outcome,
+    PlannedRequest,
+    plan,
+    send_all,
+)
+from inferlb.ops.stack import Stack, clusters_json, free_ports
+from inferlb.ops.status import host_rows
+from inferlb.policy.length_aware import (
     DEFAULT_TIER_WORK_FRACTION,
     SHORT,
     allowed_classes,
@@ -99,19 +106,9 @@ from inferlb.length_aware import (
     tier_capacity_shares,
     tier_thresholds,
 )
-from inferlb.replay import (
-    DEFAULT_TRACE,
-    Outcome,
-    PlannedRequest,
-    TraceRow,
-    percentile,
-    plan,
-    read_trace,
-    send_all,
-    window,
-)
-from inferlb.stack import Stack, clusters_json, free_ports
-from inferlb.status import host_rows
+from inferlb.traces import DEFAULT_TRACE, TraceRow, percentile, read_trace, window
+from simulation.fleetsim import request_service_seconds
+from simulation.gpusim.engine import BATCH_SLOWDOWN_PER_SEQUENCE, TimingModel
 
 MODEL = "bench-model"
 CLUSTER = f"{MODEL}--v1"
@@ -315,7 +312,7 @@ def _share_series(
 
 
 def rule_tiers(rows: Sequence[TraceRow], args: argparse.Namespace) -> LengthAwareRouting:
-    """The ``length-tiered`` block: :func:`inferlb.length_aware.tier_thresholds` (fraction
+    """The ``length-tiered`` block: :func:`inferlb.policy.length_aware.tier_thresholds` (fraction
     ``args.tier_fraction``) over ``rows`` (the training window) for the bench fleet, each request's work
     priced by the bench's timing model."""
     config = parse_config(
@@ -531,7 +528,7 @@ def results_table(results: Sequence[RunResult]) -> Table:
 
 def p99_ratios(results: Sequence[RunResult]) -> list[str]:
     """One line per steady load and weighted policy: its latency p99 over round robin's and least request's
-    (issue 5's targets at 90% load: <= 0.5 and <= 0.7)."""
+    (the targets at 90% load: <= 0.5 and <= 0.7)."""
     p99 = {(r.load, r.policy): r.latency_p99_s for r in results if r.scenario == "steady"}
     lines = []
     for (load, policy), v in sorted(p99.items()):
@@ -644,7 +641,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--tier-fraction",
         type=float,
         default=DEFAULT_TIER_WORK_FRACTION,
-        help="length-tiered: the threshold rule's fraction (inferlb.length_aware.tier_thresholds)",
+        help="length-tiered: the threshold rule's fraction (inferlb.policy.length_aware.tier_thresholds)",
     )
     p.add_argument("--out", default=str(Path(__file__).parent / "out"))
     args = p.parse_args(argv)

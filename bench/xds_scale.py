@@ -45,9 +45,9 @@ import yaml
 from envoy.config.core.v3 import base_pb2
 from envoy.service.discovery.v3 import ads_pb2_grpc, discovery_pb2
 
-from inferlb.bootstrap import render_bootstrap
-from inferlb.config import load_config
-from inferlb.stack import free_ports
+from inferlb.config.schema import load_config
+from inferlb.ops.stack import free_ports
+from xds_server.bootstrap import render_bootstrap
 
 CDS = "type.googleapis.com/envoy.config.cluster.v3.Cluster"
 EDS = "type.googleapis.com/envoy.config.endpoint.v3.ClusterLoadAssignment"

@@ -8,7 +8,7 @@ picks a free one, logged as ``ext_proc metrics on HOST:PORT``). Quota state live
 logs ``ext_proc ready on HOST:PORT`` once it accepts streams, polls the config file every
 ``--poll-interval`` seconds (0.5) by content hash and applies a changed file; a bad file is logged with the
 field named and the last good config keeps serving (a file must also pass
-:func:`inferlb.config_checks.check_config`, as xds_server's does, so the two never serve different
+:func:`inferlb.config.checks.check_config`, as xds_server's does, so the two never serve different
 files). The event loop is uvloop's when uvloop is installed
 (``--event-loop auto``, the default; ``asyncio`` forces the standard loop): it cut the server's work per
 request by ~7% (bench/extproc_cpu.py --unique, callgrind: 3.55 M -> 3.30 M instructions).
@@ -26,13 +26,13 @@ import sys
 from collections.abc import Coroutine, Sequence
 from typing import Any, Literal
 
+from ext_proc.metrics import ExtProcMetrics
 from ext_proc.reload import ConfigPoller
 from ext_proc.servicer import MAX_CONFIGURABLE_BODY_BYTES, ExtProcState, add_to_server, make_server
 from ext_proc.stores import make_quota_store, start_metrics_server
-from inferlb.config import Config, HostPort
-from inferlb.config_checks import check_config
+from inferlb.config.checks import check_config
+from inferlb.config.schema import Config, HostPort
 from inferlb.errors import ConfigError
-from inferlb.metrics import ExtProcMetrics
 
 log = logging.getLogger("ext_proc")
 

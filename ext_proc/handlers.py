@@ -7,10 +7,10 @@ Envoy sends each HTTP request to ext_proc as request headers (SEND) and then the
   to the body phase and refuses anything else (400/404/405).
 - :func:`on_request_body` = :func:`prepare_body` (size check, parse, model resolution, prompt token
   count, and the upstream body rewrite: an alias becomes the canonical model name and a metered stream gets
-  ``stream_options.include_usage``, see :mod:`inferlb.request_rewrite`; pure and thread-safe, so a big body
+  ``stream_options.include_usage``, see :mod:`inferlb.request.rewrite`; pure and thread-safe, so a big body
   can be prepared off the event loop) then :func:`admit`
-  (quota and version choice, which mutate the :class:`~inferlb.quota.QuotaBook` and so run on the loop).
-  It ends with the routing headers and ``clear_route_cache`` or with an immediate refusal.
+  (quota and version choice, which mutate the :class:`~inferlb.policy.quota.QuotaBook` and so run on the
+  loop). It ends with the routing headers and ``clear_route_cache`` or with an immediate refusal.
 
 Refusals are :class:`ImmediateReply` values carrying the OpenAI JSON error body
 (:meth:`inferlb.errors.RequestError.to_openai_json`) and a ``details`` token naming the reason (Envoy's
@@ -26,17 +26,17 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 
-from inferlb import headers as h
-from inferlb.affinity import HASH_LB_POLICIES, NO_KEYS, affinity_keys
-from inferlb.config import Config, ModelConfig, TenantConfig
-from inferlb.config_checks import SHARED_TOKENIZERS
+from inferlb.config.checks import SHARED_TOKENIZERS
+from inferlb.config.schema import Config, ModelConfig, TenantConfig
 from inferlb.errors import RequestError
-from inferlb.length_aware import length_class
-from inferlb.openai_api import INFERENCE_PATHS, EndpointKind, InferenceRequest, echo, parse_request
-from inferlb.quota import Admitted, Limit, QuotaBook, Refused
-from inferlb.request_rewrite import rewrite_request
-from inferlb.routing import RoutingTable, model_not_found, priority_header_value
-from inferlb.tokens import (
+from inferlb.policy.affinity import HASH_LB_POLICIES, NO_KEYS, affinity_keys
+from inferlb.policy.length_aware import length_class
+from inferlb.policy.quota import Admitted, Limit, QuotaBook, Refused
+from inferlb.policy.routing import RoutingTable, model_not_found, priority_header_value
+from inferlb.request import headers as h
+from inferlb.request.parsing import INFERENCE_PATHS, EndpointKind, InferenceRequest, echo, parse_request
+from inferlb.request.rewrite import rewrite_request
+from inferlb.request.tokens import (
     CountingBudgetExceededError,
     TextTokenCounter,
     count_each_prompt,
@@ -44,14 +44,14 @@ from inferlb.tokens import (
     default_counter,
     min_prompt_tokens,
 )
-from inferlb.usage import Reservation
+from inferlb.request.usage import Reservation
 
 MODELS_PATH = "/v1/models"
 #: Endpoints whose streams take ``stream_options.include_usage`` (the Responses API always sends usage in
 #: its ``response.completed`` event and has no such option).
 _INCLUDE_USAGE_KINDS = frozenset({EndpointKind.CHAT_COMPLETIONS, EndpointKind.COMPLETIONS})
 _JSON = (("content-type", "application/json"),)
-#: Longest error message sent (characters): a backstop behind :func:`inferlb.openai_api.echo`.
+#: Longest error message sent (characters): a backstop behind :func:`inferlb.request.parsing.echo`.
 MAX_ERROR_MESSAGE_CHARS = 2048
 #: Share of Envoy's ``message_timeout`` the body phase may spend counting tokens: the rest covers the
 #: gRPC hops, parsing and admission, so the client gets our error and not Envoy's empty 504.
@@ -350,8 +350,9 @@ def prepare_body(
     """Check size, parse, resolve the model and count prompt tokens (pure; safe in a worker thread).
 
     The context-length check runs twice: first on a floor computed without tokenizing
-    (:func:`inferlb.tokens.min_prompt_tokens`), so a body that cannot fit is refused before any BPE work,
-    then on the real count. Completions and embeddings are checked per prompt (each is its own sequence).
+    (:func:`inferlb.request.tokens.min_prompt_tokens`), so a body that cannot fit is refused before any BPE
+    work, then on the real count. Completions and embeddings are checked per prompt (each is its own
+    sequence).
 
     Args:
         body: the buffered request body.
@@ -537,7 +538,7 @@ def route(
         (h.PRIORITY, priority_header_value(tenant.priority)),
         (h.PROMPT_TOKENS, str(prepared.prompt_tokens)),
     )
-    # affinity keys for ring_hash/maglev routes (inferlb.affinity); absent keys leave the header unset
+    # affinity keys for ring_hash/maglev routes (inferlb.policy.affinity); absent keys leave the header unset
     if keys.prefix is not None:
         headers = (*headers, (h.PREFIX_KEY, keys.prefix))
     if keys.session is not None:

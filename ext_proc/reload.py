@@ -7,7 +7,7 @@ from pathlib import Path
 
 import yaml
 
-from inferlb.config import Config, parse_config
+from inferlb.config.schema import Config, parse_config
 from inferlb.errors import ConfigError
 
 

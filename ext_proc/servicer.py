@@ -8,9 +8,9 @@ and response trailers if Envoy is configured to send them. Each message gets exa
 headers/body response that continues (with header or body mutations) or an ``ImmediateResponse``.
 
 Quota accounting per stream: admission takes a reservation (and a concurrency lease) from the
-:class:`~inferlb.quota.QuotaStore`; a :class:`~inferlb.usage.ResponseMeter` follows the response, and the
-reservation is settled with the real usage exactly once: at the end of the response body, at the
-response trailers, or, when the stream ends first (client abort, upstream reset, Envoy timeout), with
+:class:`~inferlb.policy.quota.QuotaStore`; a :class:`~inferlb.request.usage.ResponseMeter` follows the
+response, and the reservation is settled with the real usage exactly once: at the end of the response body, at
+the response trailers, or, when the stream ends first (client abort, upstream reset, Envoy timeout), with
 what was produced so far. A settlement that has to wait for the store (Redis) after the stream was
 cancelled runs as a tracked task (:meth:`ExternalProcessor.drain` waits for them).
 
@@ -36,11 +36,11 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 from envoy.type.v3 import http_status_pb2
 
 from ext_proc import handlers
-from inferlb import headers as h
-from inferlb.config import Config, GatewayConfig
-from inferlb.metrics import ExtProcMetrics
-from inferlb.quota import Admitted, MemoryQuotaStore, QuotaStore, Refused, limits_from_config
-from inferlb.usage import ResponseMeter, Usage
+from ext_proc.metrics import ExtProcMetrics
+from inferlb.config.schema import Config, GatewayConfig
+from inferlb.policy.quota import Admitted, MemoryQuotaStore, QuotaStore, Refused, limits_from_config
+from inferlb.request import headers as h
+from inferlb.request.usage import ResponseMeter, Usage
 
 log = logging.getLogger("ext_proc")
 
@@ -99,14 +99,14 @@ def make_server(max_body_bytes: int = MAX_CONFIGURABLE_BODY_BYTES) -> grpc.aio.S
 
 class ExtProcState:
     """The mutable state one ext_proc process serves from: the current :class:`handlers.Gateway`, the
-    tenants' :class:`~inferlb.quota.QuotaStore` and the metrics.
+    tenants' :class:`~inferlb.policy.quota.QuotaStore` and the metrics.
 
     Args:
         config: the initial config.
         clock: monotonic seconds (injected for tests), for the default in-process store.
         rng: randomness for version choice when a request names no user.
-        quotas: the quota store; default an in-process :class:`~inferlb.quota.MemoryQuotaStore`.
-        metrics: the metric families; default a fresh :class:`~inferlb.metrics.ExtProcMetrics`.
+        quotas: the quota store; default an in-process :class:`~inferlb.policy.quota.MemoryQuotaStore`.
+        metrics: the metric families; default a fresh :class:`~ext_proc.metrics.ExtProcMetrics`.
     """
 
     def __init__(
@@ -455,7 +455,7 @@ class ExternalProcessor(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc
                         out = self._on_response_headers(ex, req.response_headers)
                         if out is _RESPONSE_HEADERS_NO_BODY:
                             # a non-2xx response is charged nothing whatever its body says
-                            # (inferlb.usage.ResponseMeter.finish): settle now, no body will come
+                            # (inferlb.request.usage.ResponseMeter.finish): settle now, no body will come
                             await self._finish(ex, aborted=False)
                     elif phase == "response_body":
                         out = await self._on_response_body(ex, req.response_body)

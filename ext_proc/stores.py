@@ -8,10 +8,10 @@ from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import start_http_server
 
-from inferlb.config import Config, HostPort
-from inferlb.metrics import ExtProcMetrics
-from inferlb.quota import MemoryQuotaStore, QuotaStore, limits_from_config
-from inferlb.quota_redis import RedisQuotaStore
+from ext_proc.metrics import ExtProcMetrics
+from inferlb.adapters.quota_redis import RedisQuotaStore
+from inferlb.config.schema import Config, HostPort
+from inferlb.policy.quota import MemoryQuotaStore, QuotaStore, limits_from_config
 
 #: A concurrency lease outlives the longest request by this much (s), so a lease is only ever dropped by
 #: expiry when its replica died without settling it.
@@ -29,9 +29,9 @@ def lease_ttl_s(config: Config) -> float:
 
 
 def make_quota_store(config: Config, metrics: ExtProcMetrics) -> QuotaStore:
-    """The quota store ``ext_proc.quota_backend`` names: :class:`~inferlb.quota.MemoryQuotaStore` or a
-    :class:`~inferlb.quota_redis.RedisQuotaStore` on ``ext_proc.redis_url`` (connects on first use, so an
-    unreachable Redis at start-up is handled like one at run time: by ``redis_failure_mode``)."""
+    """The quota store ``ext_proc.quota_backend`` names: :class:`~inferlb.policy.quota.MemoryQuotaStore` or a
+    :class:`~inferlb.adapters.quota_redis.RedisQuotaStore` on ``ext_proc.redis_url`` (connects on first use,
+    so an unreachable Redis at start-up is handled like one at run time: by ``redis_failure_mode``)."""
     limits = limits_from_config(config)
     ep = config.ext_proc
     if ep.quota_backend == "memory":

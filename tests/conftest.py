@@ -17,8 +17,8 @@ from typing import Any
 import pytest
 import yaml
 
-from inferlb.config import default_config_path
-from inferlb.stack import free_ports
+from inferlb.config.schema import default_config_path
+from inferlb.ops.stack import free_ports
 
 LOOPBACK = "127.0.0.1"
 

@@ -2,9 +2,10 @@
 
 Layers, each importing only the ones before it (shared/STYLE.md, item 3):
 
-- :mod:`xds_server.resources`: pure functions from an :class:`inferlb.config.Config` to Envoy v3 protos.
+- :mod:`xds_server.resources`: pure functions from an :class:`inferlb.config.schema.Config` to Envoy v3
+protos.
 - :mod:`xds_server.cache`: immutable versioned snapshots, their consistency check, the snapshot cache.
-- :mod:`xds_server.fleet`: fleet API changes (register, drain, deregister, weight pins) as pure values.
+- :mod:`xds_server.fleet_state`: fleet API changes (register, drain, deregister, weight pins) as pure values.
 - :mod:`xds_server.sotw` / :mod:`xds_server.delta`: the state-of-the-world and Delta protocol state of one
   stream (no I/O).
 - :mod:`xds_server.coalesce`: push coalescing (debounce with a staleness bound).

@@ -1,7 +1,7 @@
 """``python -m xds_server --config PATH [--log-level info]``: serve ADS for one inferlb config file.
 
 The fleet API's bearer token comes from ``INFERLB_XDS_API_TOKEN`` when set (else ``xds.api_token``).
-The telemetry loop (:mod:`xds_server.telemetry`: ``/metrics`` scrape, GPU reports, weights) runs beside it.
+The telemetry loop (:mod:`xds_server.collector`: ``/metrics`` scrape, GPU reports, weights) runs beside it.
 
 Exits 1 when the config is invalid or the listen address cannot be bound at start-up; at run time a bad
 config change is logged and the last good snapshot keeps serving. SIGINT/SIGTERM stop it cleanly.
@@ -17,10 +17,10 @@ import signal
 import sys
 from pathlib import Path
 
-from inferlb.config import default_config_path
+from inferlb.config.schema import default_config_path
 from inferlb.errors import InferlbError
+from xds_server.collector import TelemetryCollector
 from xds_server.server import DEFAULT_GRACE_S, XdsServer
-from xds_server.telemetry import TelemetryCollector
 
 log = logging.getLogger("xds_server")
 

@@ -249,7 +249,7 @@ SnapshotWatcher = Callable[[str, Snapshot], None]
 class SnapshotCache:
     """The current snapshot per node group, and the watchers to tell when one changes.
 
-    Issue 2 runs one group (:data:`DEFAULT_GROUP`) for every node; a node whose cluster has a group of its
+    By default one group (:data:`DEFAULT_GROUP`) serves every node; a node whose cluster has a group of its
     own gets that one (:meth:`snapshot_for`). Each group has a second variant for the per-type discovery
     services (CDS, EDS, LDS, RDS streams): the same resources, except that clusters and listeners tell
     Envoy to fetch endpoints and routes over those services instead of ADS

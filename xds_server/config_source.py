@@ -21,7 +21,7 @@ from envoy.extensions.filters.network.http_connection_manager.v3 import http_con
 from google.protobuf import any_pb2
 from google.protobuf.message import Message
 
-from inferlb.bootstrap import XDS_CLUSTER
+from xds_server.bootstrap import XDS_CLUSTER
 from xds_server.resources import CLUSTER_TYPE, LISTENER_TYPE, XdsResources
 
 _HCM_TYPE: Final = (

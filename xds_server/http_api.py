@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 from aiohttp import web
 
 from inferlb.errors import ConfigError, RequestError
-from xds_server.fleet import UnknownEndpointError, parse_endpoint
+from xds_server.fleet_state import UnknownEndpointError, parse_endpoint
 from xds_server.metrics import render_metrics
 from xds_server.resources import endpoint_key
 

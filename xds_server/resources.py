@@ -1,4 +1,4 @@
-"""Pure functions turning an :class:`inferlb.config.Config` into Envoy v3 xDS resources (xds-protos).
+"""Pure functions turning an :class:`inferlb.config.schema.Config` into Envoy v3 xDS resources (xds-protos).
 
 Nothing here does I/O: a config goes in, protos come out, so every resource can be checked in unit tests and
 the same config always yields byte-identical resources (the snapshot cache relies on that to keep a type's
@@ -17,18 +17,18 @@ What is built (names are stable; the bootstrap and ``inferlb status`` rely on th
   ``cluster.length_aware`` gets two routes more per version and confined length class, first (HIGH then
   DEFAULT), matching ``x-inferlb-length-class: long`` with ``metadata_match {envoy.lb: {gpu_tier: fast}}``
   (two tiers), or ``long-k`` with ``{envoy.lb: {length_classes: long-k}}`` (tiered)
-  (:mod:`inferlb.length_aware`).
-- One EDS Cluster per model version (:func:`inferlb.config.cluster_name`), plus the STATIC HTTP/2 cluster
-  ``inferlb_ext_proc``.
+  (:mod:`inferlb.policy.length_aware`).
+- One EDS Cluster per model version (:func:`inferlb.config.schema.cluster_name`), plus the STATIC HTTP/2
+  cluster ``inferlb_ext_proc``.
 - One ClusterLoadAssignment per model-version cluster (empty when the pool is empty: Envoy must get an
   answer to finish warming), endpoints grouped by (region, zone), weights from
-  :func:`inferlb.fleet.capacity_weight`. A length-aware model's clusters get an ``lb_subset_config`` (one
-  selector on ``gpu_tier``, or on ``length_classes`` with ``list_as_any`` when tiered; fallback
+  :func:`inferlb.policy.capacity.capacity_weight`. A length-aware model's clusters get an ``lb_subset_config``
+  (one selector on ``gpu_tier``, or on ``length_classes`` with ``list_as_any`` when tiered; fallback
   ``ANY_ENDPOINT``) and their endpoints ``envoy.lb`` metadata from their GPU profile
-  (:func:`inferlb.length_aware.endpoint_lb_metadata`: ``{gpu_tier: fast|standard}``, or
+  (:func:`inferlb.policy.length_aware.endpoint_lb_metadata`: ``{gpu_tier: fast|standard}``, or
   ``{length_classes: [long-0, ...]}``, the classes the GPU may serve), or, with ``weights.mode: telemetry``,
   the live classes the telemetry computes (:attr:`EndpointOverride.length_classes`,
-  :func:`inferlb.length_aware.live_class_sets`).
+  :func:`inferlb.policy.length_aware.live_class_sets`).
 """
 
 from __future__ import annotations
@@ -70,9 +70,7 @@ from envoy.type.v3 import percent_pb2
 from google.protobuf import any_pb2, duration_pb2, struct_pb2, wrappers_pb2
 from google.protobuf.message import Message
 
-from inferlb import headers
-from inferlb.affinity import HASH_LB_POLICIES
-from inferlb.config import (
+from inferlb.config.schema import (
     CircuitBreaker,
     ClusterPolicy,
     Config,
@@ -82,8 +80,9 @@ from inferlb.config import (
     cluster_name,
 )
 from inferlb.errors import ConfigError, RequestError
-from inferlb.fleet import capacity_weight
-from inferlb.length_aware import (
+from inferlb.policy.affinity import HASH_LB_POLICIES
+from inferlb.policy.capacity import capacity_weight
+from inferlb.policy.length_aware import (
     ENVOY_LB_NAMESPACE,
     ConfinedClass,
     confined_classes,
@@ -91,7 +90,8 @@ from inferlb.length_aware import (
     lb_metadata_of_classes,
     subset_key,
 )
-from inferlb.openai_api import INFERENCE_PATHS
+from inferlb.request import headers
+from inferlb.request.parsing import INFERENCE_PATHS
 
 # -- type URLs (envoy/api/v3; the ADS stream multiplexes on these) --------------------------------------
 LISTENER_TYPE: Final = "type.googleapis.com/envoy.config.listener.v3.Listener"
@@ -482,7 +482,7 @@ def _exact(name: str, value: str) -> route_components_pb2.HeaderMatcher:
 def affinity_hash_policy() -> list[route_components_pb2.RouteAction.HashPolicy]:
     """Envoy ``hash_policy`` of a ring_hash/maglev model's routes: the prefix key header (terminal: a
     conversation's turns hash alike whoever sends them), else the session key header; a request with
-    neither gets a random host (:mod:`inferlb.affinity` defines both keys)."""
+    neither gets a random host (:mod:`inferlb.policy.affinity` defines both keys)."""
     header = route_components_pb2.RouteAction.HashPolicy.Header
     return [
         route_components_pb2.RouteAction.HashPolicy(
@@ -495,7 +495,7 @@ def affinity_hash_policy() -> list[route_components_pb2.RouteAction.HashPolicy]:
 def class_match(length_class: ConfinedClass) -> base_pb2.Metadata:
     """The route ``metadata_match`` that sends a confined length class to its subset of a length-aware
     cluster: ``{envoy.lb: {gpu_tier: fast}}`` (two tiers) or ``{envoy.lb: {length_classes: long-k}}``
-    (tiered) (:mod:`inferlb.length_aware`)."""
+    (tiered) (:mod:`inferlb.policy.length_aware`)."""
     criteria = struct_pb2.Struct()
     criteria.update({length_class.match_key: length_class.match_value})
     return base_pb2.Metadata(filter_metadata={ENVOY_LB_NAMESPACE: criteria})
@@ -529,9 +529,9 @@ def _route_action(
 
 
 def path_failure_modes(config: Config) -> dict[str, bool]:
-    """``{path: fail open?}`` for every OpenAI inference path (:data:`inferlb.openai_api.INFERENCE_PATHS`,
-    in that order) and every path in ``ext_proc.path_failure_modes``: the path's own mode, else
-    ``ext_proc.failure_mode_allow``."""
+    """``{path: fail open?}`` for every OpenAI inference path
+    (:data:`inferlb.request.parsing.INFERENCE_PATHS`, in that order) and every path in
+    ``ext_proc.path_failure_modes``: the path's own mode, else ``ext_proc.failure_mode_allow``."""
     default = config.ext_proc.failure_mode_allow
     overrides = config.ext_proc.path_failure_modes
     paths = [*INFERENCE_PATHS, *(p for p in overrides if p not in INFERENCE_PATHS)]
@@ -798,7 +798,7 @@ def build_model_cluster(name: str, policy: ClusterPolicy) -> cluster_pb2.Cluster
 
 
 def length_aware_subsets(policy: ClusterPolicy) -> cluster_pb2.Cluster.LbSubsetConfig:
-    """The ``lb_subset_config`` of a length-aware model's clusters (:mod:`inferlb.length_aware`).
+    """The ``lb_subset_config`` of a length-aware model's clusters (:mod:`inferlb.policy.length_aware`).
 
     One selector on the endpoints' ``envoy.lb`` key ``gpu_tier`` (two tiers), or ``length_classes`` with
     ``list_as_any`` (tiered: an endpoint lists every class it may serve, and a route's value matches any
@@ -887,8 +887,8 @@ class EndpointOverride:
         draining: send ``health_status: DRAINING`` (Envoy sends it no new requests; in-flight ones finish).
         length_classes: for a length-aware model's endpoint, the confined length classes it may serve
             (names, longest first) instead of those of its GPU profile
-            (:func:`inferlb.length_aware.live_endpoint_classes`: the telemetry's live sets); None: the
-            profile's (:func:`inferlb.length_aware.endpoint_lb_metadata`). Ignored for other models.
+            (:func:`inferlb.policy.length_aware.live_endpoint_classes`: the telemetry's live sets); None: the
+            profile's (:func:`inferlb.policy.length_aware.endpoint_lb_metadata`). Ignored for other models.
     """
 
     weight: int | None = None

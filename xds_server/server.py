@@ -6,7 +6,7 @@ when good, published as a new snapshot, which every connected Envoy receives wit
 (shared/STYLE.md, item 5: fail fast at start-up, degrade at run time).
 
 Three inputs feed the snapshot, each applied on top of the last good config file: the file itself, the
-fleet API (:mod:`xds_server.fleet`: register, drain, deregister, weight pins) and telemetry weights
+fleet API (:mod:`xds_server.fleet_state`: register, drain, deregister, weight pins) and telemetry weights
 (:meth:`XdsServer.set_telemetry_weights`). Every change goes through one :class:`PushCoalescer`, so a
 burst of changes within ``xds.push_debounce_ms`` is one push, never later than ``xds.push_max_delay_ms``
 after its first change.
@@ -28,8 +28,7 @@ import grpc
 import yaml
 from aiohttp import web
 
-from inferlb.config import Config, EndpointConfig, HostPort, parse_config
-from inferlb.config_checks import (
+from inferlb.config.checks import (
     HostResolver,
     check_config,
     host_names,
@@ -37,12 +36,13 @@ from inferlb.config_checks import (
     resolve_endpoint_hosts,
     system_resolve,
 )
+from inferlb.config.schema import Config, EndpointConfig, HostPort, parse_config
 from inferlb.errors import ConfigError
 from xds_server.ads import AggregatedDiscoveryServicer, add_ads_to_server
 from xds_server.cache import DEFAULT_GROUP, SnapshotCache, SnapshotInconsistentError
 from xds_server.coalesce import PushCoalescer
 from xds_server.config_source import ConfigSourceRewriter
-from xds_server.fleet import (
+from xds_server.fleet_state import (
     FleetState,
     UnknownEndpointError,
     effective_config,
@@ -78,7 +78,8 @@ class ConfigLoaded:
 
 
 def parse_config_bytes(data: bytes, source: str) -> Config:
-    """Validate the bytes of a YAML config file (the same errors as :func:`inferlb.config.load_config`).
+    """Validate the bytes of a YAML config file (the same errors as
+    :func:`inferlb.config.schema.load_config`).
 
     Raises:
         ConfigError: not UTF-8, not YAML, or invalid (field named).
@@ -115,7 +116,7 @@ class XdsServer:
         metrics: the Prometheus metrics (:class:`~xds_server.metrics.XdsMetrics`).
         config: the last good config file (None before :meth:`start`); fleet changes apply on top.
         effective: what is served: ``config`` with the fleet API's endpoint changes (None before start).
-        fleet: the fleet API's changes (:class:`~xds_server.fleet.FleetState`).
+        fleet: the fleet API's changes (:class:`~xds_server.fleet_state.FleetState`).
         resolved_hosts: ``{host name: IP}`` of the endpoints written with a host name.
         port: the bound ADS port (0 before :meth:`start`); ``api_port``: the HTTP API's (0 when off).
         reload_errors: how many times a changed file was refused; ``publish_errors``: failed publishes.
@@ -409,7 +410,7 @@ class XdsServer:
         weights below 1 are sent as 1). Endpoints not named get their capacity weight; a fleet API weight
         pin wins over a telemetry weight. ``length_classes``: ``{endpoint_key: the confined length classes
         it may serve}`` for the length-aware endpoints whose live classes differ from their profile's
-        (:func:`inferlb.length_aware.live_class_sets`); None or not named: the profile's. The push is
+        (:func:`inferlb.policy.length_aware.live_class_sets`); None or not named: the profile's. The push is
         coalesced with every other change."""
         clean = {k: max(1, int(w)) for k, w in weights.items()}
         classes = {k: tuple(v) for k, v in (length_classes or {}).items()}

@@ -20,8 +20,8 @@ from typing import Any
 import openai
 import pytest
 
-from inferlb.config import Config
-from inferlb.stack import Stack, find_envoy
+from inferlb.config.schema import Config
+from inferlb.ops.stack import Stack, find_envoy
 from tests.conftest import make_config_doc, write_config
 
 pytestmark = pytest.mark.e2e
@@ -122,8 +122,8 @@ def running_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningS
 
 
 async def spawn_envoy(bootstrap: Path, log: Path) -> asyncio.subprocess.Process:
-    """Start the real Envoy (:func:`inferlb.stack.find_envoy`) on ``bootstrap`` with one worker and warning
-    logs into ``log``, under a random ``--base-id`` so several Envoys of one test run do not share
+    """Start the real Envoy (:func:`inferlb.ops.stack.find_envoy`) on ``bootstrap`` with one worker and
+    warning logs into ``log``, under a random ``--base-id`` so several Envoys of one test run do not share
     shared-memory names. The caller kills it."""
     with log.open("wb") as fh:
         return await asyncio.create_subprocess_exec(

@@ -1,4 +1,4 @@
-"""Affinity through a real Envoy (issue 4, point 6), the official ``openai`` SDK as the client.
+"""Affinity through a real Envoy, the official ``openai`` SDK as the client.
 
 The llama model balances with ``ring_hash``: ext_proc sets ``x-inferlb-prefix`` (the conversation's
 opening) and ``x-inferlb-session`` (the ``user``), the routes hash on them, so every turn of one
@@ -16,7 +16,7 @@ from typing import Any
 import openai
 import pytest
 
-from inferlb.headers import ENDPOINT
+from inferlb.request.headers import ENDPOINT
 from tests.conftest import make_config_doc
 from tests.e2e.conftest import RunningStack, started_stack
 

@@ -13,8 +13,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from inferlb.config import load_config
-from inferlb.headers import ENDPOINT
+from inferlb.config.schema import load_config
+from inferlb.request.headers import ENDPOINT
 from tests.conftest import make_config_doc, write_config
 from tests.e2e.conftest import http_request
 
@@ -27,7 +27,7 @@ def test_inferlb_up_serves_and_stops_everything_on_sigterm(tmp_path: Path) -> No
     out_path = tmp_path / "up.out"
     with out_path.open("wb") as out:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "inferlb.cli", "up", str(path), "--workdir", str(tmp_path / "work")],
+            [sys.executable, "-m", "inferlb.ops.cli", "up", str(path), "--workdir", str(tmp_path / "work")],
             stdout=out,
             stderr=subprocess.STDOUT,
             env={**os.environ, "COLUMNS": "200"},

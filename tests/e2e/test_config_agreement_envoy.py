@@ -4,7 +4,7 @@ Each follows the file on its own. They once ran different checks beyond the sche
 tokenizers, xds_server resolved the endpoint host names), so a file one refused the other applied: with
 llama's only version renamed v1 -> v3 in that file, Envoy got v3 routes while ext_proc kept sending
 ``x-inferlb-version: v1``, and every llama request was a 404 ``no_route``. Both now run
-:func:`inferlb.config_checks.check_config`, so such a file leaves both on the last good config.
+:func:`inferlb.config.checks.check_config`, so such a file leaves both on the last good config.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from inferlb.stack import admin_get
+from inferlb.ops.stack import admin_get
 from tests.conftest import make_config_doc, write_config
 from tests.e2e.conftest import RunningStack, started_stack
 

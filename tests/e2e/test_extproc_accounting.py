@@ -1,4 +1,4 @@
-"""Response accounting through a real Envoy (issue 4, point 3), the official ``openai`` SDK as the client.
+"""Response accounting through a real Envoy, the official ``openai`` SDK as the client.
 
 With ``ext_proc.account_responses`` on (the default), Envoy sends ext_proc the response headers and
 streams it the response body; ext_proc settles each quota reservation with the response's real usage.
@@ -17,7 +17,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from inferlb.config import Config
+from inferlb.config.schema import Config
 from tests.conftest import make_config_doc
 from tests.e2e.conftest import RunningStack, http_request, started_stack
 

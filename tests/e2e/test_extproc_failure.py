@@ -1,4 +1,4 @@
-"""ext_proc failure behaviour through real Envoy (issue 4 point 7): a processor that is down or slow never
+"""ext_proc failure behaviour through real Envoy: a processor that is down or slow never
 makes a request hang; fail-closed paths get a prompt OpenAI JSON 5xx, fail-open paths go to the fail-open
 model; Envoy's codec errors reach clients as JSON while ext_proc's own JSON replies pass unchanged."""
 
@@ -16,7 +16,7 @@ import grpc
 import pytest
 from envoy.service.ext_proc.v3 import external_processor_pb2, external_processor_pb2_grpc
 
-from inferlb.stack import port_open
+from inferlb.ops.stack import port_open
 from tests.conftest import make_config_doc
 from tests.e2e.conftest import Reply, RunningStack, http_request, started_stack
 

@@ -1,4 +1,4 @@
-"""Fewer ext_proc messages through a real Envoy (issue 4, point 9): each message is a gRPC round trip.
+"""Fewer ext_proc messages through a real Envoy: each message is a gRPC round trip.
 
 ext_proc answers the response headers with a ``mode_override`` (the filter's ``allow_mode_override``): a
 non-2xx answer (charged nothing) gets no body message at all while the client still gets the whole error

@@ -1,4 +1,4 @@
-"""What reaches a model server through a real Envoy (issue 4): never the tenant's API key, and an
+"""What reaches a model server through a real Envoy: never the tenant's API key, and an
 ``x-forwarded-for`` that is Envoy's (``use_remote_address``), not the client's claim.
 
 A model ``recorder`` is served by a tiny HTTP server in this test process that records the headers of
@@ -17,7 +17,7 @@ from typing import ClassVar
 import openai
 import pytest
 
-from inferlb.stack import Stack
+from inferlb.ops.stack import Stack
 from tests.conftest import make_config_doc, write_config
 from tests.e2e.conftest import RunningStack
 

@@ -1,5 +1,5 @@
 """The whole request path through a real Envoy: xDS-configured routes and weights, ext_proc routing and
-refusals, the simulated fleet serving, the official OpenAI SDK as a client (issue 2's acceptance)."""
+refusals, the simulated fleet serving, the official OpenAI SDK as a client."""
 
 from __future__ import annotations
 
@@ -12,10 +12,10 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from inferlb.fleet import capacity_weight
-from inferlb.headers import ENDPOINT
-from inferlb.stack import clusters_json
-from inferlb.status import host_rows
+from inferlb.ops.stack import clusters_json
+from inferlb.ops.status import host_rows
+from inferlb.policy.capacity import capacity_weight
+from inferlb.request.headers import ENDPOINT
 from tests.e2e.conftest import RunningStack, http_request
 
 pytestmark = pytest.mark.e2e
@@ -243,7 +243,7 @@ def test_status_json_lists_every_endpoint(running_stack: RunningStack) -> None:
     import contextlib  # noqa: PLC0415
     import io  # noqa: PLC0415
 
-    from inferlb.cli import main  # noqa: PLC0415
+    from inferlb.ops.cli import main  # noqa: PLC0415
 
     buf = io.StringIO()
     with contextlib.redirect_stdout(buf):

@@ -1,4 +1,4 @@
-"""Length-aware placement through a real Envoy 1.40 (:mod:`inferlb.length_aware`), with the openai SDK.
+"""Length-aware placement through a real Envoy 1.40 (:mod:`inferlb.policy.length_aware`), with the openai SDK.
 
 One stack, three models: llama is length-aware (long = output cap above 100 tokens; fast tier = relative
 capacity >= 1.5: the H100 and A100s, not the V100), qwen is not (behaviour unchanged), and phi is
@@ -18,7 +18,7 @@ from typing import Any
 import openai
 import pytest
 
-from inferlb.stack import admin_get, free_ports
+from inferlb.ops.stack import admin_get, free_ports
 from tests.conftest import LOOPBACK, make_config_doc
 from tests.e2e.conftest import RunningStack, started_stack
 

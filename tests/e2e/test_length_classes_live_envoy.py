@@ -1,5 +1,5 @@
-"""Live length classes through a real Envoy 1.40 (:func:`inferlb.length_aware.live_class_sets`): a tiered
-model on one H100, one A100 and one V100 with telemetry weights; its H100 throttled to half speed with
+"""Live length classes through a real Envoy 1.40 (:func:`inferlb.policy.length_aware.live_class_sets`): a
+tiered model on one H100, one A100 and one V100 with telemetry weights; its H100 throttled to half speed with
 gpusim's ``POST /sim/fault`` no longer holds the longest class's capacity alone, so the xDS server lists the
 A100 in ``long-0`` too (EDS endpoint metadata), Envoy rebuilds the cluster's subsets, and long-0 requests
 land on the A100 as well; after recovery they are back on the H100 only. Which GPU served each request is
@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from inferlb.stack import admin_get, free_ports
+from inferlb.ops.stack import admin_get, free_ports
 from tests.conftest import LOOPBACK, make_config_doc
 from tests.e2e.conftest import RunningStack, http_request, started_stack
 from tests.e2e.test_length_aware_envoy import LONG_CAP, MISTRAL, _gpus, _served_by

@@ -16,7 +16,7 @@ from typing import Any
 import openai
 import pytest
 
-from inferlb.stack import Stack
+from inferlb.ops.stack import Stack
 from tests.conftest import make_config_doc, write_config
 from tests.e2e.conftest import RunningStack, http_request
 

@@ -1,4 +1,4 @@
-"""Priority and shedding through a real Envoy (issue 4, point 5), the official ``openai`` SDK as the client.
+"""Priority and shedding through a real Envoy, the official ``openai`` SDK as the client.
 
 A high-priority tenant's requests ride Envoy's HIGH routing priority, which has its own circuit-breaker
 budget on every model cluster. The qwen pool here gets a tiny DEFAULT budget: saturating it with

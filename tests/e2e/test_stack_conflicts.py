@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from inferlb.stack import Stack, StackError
+from inferlb.ops.stack import Stack, StackError
 from tests.conftest import make_config_doc, write_config
 from tests.e2e.conftest import http_request
 

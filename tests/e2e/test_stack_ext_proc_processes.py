@@ -14,8 +14,8 @@ from typing import Any
 
 import pytest
 
-from inferlb.config import HostPort
-from inferlb.stack import Child, Stack, StackError, port_open
+from inferlb.config.schema import HostPort
+from inferlb.ops.stack import Child, Stack, StackError, port_open
 from tests.conftest import free_ports, make_config_doc, write_config
 from tests.e2e.conftest import http_request
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from inferlb.stack import Stack
+from inferlb.ops.stack import Stack
 from tests.conftest import free_ports, make_config_doc, write_config
 from tests.e2e.conftest import http_request
 

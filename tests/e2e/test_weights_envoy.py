@@ -14,9 +14,9 @@ from typing import Any
 
 import pytest
 
-from inferlb.cli import main
-from inferlb.stack import clusters_json
-from inferlb.status import host_rows
+from inferlb.ops.cli import main
+from inferlb.ops.stack import clusters_json
+from inferlb.ops.status import host_rows
 from tests.conftest import make_config_doc
 from tests.e2e.conftest import RunningStack, http_request, started_stack
 

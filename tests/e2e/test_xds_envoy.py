@@ -2,7 +2,7 @@
 
 The xDS server runs in-process (in the test's event loop) so the test can read its counters and publish
 a snapshot Envoy must reject; Envoy runs as a child process with a bootstrap from
-:func:`inferlb.bootstrap.render_bootstrap`. No ext_proc runs: the config fails open, so every request
+:func:`xds_server.bootstrap.render_bootstrap`. No ext_proc runs: the config fails open, so every request
 ends on the catch-all 404 route, which is what we want to see for client-sent routing headers.
 """
 
@@ -22,11 +22,11 @@ import pytest
 import yaml
 from envoy.config.cluster.v3 import cluster_pb2
 
-from inferlb.bootstrap import render_bootstrap
-from inferlb.config import default_config_path, load_config
-from inferlb.stack import free_ports
+from inferlb.config.schema import default_config_path, load_config
+from inferlb.ops.stack import free_ports
 from tests.e2e.conftest import spawn_envoy
 from xds_server import resources as r
+from xds_server.bootstrap import render_bootstrap
 from xds_server.server import XdsServer
 
 pytestmark = pytest.mark.e2e

@@ -17,11 +17,11 @@ import pytest
 import yaml
 from aiohttp import web
 
-from inferlb.bootstrap import render_bootstrap
-from inferlb.config import default_config_path, load_config
-from inferlb.stack import free_ports
+from inferlb.config.schema import default_config_path, load_config
+from inferlb.ops.stack import free_ports
 from tests.e2e.conftest import spawn_envoy
 from tests.e2e.test_xds_envoy import WAIT_S, _http, _poll
+from xds_server.bootstrap import render_bootstrap
 from xds_server.server import XdsServer
 
 pytestmark = pytest.mark.e2e

@@ -12,12 +12,12 @@ from pathlib import Path
 import pytest
 import yaml
 
-from inferlb.bootstrap import XDS_CLUSTER, render_bootstrap
-from inferlb.config import default_config_path, load_config
-from inferlb.stack import free_ports
+from inferlb.config.schema import default_config_path, load_config
+from inferlb.ops.stack import free_ports
 from tests.e2e.conftest import spawn_envoy
 from tests.e2e.test_xds_envoy import EXPECTED_WEIGHTS, WAIT_S, Stack, _poll
 from xds_server import resources as r
+from xds_server.bootstrap import XDS_CLUSTER, render_bootstrap
 from xds_server.server import XdsServer
 
 pytestmark = pytest.mark.e2e

@@ -19,7 +19,7 @@ import yaml
 from envoy.config.core.v3 import base_pb2
 from envoy.service.discovery.v3 import ads_pb2_grpc, discovery_pb2
 
-from inferlb.config import default_config_path
+from inferlb.config.schema import default_config_path
 from xds_server import resources as r
 
 WAIT_S = 15.0

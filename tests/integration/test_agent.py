@@ -12,8 +12,9 @@ import aiohttp
 from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 
-from inferlb import agent as ag
-from inferlb.telemetry import REASON_SW_THERMAL, GpuReport, parse_dcgm_metrics, parse_gpu_report
+from inferlb.adapters import nvml as nv
+from inferlb.ops import agent as ag
+from inferlb.policy.telemetry import REASON_SW_THERMAL, GpuReport, parse_dcgm_metrics, parse_gpu_report
 from tests.unit.test_agent import FakeGpu, FakePynvml
 
 
@@ -59,7 +60,7 @@ def counter(text: str, name: str, **labels: str) -> float:
 
 
 def make_agent(fake: FakePynvml, url: str | None, **settings: Any) -> ag.Agent:
-    count = ag.open_nvml(fake)
+    count = nv.open_nvml(fake)
     values: dict[str, Any] = {"node": "node-a", "url": url, "metrics_port": 0, "interval_s": 0.05}
     values.update(settings)
     return ag.Agent(fake, count, ag.AgentSettings(**values))

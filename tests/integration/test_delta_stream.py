@@ -17,7 +17,7 @@ from envoy.config.endpoint.v3 import endpoint_pb2
 from envoy.service.discovery.v3 import ads_pb2_grpc, discovery_pb2
 from google.rpc import status_pb2
 
-from inferlb.config import default_config_path
+from inferlb.config.schema import default_config_path
 from tests.conftest import wait_until
 from xds_server import ads
 from xds_server import resources as r

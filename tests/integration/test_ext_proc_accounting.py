@@ -19,9 +19,9 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 from prometheus_client import generate_latest
 
 from ext_proc.servicer import ExternalProcessor, ExtProcState, add_to_server
-from inferlb.config import parse_config
-from inferlb.quota import MemoryQuotaStore
-from inferlb.tokens import default_counter
+from inferlb.config.schema import parse_config
+from inferlb.policy.quota import MemoryQuotaStore
+from inferlb.request.tokens import default_counter
 
 TPM = 1_000
 CONFIG: dict[str, Any] = {

@@ -15,7 +15,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 
 from ext_proc.__main__ import run_event_loop
 from ext_proc.servicer import ExtProcState, add_to_server, make_server
-from inferlb.config import parse_config
+from inferlb.config.schema import parse_config
 
 uvloop = pytest.importorskip("uvloop")
 

@@ -25,8 +25,8 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 
 from ext_proc.servicer import OFFLOAD_BODY_BYTES, ExtProcState, add_to_server
-from inferlb import headers as h
-from inferlb.config import parse_config
+from inferlb.config.schema import parse_config
+from inferlb.request import headers as h
 
 CONFIG: dict[str, Any] = {
     "gateway": {"max_request_body_bytes": 1024 * 1024},

@@ -23,7 +23,7 @@ from ext_proc.servicer import (
     add_to_server,
     make_server,
 )
-from inferlb.config import parse_config
+from inferlb.config.schema import parse_config
 
 FOUR_MIB = 4 * 1024 * 1024
 CONFIG: dict[str, Any] = {
@@ -115,7 +115,8 @@ async def test_counting_over_its_budget_is_answered_413_before_envoys_timeout(
 ) -> None:
     # message_timeout 100 ms -> a 60 ms counting budget; a ~3.6 MB prompt of short words takes longer here.
     # Every word differs, so no two 8 KiB segments are equal: equal segments would be counted once and then
-    # served from the counter's count cache (inferlb.tokens.CountCache), which is not what this test is about
+    # served from the counter's count cache (inferlb.request.tokens.CountCache), which is not what this test
+    # is about
     config = parse_config({**CONFIG, "ext_proc": {"message_timeout_ms": 100}})
     server, channel = await serve_state(ExtProcState(config))
     caplog.set_level(logging.INFO, logger="ext_proc")

@@ -17,7 +17,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 
 from ext_proc.servicer import ExtProcState
-from inferlb.quota import MemoryQuotaStore
+from inferlb.policy.quota import MemoryQuotaStore
 from tests.integration.test_ext_proc_accounting import serving
 
 Mode = processing_mode_pb2.ProcessingMode

@@ -15,18 +15,18 @@ import aiohttp
 import pytest
 import yaml
 
-from gpusim.faults import THROTTLE_TEMPERATURE_C
-from gpusim.server import SimulatedEndpoint
-from inferlb import cli
-from inferlb.config import Config, parse_config
-from inferlb.telemetry import (
+from inferlb.config.schema import Config, parse_config
+from inferlb.ops import cli
+from inferlb.policy.telemetry import (
     REASON_SW_THERMAL,
     GpuTelemetry,
     counter_rate,
     parse_server_metrics,
     weight_inputs,
 )
-from inferlb.weights import WeightParams, WeightState, step
+from inferlb.policy.weights import WeightParams, WeightState, step
+from simulation.gpusim.faults import THROTTLE_TEMPERATURE_C
+from simulation.gpusim.server import SimulatedEndpoint
 
 MODEL = "sim-model"
 

@@ -1,4 +1,5 @@
-"""``python -m gpusim``: a config's simulated fleet in one process, ready line, clean stop on SIGTERM."""
+"""``python -m simulation.gpusim``: a config's simulated fleet in one process, ready line, clean stop on
+SIGTERM."""
 
 from __future__ import annotations
 
@@ -12,9 +13,9 @@ import aiohttp
 import pytest
 import yaml
 
-from gpusim.__main__ import select_endpoints
-from inferlb import headers
-from inferlb.config import parse_config
+from inferlb.config.schema import parse_config
+from inferlb.request import headers
+from simulation.gpusim.__main__ import select_endpoints
 
 
 def free_port() -> int:
@@ -65,7 +66,7 @@ async def test_runs_the_simulated_endpoints_and_stops_on_sigterm(tmp_path: Path)
     ports = [free_port() for _ in range(3)]
     config = write_config(tmp_path, ports)
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "gpusim", "--config", str(config), "--log-level", "info",
+        sys.executable, "-m", "simulation.gpusim", "--config", str(config), "--log-level", "info",
         stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE,
     )  # fmt: skip
     try:
@@ -95,7 +96,7 @@ async def test_runs_the_simulated_endpoints_and_stops_on_sigterm(tmp_path: Path)
 async def test_unknown_only_name_exits_2(tmp_path: Path) -> None:
     config = write_config(tmp_path, [free_port() for _ in range(3)])
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "gpusim", "--config", str(config), "--only", "nope",
+        sys.executable, "-m", "simulation.gpusim", "--config", str(config), "--only", "nope",
         stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE,
     )  # fmt: skip
     async with asyncio.timeout(30):

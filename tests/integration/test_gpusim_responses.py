@@ -11,8 +11,8 @@ import aiohttp
 import pytest
 from openai import AsyncOpenAI
 
-from gpusim import openai_api
-from gpusim.server import SimulatedEndpoint
+from simulation.gpusim import replies
+from simulation.gpusim.server import SimulatedEndpoint
 from tests.integration.test_gpusim_server import (
     ALIAS,
     DEFAULT_MAX_TOKENS,
@@ -82,7 +82,7 @@ async def test_a_response_body_has_one_message_and_exact_usage(
     assert body["id"].startswith("resp_") and body["model"] == MODEL
     [item] = body["output"]
     assert (item["type"], item["role"]) == ("message", "assistant")
-    assert output_text(body) == openai_api.completion_text(5)
+    assert output_text(body) == replies.completion_text(5)
     assert body["usage"]["input_tokens"] == PROMPT_TOKENS
     assert body["usage"]["output_tokens"] == 5
     assert body["usage"]["total_tokens"] == PROMPT_TOKENS + 5
@@ -117,7 +117,7 @@ async def test_a_stream_is_typed_events_one_delta_per_token_then_completed_with_
     assert kinds[0] == "response.created" and kinds[-1] == "response.incomplete"
     assert events[0]["response"]["status"] == "in_progress" and events[0]["response"]["usage"] is None
     deltas = [e["delta"] for e in events if e["type"] == "response.output_text.delta"]
-    assert deltas == [openai_api.token_text(i) for i in range(7)]
+    assert deltas == [replies.token_text(i) for i in range(7)]
     assert kinds.index("response.output_text.delta") > kinds.index("response.content_part.added")
     final = events[-1]["response"]
     assert final["status"] == "incomplete" and final["id"] == events[0]["response"]["id"]
@@ -173,7 +173,7 @@ async def test_the_openai_sdk_creates_responses_streamed_and_not(v100: tuple[Sim
     async with AsyncOpenAI(base_url=f"{url}/v1", api_key="sk-test", max_retries=0) as client:
         response = await client.responses.create(model=MODEL, input="Hi!", max_output_tokens=4)
         assert response.status == "incomplete"
-        assert response.output_text == openai_api.completion_text(4)
+        assert response.output_text == replies.completion_text(4)
         assert response.usage is not None
         hi = {"model": MODEL, "input": "Hi!"}
         assert (response.usage.input_tokens, response.usage.output_tokens) == (
@@ -188,7 +188,7 @@ async def test_the_openai_sdk_creates_responses_streamed_and_not(v100: tuple[Sim
                 text.append(ev.delta)
             elif ev.type == "response.incomplete":
                 completed = ev.response
-        assert "".join(text) == openai_api.completion_text(3)
+        assert "".join(text) == replies.completion_text(3)
         assert completed is not None and completed.usage is not None
         assert completed.output_text == "".join(text)
         assert (

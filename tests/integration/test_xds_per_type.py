@@ -17,7 +17,7 @@ from envoy.service.discovery.v3 import discovery_pb2
 from envoy.service.endpoint.v3 import eds_pb2_grpc
 from envoy.service.route.v3 import rds_pb2_grpc
 
-from inferlb.config import default_config_path
+from inferlb.config.schema import default_config_path
 from xds_server import resources as r
 from xds_server.server import XdsServer
 

@@ -16,13 +16,13 @@ import pytest
 import yaml
 from envoy.config.endpoint.v3 import endpoint_pb2
 
-from gpusim.faults import FaultCommand
-from gpusim.server import SimulatedEndpoint
-from inferlb.config import parse_config
+from inferlb.config.schema import parse_config
+from simulation.gpusim.faults import FaultCommand
+from simulation.gpusim.server import SimulatedEndpoint
 from tests.conftest import free_ports, wait_until
 from xds_server import resources as r
+from xds_server.collector import TelemetryCollector
 from xds_server.server import XdsServer
-from xds_server.telemetry import TelemetryCollector
 
 TOKEN = "telemetry-token-0123456789"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}

@@ -1,4 +1,4 @@
-"""inferlb.affinity: session and prefix keys."""
+"""inferlb.policy.affinity: session and prefix keys."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from typing import Any
 from hypothesis import given
 from hypothesis import strategies as st
 
-from inferlb.affinity import KEY_HEX_CHARS, affinity_keys, prefix_key, session_key
-from inferlb.openai_api import EndpointKind, InferenceRequest, parse_request
+from inferlb.policy.affinity import KEY_HEX_CHARS, affinity_keys, prefix_key, session_key
+from inferlb.request.parsing import EndpointKind, InferenceRequest, parse_request
 
 _KEY = re.compile(rf"^[0-9a-f]{{{KEY_HEX_CHARS}}}$")
 texts = st.text(min_size=1, max_size=40)

@@ -1,5 +1,5 @@
-"""The NVML agent (inferlb.agent) against a fake at the pynvml boundary, and the real pynvml on this GPU-less
-machine: readings, optional values, older bindings, the no-GPU exit, the DCGM-named metrics."""
+"""The NVML agent (inferlb.ops.agent) against a fake at the pynvml boundary, and the real pynvml on this
+GPU-less machine: readings, optional values, older bindings, the no-GPU exit, the DCGM-named metrics."""
 
 from __future__ import annotations
 
@@ -10,9 +10,10 @@ from typing import Any
 import pynvml
 import pytest
 
-from inferlb import agent as ag
-from inferlb import cli
-from inferlb.telemetry import (
+from inferlb.adapters import nvml as nv
+from inferlb.ops import agent as ag
+from inferlb.ops import cli
+from inferlb.policy.telemetry import (
     MIB,
     REASON_HW_SLOWDOWN,
     REASON_SW_POWER_CAP,
@@ -150,15 +151,15 @@ class FakePynvml:
 
 
 def opened(fake: FakePynvml) -> FakePynvml:
-    assert ag.open_nvml(fake) == len(fake.gpus)
+    assert nv.open_nvml(fake) == len(fake.gpus)
     return fake
 
 
 def test_the_agent_constants_are_pynvmls() -> None:
-    assert ag.NVML_TEMPERATURE_GPU == pynvml.NVML_TEMPERATURE_GPU
-    assert ag.NVML_CLOCK_SM == pynvml.NVML_CLOCK_SM
-    assert ag.NVML_ERROR_NOT_SUPPORTED == pynvml.NVML_ERROR_NOT_SUPPORTED
-    assert ag.NVML_ERROR_FUNCTION_NOT_FOUND == pynvml.NVML_ERROR_FUNCTION_NOT_FOUND
+    assert nv.NVML_TEMPERATURE_GPU == pynvml.NVML_TEMPERATURE_GPU
+    assert nv.NVML_CLOCK_SM == pynvml.NVML_CLOCK_SM
+    assert nv.NVML_ERROR_NOT_SUPPORTED == pynvml.NVML_ERROR_NOT_SUPPORTED
+    assert nv.NVML_ERROR_FUNCTION_NOT_FOUND == pynvml.NVML_ERROR_FUNCTION_NOT_FOUND
     assert pynvml.nvmlClocksEventReasonSwThermalSlowdown == REASON_SW_THERMAL
     assert pynvml.nvmlClocksThrottleReasonSwPowerCap == REASON_SW_POWER_CAP
     assert pynvml.nvmlClocksThrottleReasonHwSlowdown == REASON_HW_SLOWDOWN
@@ -166,7 +167,7 @@ def test_the_agent_constants_are_pynvmls() -> None:
 
 def test_read_gpu_maps_every_nvml_value() -> None:
     nvml = opened(FakePynvml([FakeGpu(reasons=REASON_SW_THERMAL, sm_mhz=990)]))
-    g = ag.read_gpu(nvml, 0)
+    g = nv.read_gpu(nvml, 0)
     assert g.index == 0 and g.uuid == "GPU-11111111-2222-3333-4444-555555555555"
     assert g.name == "NVIDIA H100 80GB HBM3"
     assert g.utilization_percent == 87.0
@@ -180,14 +181,14 @@ def test_read_gpu_maps_every_nvml_value() -> None:
 
 def test_unsupported_optional_values_are_none() -> None:
     nvml = opened(FakePynvml([FakeGpu(power_mw=None, sm_mhz=None, sm_max_mhz=None)]))
-    g = ag.read_gpu(nvml, 0)
+    g = nv.read_gpu(nvml, 0)
     assert g.power_w is None and g.sm_clock_mhz is None and g.clock_ratio is None
     assert g.utilization_percent == 87.0
 
 
 def test_older_bindings_fall_back_to_throttle_reasons() -> None:
     nvml = opened(FakePynvml([FakeGpu(reasons=REASON_SW_POWER_CAP)], event_reasons=False))
-    g = ag.read_gpu(nvml, 0)
+    g = nv.read_gpu(nvml, 0)
     assert g.power_throttled and "throttle_reasons" in nvml.calls
 
 
@@ -197,12 +198,12 @@ def test_a_driver_without_the_event_reasons_function_falls_back() -> None:
             raise nvml_error(pynvml.NVML_ERROR_FUNCTION_NOT_FOUND)
 
     nvml = opened(OldDriver([FakeGpu(reasons=REASON_SW_THERMAL)]))
-    assert ag.read_gpu(nvml, 0).thermal_throttled
+    assert nv.read_gpu(nvml, 0).thermal_throttled
 
 
 def test_a_gpu_whose_required_read_fails_is_left_out_and_named() -> None:
     nvml = opened(FakePynvml([FakeGpu(), FakeGpu(uuid="GPU-lost", broken={"memory"}), FakeGpu(uuid="GPU-3")]))
-    gpus, failed = ag.read_all(nvml, 3)
+    gpus, failed = nv.read_all(nvml, 3)
     assert [g.uuid for g in gpus] == ["GPU-11111111-2222-3333-4444-555555555555", "GPU-3"]
     assert [f.index for f in failed] == [1] and "lost" in failed[0].reason
 
@@ -215,19 +216,19 @@ def test_a_gpu_whose_required_read_fails_is_left_out_and_named() -> None:
     ],
 )
 def test_no_driver_is_a_clear_no_gpu_error(code: int, words: str) -> None:
-    with pytest.raises(ag.NoGpuError, match=f"no NVIDIA GPU: NVML cannot be initialised.*{words}"):
-        ag.open_nvml(FakePynvml([], init_error=code))
+    with pytest.raises(nv.NoGpuError, match=f"no NVIDIA GPU: NVML cannot be initialised.*{words}"):
+        nv.open_nvml(FakePynvml([], init_error=code))
 
 
 def test_no_device_is_a_no_gpu_error_and_nvml_is_shut_down() -> None:
     fake = FakePynvml([])
-    with pytest.raises(ag.NoGpuError, match="0 devices"):
-        ag.open_nvml(fake)
+    with pytest.raises(nv.NoGpuError, match="0 devices"):
+        nv.open_nvml(fake)
     assert fake.shutdowns == 1
 
 
 def test_the_real_pynvml_on_this_machine_reports_no_gpu() -> None:
-    nvml = ag.load_pynvml()
+    nvml = nv.load_pynvml()
     assert nvml is pynvml
     try:
         pynvml.nvmlInit()
@@ -236,8 +237,8 @@ def test_the_real_pynvml_on_this_machine_reports_no_gpu() -> None:
     else:
         pynvml.nvmlShutdown()
         pytest.skip("this machine has an NVIDIA driver: the no-GPU path cannot be shown here")
-    with pytest.raises(ag.NoGpuError, match=r"^no NVIDIA GPU: NVML cannot be initialised"):
-        ag.open_nvml(nvml)
+    with pytest.raises(nv.NoGpuError, match=r"^no NVIDIA GPU: NVML cannot be initialised"):
+        nv.open_nvml(nvml)
 
 
 def test_the_agent_cli_exits_1_with_the_reason_when_there_is_no_gpu(
@@ -272,7 +273,7 @@ def test_the_agent_cli_once_prints_the_report_from_nvml(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     fake = FakePynvml([FakeGpu(), FakeGpu(uuid="GPU-2", util=12, reasons=REASON_SW_THERMAL)])
-    monkeypatch.setattr(ag, "load_pynvml", lambda: fake)
+    monkeypatch.setattr(nv, "load_pynvml", lambda: fake)
     assert cli.main(["agent", "--once", "--node", "node-7"]) == cli.EXIT_OK
     report = parse_gpu_report(json.loads(capsys.readouterr().out))
     assert report.node == "node-7"

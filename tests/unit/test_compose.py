@@ -11,7 +11,8 @@ from typing import Any
 import pytest
 import yaml
 
-from inferlb.config import default_config_path, load_config
+from inferlb.config.schema import default_config_path, load_config
+from inferlb.ops.stack import SERVICE_MODULES
 
 ROOT = Path(__file__).parents[2]
 
@@ -42,8 +43,8 @@ def test_compose_services_are_the_stack_services() -> None:
     services = doc["services"]
     assert set(services) == {"gpusim", "xds-server", "ext-proc", "envoy"}
     modules = {name: svc["command"][0] for name, svc in services.items() if name != "envoy"}
-    # the same modules inferlb.stack.Stack starts with `python -m`
-    assert modules == {"gpusim": "gpusim", "xds-server": "xds_server", "ext-proc": "ext_proc"}
+    # the same modules inferlb.ops.stack.Stack starts with `python -m`
+    assert modules == {name: SERVICE_MODULES[name.replace("-", "_")] for name in modules}
     compose = load_config(ROOT / "examples" / "compose.yaml")
     assert compose.xds.api_listen is not None
     assert services["xds-server"]["expose"] == [

@@ -11,7 +11,7 @@ import yaml
 from hypothesis import given
 from hypothesis import strategies as st
 
-from inferlb.config import (
+from inferlb.config.schema import (
     Config,
     ConfigError,
     HostPort,
@@ -20,7 +20,7 @@ from inferlb.config import (
     load_config,
     parse_config,
 )
-from inferlb.fleet import capacity_weight
+from inferlb.policy.capacity import capacity_weight
 
 
 def default_doc() -> dict[str, Any]:

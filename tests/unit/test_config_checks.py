@@ -11,10 +11,10 @@ from typing import Any
 
 import pytest
 
-from inferlb.cli import main
-from inferlb.config import Config, parse_config
-from inferlb.config_checks import CheckedConfig, TokenizerCache, check_config
+from inferlb.config.checks import CheckedConfig, TokenizerCache, check_config
+from inferlb.config.schema import Config, parse_config
 from inferlb.errors import ConfigError
+from inferlb.ops.cli import main
 from tests.conftest import make_config_doc, write_config
 
 SOURCE = "fleet.yaml"

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from inferlb.config import ConfigError, parse_config
+from inferlb.config.schema import ConfigError, parse_config
 
 LIMITS = ("requests_per_minute", "tokens_per_minute", "max_concurrent_requests", "daily_token_budget")
 

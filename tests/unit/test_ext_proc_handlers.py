@@ -10,12 +10,12 @@ import pytest
 
 from ext_proc import handlers
 from ext_proc.handlers import BodyExpected, ContinueRequest, Gateway, ImmediateReply, PendingRequest
-from inferlb import headers as h
-from inferlb.config import Config, parse_config
+from inferlb.config.schema import Config, parse_config
 from inferlb.errors import RequestError
-from inferlb.openai_api import EndpointKind, InferenceRequest, parse_request
-from inferlb.quota import QuotaBook, limits_from_config
-from inferlb.tokens import count_prompt_tokens
+from inferlb.policy.quota import QuotaBook, limits_from_config
+from inferlb.request import headers as h
+from inferlb.request.parsing import EndpointKind, InferenceRequest, parse_request
+from inferlb.request.tokens import count_prompt_tokens
 
 BODY_LIMIT = 4096
 

@@ -12,9 +12,9 @@ import pytest
 
 from ext_proc import handlers
 from ext_proc.handlers import BodyExpected, ContinueRequest, Gateway
-from inferlb import headers as h
-from inferlb.config import parse_config
-from inferlb.quota import QuotaBook, limits_from_config
+from inferlb.config.schema import parse_config
+from inferlb.policy.quota import QuotaBook, limits_from_config
+from inferlb.request import headers as h
 
 CANONICAL = "llama-3.1-8b-instruct"
 PATHS = {

@@ -12,11 +12,11 @@ from hypothesis import strategies as st
 from prometheus_client import generate_latest
 
 from ext_proc import handlers
+from ext_proc.metrics import ExtProcMetrics
 from ext_proc.servicer import header_map, response_status_and_type
-from inferlb.config import parse_config
-from inferlb.metrics import ExtProcMetrics
-from inferlb.quota import QuotaBook, limits_from_config
-from inferlb.tokens import COUNT_CACHE_ENTRY_CHARS, CountCache, TiktokenCounter, offline_encoding
+from inferlb.config.schema import parse_config
+from inferlb.policy.quota import QuotaBook, limits_from_config
+from inferlb.request.tokens import COUNT_CACHE_ENTRY_CHARS, CountCache, TiktokenCounter, offline_encoding
 
 ENC = offline_encoding()
 

@@ -1,4 +1,4 @@
-"""inferlb.fleetsim: Envoy's balancers as defined, the trace scaling and capacity, and small fleet runs
+"""simulation.fleetsim: Envoy's balancers as defined, the trace scaling and capacity, and small fleet runs
 (deterministic, conserving requests, and the telemetry weights beating round robin where the model says
 they must)."""
 
@@ -14,9 +14,10 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 import inferlb
-from gpusim.engine import BatchEngine, TimingModel
-from inferlb.config import Config, load_config
-from inferlb.fleetsim import (
+from inferlb.config.schema import Config, load_config
+from inferlb.policy.weights import WeightParams
+from inferlb.traces import DEFAULT_TRACE, TraceRow, read_trace
+from simulation.fleetsim import (
     EdfScheduler,
     FleetGpu,
     FleetRunResult,
@@ -35,8 +36,7 @@ from inferlb.fleetsim import (
     tiered_thresholds,
     traffic_shift,
 )
-from inferlb.replay import DEFAULT_TRACE, TraceRow, read_trace
-from inferlb.weights import WeightParams
+from simulation.gpusim.engine import BatchEngine, TimingModel
 
 LOCAL = Path(inferlb.__file__).parent / "data" / "local.yaml"
 

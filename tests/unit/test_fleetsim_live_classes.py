@@ -1,5 +1,5 @@
-"""Live class sets in the discrete-event fleet (:class:`inferlb.fleetsim.TieredBalancer`,
-``Scenario.live_classes``): the same pure rule as the xDS server (:func:`inferlb.length_aware.
+"""Live class sets in the discrete-event fleet (:class:`simulation.fleetsim.TieredBalancer`,
+``Scenario.live_classes``): the same pure rule as the xDS server (:func:`inferlb.policy.length_aware.
 live_class_sets`); healthy it never moves the sets, a throttled H100 brings an A100 into the longest class."""
 
 from __future__ import annotations
@@ -11,8 +11,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gpusim.engine import TimingModel
-from inferlb.fleetsim import (
+from inferlb.policy.length_aware import class_set_performance
+from inferlb.policy.weights import DEFAULT_PARAMS, WeightInputs, WeightParams, target_weight
+from simulation.fleetsim import (
     FleetRunResult,
     Scenario,
     TieredBalancer,
@@ -21,8 +22,7 @@ from inferlb.fleetsim import (
     scale_trace,
     simulate,
 )
-from inferlb.length_aware import class_set_performance
-from inferlb.weights import DEFAULT_PARAMS, WeightInputs, WeightParams, target_weight
+from simulation.gpusim.engine import TimingModel
 from tests.unit.test_fleetsim import config, engine_factory, trace
 
 

@@ -9,7 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gpusim.engine import (
+from inferlb.config.schema import parse_config
+from simulation.gpusim.engine import (
     Admitted,
     BatchEngine,
     EngineEvent,
@@ -22,7 +23,6 @@ from gpusim.engine import (
     kv_budget_tokens,
     prefill_seconds,
 )
-from inferlb.config import parse_config
 
 capacities = st.floats(min_value=0.1, max_value=20.0, allow_nan=False)
 rates = st.floats(min_value=1.0, max_value=1e6, allow_nan=False)

@@ -1,6 +1,6 @@
-"""Length-aware placement (:mod:`inferlb.length_aware`): classification, config validation, the ext_proc
-header and the xDS resources (subset config, endpoint tiers, long routes). Envoy's acceptance of them is
-tested in tests/e2e/test_length_aware_envoy.py."""
+"""Length-aware placement (:mod:`inferlb.policy.length_aware`): classification, config validation, the
+ext_proc header and the xDS resources (subset config, endpoint tiers, long routes). Envoy's acceptance of them
+is tested in tests/e2e/test_length_aware_envoy.py."""
 
 from __future__ import annotations
 
@@ -14,10 +14,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from ext_proc import handlers
-from inferlb import headers as h
-from inferlb.config import Config, LengthAwareRouting, LengthTier, parse_config
+from inferlb.config.schema import Config, LengthAwareRouting, LengthTier, parse_config
 from inferlb.errors import ConfigError
-from inferlb.length_aware import (
+from inferlb.policy.length_aware import (
     CLASSES_KEY,
     ENVOY_LB_NAMESPACE,
     FAST_TIER,
@@ -33,8 +32,9 @@ from inferlb.length_aware import (
     tier_capacity_shares,
     tier_thresholds,
 )
-from inferlb.openai_api import EndpointKind
-from inferlb.quota import QuotaBook, limits_from_config
+from inferlb.policy.quota import QuotaBook, limits_from_config
+from inferlb.request import headers as h
+from inferlb.request.parsing import EndpointKind
 from xds_server import resources as r
 
 KEY = "sk-length-0001"

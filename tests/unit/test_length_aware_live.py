@@ -1,6 +1,7 @@
-"""Live length-class sets (:func:`inferlb.length_aware.live_class_sets`, :func:`hold_performance`): the sets
-follow the GPUs' performance; healthy, they are the static sets exactly. Also their xDS form (EDS endpoint
-metadata through :class:`xds_server.resources.EndpointOverride`) and ``inferlb status``'s classes column."""
+"""Live length-class sets (:func:`inferlb.policy.length_aware.live_class_sets`, :func:`hold_performance`): the
+sets follow the GPUs' performance; healthy, they are the static sets exactly. Also their xDS form (EDS
+endpoint metadata through :class:`xds_server.resources.EndpointOverride`) and ``inferlb status``'s classes
+column."""
 
 from __future__ import annotations
 
@@ -13,8 +14,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 from rich.console import Console
 
-from inferlb.config import Config, LengthAwareRouting, LengthTier, parse_config
-from inferlb.length_aware import (
+from inferlb.config.schema import Config, LengthAwareRouting, LengthTier, parse_config
+from inferlb.ops.status import weight_rows, weights_table
+from inferlb.policy.length_aware import (
     ClassSetMember,
     PerformanceHold,
     allowed_classes,
@@ -26,9 +28,8 @@ from inferlb.length_aware import (
     nominal_class_capacity,
     performance_rank,
 )
-from inferlb.status import weight_rows, weights_table
 from xds_server import resources as r
-from xds_server.fleet import FleetState, effective_overrides
+from xds_server.fleet_state import FleetState, effective_overrides
 
 #: the bundled profiles' capacities and a few others, so ties between GPU classes occur
 CAPACITIES = (0.5, 1.0, 1.7, 2.0, 3.4)

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from inferlb.errors import RequestError
-from inferlb.openai_api import (
+from inferlb.request.parsing import (
     MAX_N,
     EmbeddingEncoding,
     EndpointKind,

@@ -10,8 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from inferlb.config import parse_config
-from inferlb.quota import (
+from inferlb.config.schema import parse_config
+from inferlb.policy.quota import (
     SUB_WINDOWS,
     Admitted,
     Limit,

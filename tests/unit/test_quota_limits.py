@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from inferlb.quota import (
+from inferlb.policy.quota import (
     SECONDS_PER_DAY,
     Admitted,
     Limit,

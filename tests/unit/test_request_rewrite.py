@@ -11,8 +11,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from inferlb.request_rewrite import rewrite_request
-from inferlb.usage import add_include_usage
+from inferlb.request.rewrite import rewrite_request
+from inferlb.request.usage import add_include_usage
 
 CANONICAL = "llama-3.1-8b-instruct"
 SPLICE = b'"stream_options":{"include_usage":true},'

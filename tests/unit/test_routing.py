@@ -9,10 +9,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from inferlb.config import Config, Priority, load_config, parse_config
-from inferlb.config import default_config_path as default_path
+from inferlb.config.schema import Config, Priority, load_config, parse_config
+from inferlb.config.schema import default_config_path as default_path
 from inferlb.errors import RequestError
-from inferlb.routing import RoutingTable, VersionSplit, priority_header_value, sticky_point
+from inferlb.policy.routing import RoutingTable, VersionSplit, priority_header_value, sticky_point
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,5 @@
-"""Telemetry types and parsers (inferlb.telemetry): each model-server family, DCGM, the agent's report."""
+"""Telemetry types and parsers (inferlb.policy.telemetry): each model-server family, DCGM, the agent's
+report."""
 
 from __future__ import annotations
 
@@ -9,9 +10,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gpusim.engine import EngineStats
-from gpusim.metrics import EndpointMetrics
-from inferlb.telemetry import (
+from inferlb.policy.telemetry import (
     MIB,
     REASON_HW_POWER_BRAKE,
     REASON_HW_SLOWDOWN,
@@ -28,6 +27,8 @@ from inferlb.telemetry import (
     parse_server_metrics,
     weight_inputs,
 )
+from simulation.gpusim.engine import EngineStats
+from simulation.gpusim.vllm_metrics import EndpointMetrics
 
 VLLM = """\
 # HELP vllm:num_requests_running Number of requests in model execution batches.

@@ -1,4 +1,4 @@
-"""The simulated GPU's faults and NVML-like telemetry (gpusim.faults), as pure functions."""
+"""The simulated GPU's faults and NVML-like telemetry (simulation.gpusim.faults), as pure functions."""
 
 from __future__ import annotations
 
@@ -8,8 +8,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gpusim.engine import MODEL_WEIGHTS_GIB, EngineStats
-from gpusim.faults import (
+from inferlb.errors import RequestError
+from inferlb.policy.telemetry import REASON_SW_THERMAL, GpuTelemetry
+from simulation.gpusim.engine import MODEL_WEIGHTS_GIB, EngineStats
+from simulation.gpusim.faults import (
     GPU_SPECS,
     IDLE_TEMPERATURE_C,
     THROTTLE_TEMPERATURE_C,
@@ -20,8 +22,6 @@ from gpusim.faults import (
     simulated_uuid,
     utilization_percent,
 )
-from inferlb.errors import RequestError
-from inferlb.telemetry import REASON_SW_THERMAL, GpuTelemetry
 
 
 def stats(kv_usage: float = 0.0) -> EngineStats:

@@ -12,8 +12,8 @@ import tiktoken.registry
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from inferlb.openai_api import EndpointKind, parse_request
-from inferlb.tokens import (
+from inferlb.request.parsing import EndpointKind, parse_request
+from inferlb.request.tokens import (
     IMAGE_TOKENS_DEFAULT,
     IMAGE_TOKENS_LOW,
     LONG_RUN_CHUNK_CHARS,

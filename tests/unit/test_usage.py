@@ -10,8 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from inferlb.tokens import default_counter
-from inferlb.usage import (
+from inferlb.request.tokens import default_counter
+from inferlb.request.usage import (
     Reservation,
     ResponseMeter,
     SseMeter,

@@ -10,10 +10,10 @@ from typing import Any
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gpusim.openai_api import ResponseBuilder, typed_sse
-from inferlb.openai_api import EndpointKind, parse_request
-from inferlb.tokens import default_counter
-from inferlb.usage import Reservation, ResponseMeter, Usage, UsageSource
+from inferlb.request.parsing import EndpointKind, parse_request
+from inferlb.request.tokens import default_counter
+from inferlb.request.usage import Reservation, ResponseMeter, Usage, UsageSource
+from simulation.gpusim.replies import ResponseBuilder, typed_sse
 from tests.unit.test_usage import chunked
 
 COUNTER = default_counter()

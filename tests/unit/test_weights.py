@@ -1,4 +1,4 @@
-"""The weight policy (inferlb.weights): bounds, monotonicity, convergence, staleness, slow start,
+"""The weight policy (inferlb.policy.weights): bounds, monotonicity, convergence, staleness, slow start,
 throttling."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from inferlb.config import WeightsConfig
-from inferlb.weights import (
+from inferlb.config.schema import WeightsConfig
+from inferlb.policy.weights import (
     DEFAULT_PARAMS,
     THROTTLE_HALVING_STEPS,
     WeightInputs,

@@ -1,4 +1,4 @@
-"""inferlb.bootstrap: the Envoy ADS bootstrap, and the committed envoy/bootstrap-ads.yaml."""
+"""xds_server.bootstrap: the Envoy ADS bootstrap, and the committed envoy/bootstrap-ads.yaml."""
 
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ from envoy.extensions.access_loggers.file.v3 import file_pb2  # noqa: F401
 from envoy.extensions.upstreams.http.v3 import http_protocol_options_pb2  # noqa: F401
 from google.protobuf import json_format
 
-from inferlb.bootstrap import COMMITTED_BOOTSTRAPS, XDS_CLUSTER, render_bootstrap, render_bootstrap_yaml
-from inferlb.config import default_config_path, load_config, parse_config
+from inferlb.config.schema import default_config_path, load_config, parse_config
+from xds_server.bootstrap import COMMITTED_BOOTSTRAPS, XDS_CLUSTER, render_bootstrap, render_bootstrap_yaml
 
 COMMITTED = Path(__file__).resolve().parents[2] / "envoy" / "bootstrap-ads.yaml"
 

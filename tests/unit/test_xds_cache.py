@@ -12,7 +12,7 @@ from envoy.config.listener.v3 import listener_pb2
 from envoy.extensions.filters.network.http_connection_manager.v3 import http_connection_manager_pb2
 from google.protobuf.message import Message
 
-from inferlb.config import Config, default_config_path, parse_config
+from inferlb.config.schema import Config, default_config_path, parse_config
 from xds_server import resources as r
 from xds_server.cache import DEFAULT_GROUP, Snapshot, SnapshotCache, SnapshotInconsistentError
 from xds_server.config_source import ConfigSourceRewriter

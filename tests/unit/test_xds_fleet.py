@@ -1,5 +1,5 @@
-"""xds_server.fleet (register, drain, deregister, weight pins on top of the config) and the push-coalescing
-deadline rule."""
+"""xds_server.fleet_state (register, drain, deregister, weight pins on top of the config) and the
+push-coalescing deadline rule."""
 
 from __future__ import annotations
 
@@ -7,10 +7,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from inferlb.config import Config, EndpointConfig, default_config_path, load_config
+from inferlb.config.schema import Config, EndpointConfig, default_config_path, load_config
 from inferlb.errors import ConfigError
 from xds_server.coalesce import push_deadline
-from xds_server.fleet import (
+from xds_server.fleet_state import (
     FleetState,
     effective_config,
     effective_endpoints,

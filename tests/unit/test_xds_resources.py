@@ -19,9 +19,9 @@ from envoy.extensions.upstreams.http.v3 import http_protocol_options_pb2
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from inferlb import headers
-from inferlb.config import Config, default_config_path, load_config, parse_config
+from inferlb.config.schema import Config, default_config_path, load_config, parse_config
 from inferlb.errors import ConfigError
+from inferlb.request import headers
 from xds_server import resources as r
 from xds_server.cache import SnapshotCache
 

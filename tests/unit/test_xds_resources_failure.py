@@ -1,4 +1,4 @@
-"""xds_server.resources, issue 4 point 7: ext_proc failure modes per path, the fail-open route, and local
+"""xds_server.resources: ext_proc failure modes per path, the fail-open route, and local
 replies that reach clients as OpenAI JSON (the real-Envoy side is tests/e2e/test_extproc_failure.py)."""
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ from envoy.extensions.filters.http.ext_proc.v3 import ext_proc_pb2
 from envoy.extensions.filters.network.http_connection_manager.v3 import http_connection_manager_pb2
 
 from ext_proc import handlers
-from inferlb.config import Config, default_config_path, parse_config
+from inferlb.config.schema import Config, default_config_path, parse_config
 from inferlb.errors import ConfigError
-from inferlb.openai_api import INFERENCE_PATHS
+from inferlb.request.parsing import INFERENCE_PATHS
 from tests.unit.test_xds_resources import _hcm
 from xds_server import resources as r
 

@@ -1,4 +1,4 @@
-"""xds_server.resources, issue 4: priority shedding, local replies, affinity, failure modes, security."""
+"""xds_server.resources: priority shedding, local replies, affinity, failure modes, security."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import json
 
 from envoy.config.cluster.v3 import cluster_pb2
 
-from inferlb import headers
-from inferlb.config import ClusterPolicy, parse_config
+from inferlb.config.schema import ClusterPolicy, parse_config
+from inferlb.request import headers
 from tests.unit.test_xds_resources import _default_doc, _hcm
 from xds_server import resources as r
 

@@ -10,7 +10,7 @@ from envoy.config.core.v3 import base_pb2
 from envoy.service.discovery.v3 import discovery_pb2
 from google.rpc import status_pb2
 
-from inferlb.config import default_config_path, parse_config
+from inferlb.config.schema import default_config_path, parse_config
 from xds_server import resources as r
 from xds_server.cache import Snapshot, SnapshotCache
 from xds_server.sotw import (

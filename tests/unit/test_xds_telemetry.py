@@ -11,11 +11,11 @@ from hypothesis import given
 from hypothesis import strategies as st
 from rich.console import Console
 
-from gpusim.faults import FaultCommand, FaultState, parse_fault_command
-from inferlb.config import Config, parse_config
-from inferlb.status import HostRow, weight_rows, weights_table
-from inferlb.telemetry import GpuTelemetry, ServerMetrics
-from xds_server.telemetry import GpuSample, ServerSample, TelemetryCollector, gpu_match_keys, match_gpus
+from inferlb.config.schema import Config, parse_config
+from inferlb.ops.status import HostRow, weight_rows, weights_table
+from inferlb.policy.telemetry import GpuTelemetry, ServerMetrics
+from simulation.gpusim.faults import FaultCommand, FaultState, parse_fault_command
+from xds_server.collector import GpuSample, ServerSample, TelemetryCollector, gpu_match_keys, match_gpus
 
 
 def _config(**weights: Any) -> Config:

@@ -1,0 +1,9 @@
+"""Adapters: the core's seams bound to real I/O, one external system per module.
+
+- :mod:`inferlb.adapters.quota_redis`: the quota store over Redis (atomic Lua scripts), shared by several
+  ext_proc replicas.
+- :mod:`inferlb.adapters.nvml`: GPU readings through NVML (nvidia-ml-py) behind a ``typing.Protocol``.
+
+May import: the core (:mod:`inferlb.errors`, :mod:`inferlb.config`, :mod:`inferlb.request`,
+:mod:`inferlb.policy`) and their client library; no service, operator tool or simulator.
+"""

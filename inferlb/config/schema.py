@@ -1,0 +1,840 @@
+"""The inferlb config file: one YAML document, validated with pydantic v2.
+
+Shape (see README "Config reference" and ``examples/local.yaml``)::
+
+    gateway:    {listen, admin, max_request_body_bytes, ...}   # the Envoy side
+    xds:        {listen, push_debounce_ms, push_max_delay_ms, api_listen, api_token, drain_period_ms,
+                 node_groups}
+    ext_proc:   {listen, message_timeout_ms, failure_mode_allow, account_responses, quota_backend, ...}
+    gpu_profiles: {H100: {relative_capacity: 3.4, ...}, ...}
+    models:     [{name, aliases, context_length, versions: [{name, traffic_percent}],
+                  cluster: {lb_policy, ..., length_aware: {long_output_tokens, fast_min_relative_capacity,
+                                 tiers: [{above_output_tokens, min_relative_capacity}]}}}]
+    endpoints:  [{address, model, version, gpu, region, zone, simulated}]
+    tenants:    [{name, api_keys, priority, requests_per_minute, tokens_per_minute,
+                  max_concurrent_requests, daily_token_budget}]
+
+Everything is frozen after validation; a new file gives a new :class:`Config`. Errors are raised as
+:class:`inferlb.errors.ConfigError`, each naming the dotted field path and the source file.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import itertools
+import re
+from collections.abc import Mapping
+from enum import StrEnum
+from pathlib import Path
+from typing import Annotated, Any, Literal, Self
+
+import yaml
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+
+from inferlb.errors import ConfigError
+
+#: Relative throughput of common data-centre GPUs for LLM serving, V100 = 1.0.
+#: A100 = 1.7 x V100 and H100 = 2.0 x A100 are the figures the project's brief takes from the field:
+#: NVIDIA's A100 whitepaper (2020) gives ~1.7x V100 on BERT-large inference at equal precision, and
+#: MLPerf Inference v3.0 (2023) Llama/GPT-J rows put H100 SXM at ~2x A100. L4 and A10G are ~0.7-0.8 x V100
+#: on 7-8B decode (memory-bandwidth bound: 300 and 600 GB/s vs V100's 900 GB/s).
+DEFAULT_GPU_CAPACITY: Mapping[str, float] = {
+    "V100": 1.0,
+    "A10G": 0.8,
+    "L4": 0.7,
+    "A100": 1.7,
+    "H100": 3.4,
+}
+
+_HOSTPORT = re.compile(r"^(?P<host>\[[0-9a-fA-F:]+\]|[A-Za-z0-9_.-]+):(?P<port>\d{1,5})$")
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid", str_strip_whitespace=True)
+
+
+class HostPort(_Frozen):
+    """A ``host:port`` socket address. IPv6 hosts are written in brackets (``[::1]:8000``)."""
+
+    host: str
+    port: Annotated[int, Field(strict=True, ge=1, le=65535)]
+
+    @model_validator(mode="before")
+    @classmethod
+    def _parse(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            m = _HOSTPORT.match(value.strip())
+            if not m:
+                raise ValueError(f"expected 'host:port', got {value!r}")
+            return {"host": m["host"].strip("[]"), "port": int(m["port"])}
+        return value
+
+    def __str__(self) -> str:
+        return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
+
+    @property
+    def is_ip(self) -> bool:
+        """True when ``host`` is an IP literal (Envoy STATIC endpoints need one; names need STRICT_DNS)."""
+        try:
+            ipaddress.ip_address(self.host)
+        except ValueError:
+            return False
+        return True
+
+
+class Priority(StrEnum):
+    """Tenant priority. ``high`` rides Envoy's HIGH routing priority (its own circuit-breaker budget);
+    ``default`` and ``low`` ride DEFAULT, and ``low`` is shed first under saturation."""
+
+    HIGH = "high"
+    DEFAULT = "default"
+    LOW = "low"
+
+
+class GatewayConfig(_Frozen):
+    """The Envoy side: the listener clients call and the admin interface."""
+
+    listen: HostPort = HostPort(host="127.0.0.1", port=10000)
+    admin: HostPort = HostPort(host="127.0.0.1", port=9901)
+    #: Request bodies above this get 413 from Envoy's buffer limit, before ext_proc sees them (bytes).
+    max_request_body_bytes: Annotated[int, Field(strict=True, ge=1024, le=64 * 1024 * 1024)] = 4 * 1024 * 1024
+    #: Envoy route timeout for one inference request (ms); 0 disables it (long generations).
+    request_timeout_ms: Annotated[int, Field(strict=True, ge=0)] = 300_000
+    #: Retries Envoy makes on connect-failure/refused-stream/reset/503 to another host (previous_hosts).
+    num_retries: Annotated[int, Field(strict=True, ge=0, le=10)] = 2
+    #: ``retry-after`` (s) on Envoy's 503 when a model cluster's circuit breaker for the request's routing
+    #: priority is full (response flag UO): DEFAULT traffic is shed this way before HIGH.
+    overflow_retry_after_s: Annotated[int, Field(strict=True, ge=1, le=3600)] = 1
+    #: Envoy worker threads (``--concurrency``); 0 lets Envoy use one per core.
+    concurrency: Annotated[int, Field(strict=True, ge=0, le=256)] = 2
+    #: Envoy node cluster name the xDS server groups snapshots by.
+    node_cluster: str = "inferlb-gateway"
+    #: Where the gateway's Envoys run: a model's ``cluster.failover`` puts endpoints of this region (and
+    #: zone) at priority 0.
+    region: str = "local"
+    zone: str = "a"
+
+
+class NodeGroup(_Frozen):
+    """Where the Envoys of one node group (one ``node.cluster``) run."""
+
+    region: str
+    zone: str
+
+
+class XdsConfig(_Frozen):
+    """Our xDS control server."""
+
+    listen: HostPort = HostPort(host="127.0.0.1", port=18000)
+    #: Changes within this window are coalesced into one push (ms).
+    push_debounce_ms: Annotated[int, Field(strict=True, ge=0, le=60_000)] = 100
+    #: Bound on staleness: a burst of changes is pushed at most this long after its first change (ms),
+    #: even while changes keep arriving within ``push_debounce_ms`` of each other.
+    push_max_delay_ms: Annotated[int, Field(strict=True, ge=0, le=600_000)] = 1_000
+    #: HTTP address of the xDS server's fleet API, ``/metrics`` and client list; None: no HTTP API.
+    api_listen: HostPort | None = HostPort(host="127.0.0.1", port=18001)
+    #: Bearer token the fleet API requires (``Authorization: Bearer <token>``). The env variable
+    #: ``INFERLB_XDS_API_TOKEN`` overrides it; with neither set, the fleet API refuses every change.
+    api_token: Annotated[str, Field(min_length=16, max_length=512)] | None = None
+    #: How long a drained endpoint stays in its cluster as DRAINING (no new requests, in-flight ones
+    #: finish) before it is removed (ms).
+    drain_period_ms: Annotated[int, Field(strict=True, ge=0, le=3_600_000)] = 30_000
+    #: How often endpoint host names are resolved again (ms); a changed address is pushed like any other
+    #: change, a name that stops resolving keeps its last address (logged). 0: only at load/registration.
+    resolve_interval_ms: Annotated[int, Field(strict=True, ge=0, le=86_400_000)] = 30_000
+    #: Snapshots per node group: Envoys whose ``node.cluster`` is a key here run in that locality and get
+    #: their own snapshot, with each model's ``cluster.failover`` priorities relative to it; other Envoys
+    #: get the default snapshot (relative to ``gateway.region``/``gateway.zone``).
+    node_groups: dict[str, NodeGroup] = {}
+
+
+class ExtProcConfig(_Frozen):
+    """Our ext_proc service and how Envoy calls it."""
+
+    listen: HostPort = HostPort(host="127.0.0.1", port=18080)
+    #: More ext_proc processes, each serving on its own address (``python -m ext_proc --listen ADDR``): every
+    #: address is its own endpoint of the ``inferlb_ext_proc`` cluster. Envoy opens one HTTP/2 connection per
+    #: endpoint per worker, so processes behind one SO_REUSEPORT address would not share the load.
+    extra_listen: tuple[HostPort, ...] = ()
+    #: Envoy ``message_timeout`` per ext_proc message (ms). Envoy's 200 ms default breaks big bodies.
+    message_timeout_ms: Annotated[int, Field(strict=True, ge=10, le=60_000)] = 5_000
+    #: Envoy ``failure_mode_allow``: on an ext_proc failure (process down, gRPC error, ``message_timeout``),
+    #: forward unprocessed (True, "fail open") or answer 5xx JSON (False, "fail closed"). The default for
+    #: every path; ``path_failure_modes`` overrides it per path.
+    failure_mode_allow: bool = False
+    #: Per-path failure mode, ``{path: open|closed}`` (e.g. ``{/v1/embeddings: open}``): each OpenAI inference
+    #: path (and each path named here) gets its own Envoy route whose ``ExtProcPerRoute`` sets
+    #: ``failure_mode_allow`` explicitly. Paths match exactly, query string excluded.
+    path_failure_modes: dict[
+        Annotated[str, Field(pattern=r"^/[A-Za-z0-9._~/-]{0,255}$")], Literal["open", "closed"]
+    ] = {}
+    #: Where a request that failed open goes (it carries no model headers: ext_proc never saw it): this
+    #: model's main version (largest ``traffic_percent``). None: such requests get 503 JSON
+    #: ``gateway_processor_unavailable``.
+    fail_open_model: str | None = None
+    #: Settle each request's quota reservation with the real usage of its response (and hold its
+    #: concurrency slot until the response ends). Needs Envoy to send response headers (SEND) and bodies
+    #: (STREAMED) to ext_proc; the xDS server derives the filter's ``processing_mode`` from this field.
+    #: False: the reservation (prompt + output cap) is the charge and the concurrency slot is released
+    #: at admission.
+    account_responses: bool = True
+    #: Where quota state lives: ``memory`` (this process) or ``redis`` (shared by several replicas).
+    quota_backend: Literal["memory", "redis"] = "memory"
+    #: redis-py URL of the shared quota state (``quota_backend: redis``).
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    #: Prefix of every Redis key inferlb writes.
+    redis_key_prefix: Annotated[str, Field(min_length=1, max_length=64)] = "inferlb:quota"
+    #: Timeout of one Redis call (ms); a slower call counts as Redis being unreachable.
+    redis_timeout_ms: Annotated[int, Field(strict=True, ge=1, le=10_000)] = 100
+    #: When Redis is unreachable: ``open`` admits the request unchecked, ``closed`` answers 503.
+    redis_failure_mode: Literal["open", "closed"] = "open"
+    #: A request header carrying the client's session id (e.g. ``x-session-id``): its value, when sent,
+    #: makes the session affinity key instead of the request's ``user`` field
+    #: (:mod:`inferlb.policy.affinity`).
+    session_header: Annotated[str, Field(pattern=r"^[a-z0-9][a-z0-9-]{0,63}$")] | None = None
+    #: HTTP address of ext_proc's Prometheus ``/metrics``.
+    metrics_listen: HostPort = HostPort(host="127.0.0.1", port=18081)
+    #: ``/metrics`` address of each ``extra_listen`` process, in the same order. Empty: derived as
+    #: ``metrics_listen``'s host with its port + 1, + 2, ... (:meth:`extra_metrics_addresses`).
+    extra_metrics_listen: tuple[HostPort, ...] = ()
+    #: Requests to paths that are not OpenAI inference or ``/v1/models``: ``deny`` answers 404
+    #: ``unknown_url`` in ext_proc; ``allow`` lets them through unexamined (API key still checked,
+    #: ``x-inferlb-*`` headers still stripped) to whatever route Envoy has for them.
+    non_inference_paths: Literal["deny", "allow"] = "deny"
+
+    @model_validator(mode="after")
+    def _check_extra_metrics(self) -> Self:
+        n, m = len(self.extra_listen), len(self.extra_metrics_listen)
+        if m and m != n:
+            raise ValueError(
+                f"extra_metrics_listen: {m} addresses for {n} extra_listen processes; give one each"
+            )
+        if not m and n and self.metrics_listen.port + n > 65535:
+            raise ValueError("extra_metrics_listen: metrics_listen's port + extra processes passes 65535")
+        return self
+
+    def extra_metrics_addresses(self) -> tuple[HostPort, ...]:
+        """The ``/metrics`` address of each ``extra_listen`` process: ``extra_metrics_listen``, or
+        ``metrics_listen``'s port + 1, + 2, ... on its host."""
+        if self.extra_metrics_listen:
+            return self.extra_metrics_listen
+        mh = self.metrics_listen
+        return tuple(HostPort(host=mh.host, port=mh.port + i + 1) for i in range(len(self.extra_listen)))
+
+
+class GpuProfile(_Frozen):
+    """One GPU type. ``relative_capacity`` is its LLM serving throughput relative to a V100 (= 1.0);
+    the endpoint weight Envoy receives is proportional to it (see
+    :func:`inferlb.policy.capacity.capacity_weight`)."""
+
+    relative_capacity: Annotated[float, Field(strict=True, gt=0, le=100)]
+    memory_gb: Annotated[float, Field(strict=True, gt=0)] = 80.0
+
+
+class Simulation(_Frozen):
+    """Timing of the simulated GPU model servers (``gpusim``), for a GPU of relative capacity 1.0.
+
+    A GPU of capacity ``c`` prefills ``c * prefill_tokens_per_s`` and decodes ``c * decode_tokens_per_s``
+    per running sequence; at most ``max_batch`` sequences run at once, the rest queue (FIFO).
+    Defaults are of the order of a 7-8B model on a V100 in vLLM (prefill a few thousand tokens/s,
+    ~30 tokens/s per sequence decode).
+    """
+
+    prefill_tokens_per_s: Annotated[float, Field(strict=True, gt=0)] = 4000.0
+    decode_tokens_per_s: Annotated[float, Field(strict=True, gt=0)] = 30.0
+    max_batch: Annotated[int, Field(strict=True, ge=1, le=4096)] = 16
+    #: Queue bound behind the batch; beyond it the simulated server answers 503 (as vLLM does when full).
+    max_queue: Annotated[int, Field(strict=True, ge=0, le=100_000)] = 256
+
+
+class WeightsConfig(_Frozen):
+    """How telemetry turns into Envoy endpoint weights (:mod:`inferlb.policy.weights` has the formula and
+    sources).
+
+    The weight of an endpoint with fresh telemetry is ``scale * relative_capacity * performance * load *
+    kv * errors``, smoothed with an EWMA of time constant ``smoothing_tau_ms``, pushed only when it moves by
+    at least ``hysteresis_percent``, ramped in over ``slow_start_ms`` for a new endpoint, bounded to
+    ``[1, max_weight]``. Telemetry older than ``stale_after_ms`` is ignored and the endpoint gets its
+    profile weight (``scale * relative_capacity``).
+    """
+
+    #: ``static``: Envoy gets each endpoint's capacity weight (``inferlb.policy.capacity.capacity_weight``, 10
+    #: per unit of relative capacity). ``telemetry``: the xDS server computes every endpoint's weight from its
+    #: telemetry with this section's policy (``scale`` per unit of capacity) and pushes it. A model whose
+    #: ``cluster.slow_start_window_ms`` is set keeps Envoy's slow start and skips ``slow_start_ms``.
+    mode: Literal["static", "telemetry"] = "static"
+    #: Weight units per unit of relative capacity (V100 = 1.0 -> 100). Finer than the static
+    #: ``inferlb.policy.capacity.WEIGHT_SCALE`` (10) so that a few percent of load shows in Envoy's integer
+    #: weights.
+    scale: Annotated[float, Field(strict=True, gt=0, le=10_000)] = 100.0
+    #: Upper bound of a pushed weight (Envoy caps the sum per locality at 2^32-1).
+    max_weight: Annotated[int, Field(strict=True, ge=1, le=1_000_000)] = 10_000
+    #: EWMA time constant (ms): after a step change of the inputs, 63% of the change is applied after
+    #: one time constant, 90% after 2.3.
+    smoothing_tau_ms: Annotated[int, Field(strict=True, ge=0, le=600_000)] = 1_000
+    #: A new weight is pushed only when it differs from the pushed one by at least this much (%).
+    hysteresis_percent: Annotated[float, Field(strict=True, ge=0, le=100)] = 10.0
+    #: A new endpoint's weight ramps linearly from ``slow_start_min_percent`` to 100% over this time (ms).
+    slow_start_ms: Annotated[int, Field(strict=True, ge=0, le=3_600_000)] = 10_000
+    slow_start_min_percent: Annotated[float, Field(strict=True, gt=0, le=100)] = 10.0
+    #: Telemetry older than this (ms) is ignored: the endpoint falls back to its profile weight.
+    stale_after_ms: Annotated[int, Field(strict=True, ge=1, le=3_600_000)] = 5_000
+    #: Weight lost per waiting request, relative to the batch size: ``load = 1 / (1 + q * waiting / batch
+    #: + r * running / batch)`` with ``q = queue_penalty`` and ``r = running_penalty``.
+    queue_penalty: Annotated[float, Field(strict=True, ge=0, le=100)] = 1.0
+    running_penalty: Annotated[float, Field(strict=True, ge=0, le=100)] = 0.25
+    #: KV-cache usage (0..1) above which the weight falls linearly, to ``kv_floor`` at a full cache.
+    kv_knee: Annotated[float, Field(strict=True, ge=0, lt=1)] = 0.8
+    kv_floor: Annotated[float, Field(strict=True, gt=0, le=1)] = 0.2
+    #: Factor applied when a thermal or power throttle reason is set and no clock ratio is known.
+    throttle_factor: Annotated[float, Field(strict=True, gt=0, le=1)] = 0.5
+    #: ``errors = max(error_floor, 1 - error_penalty * error_rate)``.
+    error_penalty: Annotated[float, Field(strict=True, ge=0, le=100)] = 2.0
+    error_floor: Annotated[float, Field(strict=True, gt=0, le=1)] = 0.05
+
+
+class TelemetryConfig(_Frozen):
+    """Where and how often telemetry is gathered: the model-server ``/metrics`` scrape and the GPU agents."""
+
+    #: Period of the model-server ``/metrics`` scrape (ms).
+    scrape_interval_ms: Annotated[int, Field(strict=True, ge=50, le=600_000)] = 500
+    #: Timeout of one scrape (ms); a timed-out scrape keeps the last sample, which then ages.
+    scrape_timeout_ms: Annotated[int, Field(strict=True, ge=10, le=60_000)] = 1_000
+    #: Period at which ``inferlb agent`` reads NVML and reports (ms).
+    agent_interval_ms: Annotated[int, Field(strict=True, ge=50, le=600_000)] = 1_000
+
+
+class OutlierDetection(_Frozen):
+    """Envoy ``outlier_detection`` for a model's clusters. Envoy defaults differ (gateway-failure and
+    failure-percentage enforcement default to 0%, i.e. off): every field is sent explicitly."""
+
+    consecutive_5xx: Annotated[int, Field(strict=True, ge=1)] = 5
+    consecutive_gateway_failure: Annotated[int, Field(strict=True, ge=1)] = 3
+    enforcing_consecutive_gateway_failure: Annotated[int, Field(strict=True, ge=0, le=100)] = 100
+    interval_ms: Annotated[int, Field(strict=True, ge=100)] = 5_000
+    base_ejection_time_ms: Annotated[int, Field(strict=True, ge=100)] = 15_000
+    max_ejection_percent: Annotated[int, Field(strict=True, ge=0, le=100)] = 50
+    #: Failure-percentage ejection: a host whose error rate is at least this (%) over an interval is
+    #: ejected, when the cluster has ``failure_percentage_minimum_hosts`` hosts and the host served
+    #: ``failure_percentage_request_volume`` requests. Enforcement defaults to 0 (off), as in Envoy.
+    failure_percentage_threshold: Annotated[int, Field(strict=True, ge=0, le=100)] = 85
+    enforcing_failure_percentage: Annotated[int, Field(strict=True, ge=0, le=100)] = 0
+    failure_percentage_minimum_hosts: Annotated[int, Field(strict=True, ge=0)] = 5
+    failure_percentage_request_volume: Annotated[int, Field(strict=True, ge=0)] = 50
+
+
+class CircuitBreaker(_Frozen):
+    """Envoy ``circuit_breakers.thresholds`` for one routing priority."""
+
+    max_connections: Annotated[int, Field(strict=True, ge=1)] = 4096
+    max_pending_requests: Annotated[int, Field(strict=True, ge=1)] = 1024
+    max_requests: Annotated[int, Field(strict=True, ge=1)] = 4096
+    max_retries: Annotated[int, Field(strict=True, ge=0)] = 16
+
+
+class HealthCheck(_Frozen):
+    """Envoy active HTTP health checking of a model's endpoints (``GET path`` must answer 200).
+
+    An endpoint failing ``unhealthy_threshold`` checks in a row is taken out of balancing until it passes
+    ``healthy_threshold`` in a row; Envoy checks every ``interval_ms`` (with ``interval_jitter_ms`` added).
+    """
+
+    #: The model server's health path (vLLM, SGLang, TGI and gpusim serve ``/health``).
+    path: Annotated[str, Field(pattern=r"^/")] = "/health"
+    interval_ms: Annotated[int, Field(strict=True, ge=100, le=600_000)] = 5_000
+    interval_jitter_ms: Annotated[int, Field(strict=True, ge=0, le=600_000)] = 500
+    timeout_ms: Annotated[int, Field(strict=True, ge=10, le=60_000)] = 1_000
+    unhealthy_threshold: Annotated[int, Field(strict=True, ge=1, le=100)] = 2
+    healthy_threshold: Annotated[int, Field(strict=True, ge=1, le=100)] = 1
+    #: Check interval while the cluster has had no traffic (ms): Envoy's ``no_traffic_interval``, whose
+    #: default (60 s) would make an idle model's recovered GPU wait a minute to come back.
+    no_traffic_interval_ms: Annotated[int, Field(strict=True, ge=100, le=600_000)] = 5_000
+
+
+class LengthTier(_Frozen):
+    """One confined length class of tiered placement (:attr:`LengthAwareRouting.tiers`)."""
+
+    #: Requests whose output cap exceeds this (tokens), and no higher class's, are of this class.
+    above_output_tokens: Annotated[int, Field(strict=True, ge=0, le=10_000_000)]
+    #: They are balanced among the GPUs whose profile's ``relative_capacity`` is at least this (V100 = 1.0).
+    min_relative_capacity: Annotated[float, Field(strict=True, gt=0, le=100)]
+
+
+class LengthAwareRouting(_Frozen):
+    """Length-aware placement for one model (:mod:`inferlb.policy.length_aware`), in one of two forms.
+
+    Two tiers (the default form): a request whose output cap (``max_completion_tokens``/``max_tokens``/
+    ``max_output_tokens``, else ``default_max_tokens``, x ``n``) exceeds ``long_output_tokens`` is balanced
+    among the model's fast GPUs only (``relative_capacity >= fast_min_relative_capacity``; Envoy subset
+    load balancing on GPU-class endpoint metadata); other requests are balanced over every GPU. The
+    defaults come from the 1,000-GPU simulation (bench/fleet_sim.py, Azure 2023 conversation trace): 384
+    tokens is that trace's 70th percentile of completion lengths, and 1.5 puts A100s (1.7) and H100s (3.4)
+    in the fast tier and V100s (1.0) outside it.
+
+    Tiered (``tiers`` given, longest class first): a request belongs to the first tier whose
+    ``above_output_tokens`` its cap exceeds and is balanced among that tier's GPUs; a request below every
+    tier runs anywhere. Both lists must fall: a longer class on faster GPUs. The thresholds should come
+    from a rule over a training window, :func:`inferlb.policy.length_aware.tier_thresholds`
+    (bench/fleet_sim.py prints them), not from tuning on the traffic they are judged on.
+    """
+
+    #: Output caps above this are long (tokens). Two-tier form only.
+    long_output_tokens: Annotated[int, Field(strict=True, ge=1, le=10_000_000)] = 384
+    #: GPUs whose profile's ``relative_capacity`` is at least this form the fast tier (V100 = 1.0).
+    #: Two-tier form only.
+    fast_min_relative_capacity: Annotated[float, Field(strict=True, gt=0, le=100)] = 1.5
+    #: Tiered form: the confined length classes, longest first (1 to 8); None: the two-tier form.
+    tiers: Annotated[tuple[LengthTier, ...], Field(min_length=1, max_length=8)] | None = None
+
+    @field_validator("tiers")
+    @classmethod
+    def _check_tiers_fall(cls, tiers: tuple[LengthTier, ...] | None) -> tuple[LengthTier, ...] | None:
+        if tiers is None:
+            return tiers
+        # both lists must fall, tier after tier: a longer class on faster GPUs
+        rules = (
+            ("above_output_tokens", "longest class first"),
+            ("min_relative_capacity", "faster GPUs first"),
+        )
+        for i, (a, b) in enumerate(itertools.pairwise(tiers), start=1):
+            for name, why in rules:
+                mine, before = getattr(b, name), getattr(a, name)
+                if not mine < before:
+                    raise ValueError(
+                        f"tiers[{i}].{name} ({mine:g}) must be below tiers[{i - 1}]'s ({before:g}): {why}"
+                    )
+        return tiers
+
+    @model_validator(mode="after")
+    def _check_one_form(self) -> Self:
+        # a tiered block that also sets a two-tier field would silently ignore it: refuse instead
+        mixed = sorted({"long_output_tokens", "fast_min_relative_capacity"} & self.model_fields_set)
+        if mixed and self.tiers is not None:
+            named = " and ".join(mixed)
+            raise ValueError(f"tiers: give either tiers or {named} (the two-tier form), not both")
+        return self
+
+
+class ClusterPolicy(_Frozen):
+    """How Envoy balances and protects one model's clusters."""
+
+    lb_policy: Literal["least_request", "round_robin", "ring_hash", "maglev"] = "least_request"
+    #: ``ring_hash``/``maglev`` only: Envoy ``consistent_hashing_lb_config.hash_balance_factor``, the bounded
+    #: load of consistent hashing (%): a host takes at most this share of the average load before a key
+    #: spills to the next host (150 = 1.5 x average; Envoy's minimum is 100).
+    hash_balance_factor: Annotated[int, Field(strict=True, ge=100, le=100_000)] = 150
+    #: Envoy ``least_request_lb_config.active_request_bias`` (1.0 = Envoy default).
+    active_request_bias: Annotated[float, Field(strict=True, ge=0, le=10)] = 1.0
+    #: Envoy ``common_lb_config.healthy_panic_threshold`` (%). Envoy's default is 50.
+    healthy_panic_threshold: Annotated[float, Field(strict=True, ge=0, le=100)] = 25.0
+    connect_timeout_ms: Annotated[int, Field(strict=True, ge=1)] = 2_000
+    outlier_detection: OutlierDetection = OutlierDetection()
+    circuit_breaker_default: CircuitBreaker = CircuitBreaker()
+    circuit_breaker_high: CircuitBreaker = CircuitBreaker(
+        max_connections=8192, max_pending_requests=2048, max_requests=8192, max_retries=32
+    )
+    #: Active HTTP health checks against each endpoint; None (default): outlier detection only.
+    health_check: HealthCheck | None = None
+    #: Envoy ``slow_start_config``: a new endpoint's share ramps up over this window (ms); 0 = off.
+    #: Needs ``least_request`` or ``round_robin``.
+    slow_start_window_ms: Annotated[int, Field(strict=True, ge=0, le=3_600_000)] = 0
+    #: Slow-start curve: weight factor ``time_fraction ** (1 / aggression)`` (1.0 = linear).
+    slow_start_aggression: Annotated[float, Field(strict=True, gt=0, le=100)] = 1.0
+    #: Slow-start floor: a new endpoint gets at least this share of its weight (%).
+    slow_start_min_weight_percent: Annotated[float, Field(strict=True, ge=0, le=100)] = 10.0
+    #: Envoy ``locality_weighted_lb_config``: pick a locality (region/zone) by its weight first, then an
+    #: endpoint in it. A locality's weight is ``locality_weights["region/zone"]``, else the sum of its
+    #: endpoints' weights.
+    locality_weighted: bool = False
+    locality_weights: dict[str, Annotated[int, Field(strict=True, ge=1)]] = {}
+    #: Priorities relative to the gateway's locality (``gateway.region``/``gateway.zone``): ``zone``: its own
+    #: zone is priority 0, the region's other zones 1, other regions 2; ``region``: its own region 0, other
+    #: regions 1; ``off``: every endpoint priority 0. Envoy spills to the next priority as the healthy
+    #: share of one drops below 100% / ``overprovisioning_factor``.
+    failover: Literal["off", "zone", "region"] = "off"
+    #: Envoy ``ClusterLoadAssignment.policy.overprovisioning_factor`` (%; Envoy's default 140).
+    overprovisioning_factor: Annotated[int, Field(strict=True, ge=100, le=1000)] = 140
+    #: Long generations to the fast GPUs (:class:`LengthAwareRouting`); None (default): every request is
+    #: balanced over every endpoint. Needs ``least_request`` or ``round_robin``.
+    length_aware: LengthAwareRouting | None = None
+
+    @model_validator(mode="after")
+    def _check_slow_start(self) -> Self:
+        if self.slow_start_window_ms and self.lb_policy not in ("least_request", "round_robin"):
+            raise ValueError(
+                f"slow_start_window_ms: slow start needs lb_policy least_request or round_robin, "
+                f"not {self.lb_policy}"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _check_length_aware(self) -> Self:
+        # ring_hash/maglev place a request by its affinity key; a length subset would break that affinity
+        if self.length_aware is not None and self.lb_policy not in ("least_request", "round_robin"):
+            raise ValueError(
+                f"length_aware: length-aware placement needs lb_policy least_request or round_robin, "
+                f"not {self.lb_policy} (its affinity keys pick the GPU)"
+            )
+        return self
+
+
+class ModelVersion(_Frozen):
+    """One deployed version of a model and its share of the model's traffic (a canary is a small share)."""
+
+    name: Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")]
+    traffic_percent: Annotated[float, Field(strict=True, ge=0, le=100)] = 100.0
+
+
+_MODEL_NAME = r"^[A-Za-z0-9][A-Za-z0-9_.:/@-]{0,127}$"
+
+
+class ModelConfig(_Frozen):
+    """A model the gateway serves, under its name and any aliases clients may use."""
+
+    name: Annotated[str, Field(pattern=_MODEL_NAME)]
+    aliases: tuple[Annotated[str, Field(pattern=_MODEL_NAME)], ...] = ()
+    #: Context window (tokens); prompt + requested output above it is refused.
+    context_length: Annotated[int, Field(strict=True, ge=16)] = 32_768
+    #: Completion tokens assumed when a request sets no ``max_tokens``/``max_completion_tokens``: what
+    #: quota admission reserves and what the simulated servers generate (tokens).
+    default_max_tokens: Annotated[int, Field(strict=True, ge=1)] = 256
+    #: How prompts are counted: ``tiktoken:<encoding>`` (bundled offline encodings: ``cl100k_base``),
+    #: ``hf:<path to tokenizer.json>`` (HF ``tokenizers``), or ``estimate`` (UTF-8 bytes: never fewer than
+    #: a byte-level BPE tokenizer counts). See :func:`inferlb.request.tokens.make_counter`.
+    tokenizer: Annotated[str, Field(pattern=r"^(estimate|tiktoken:[A-Za-z0-9_]+|hf:.+)$")] = (
+        "tiktoken:cl100k_base"
+    )
+    #: Prompt tokens charged per image part; None: OpenAI's vision pricing (85 at ``detail: low``, else 765).
+    image_tokens: Annotated[int, Field(strict=True, ge=0, le=1_000_000)] | None = None
+    versions: tuple[ModelVersion, ...] = (ModelVersion(name="v1"),)
+    cluster: ClusterPolicy = ClusterPolicy()
+
+    @model_validator(mode="after")
+    def _check_versions(self) -> Self:
+        if not self.versions:
+            raise ValueError("versions: a model needs at least one version")
+        names = [v.name for v in self.versions]
+        dup = sorted({n for n in names if names.count(n) > 1})
+        if dup:
+            raise ValueError(f"versions: duplicate version names {dup}")
+        total = sum(v.traffic_percent for v in self.versions)
+        if abs(total - 100.0) > 1e-6:
+            raise ValueError(f"versions: traffic_percent must add up to 100, got {total:g}")
+        return self
+
+    def cluster_name(self, version: str) -> str:
+        """The Envoy cluster name for one version of this model (unique, stable, DNS-safe)."""
+        return cluster_name(self.name, version)
+
+
+def cluster_name(model: str, version: str) -> str:
+    """Envoy cluster name ``model--version`` with characters Envoy stats dislike replaced by ``_``."""
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", f"{model}--{version}")
+
+
+class EndpointConfig(_Frozen):
+    """One model server (one GPU or one tensor-parallel group) serving one model version."""
+
+    address: HostPort
+    model: str
+    version: str | None = None
+    gpu: str
+    region: str = "local"
+    zone: str = "a"
+    #: True: ``inferlb up`` starts a simulated GPU server on this address.
+    simulated: bool = False
+    #: Optional name shown in status tables and response headers; defaults to ``address``.
+    name: str | None = None
+    #: Which GPU's telemetry (``POST /v1/telemetry/gpu`` from ``inferlb agent``) is this endpoint's:
+    #: ``gpu_uuid`` (NVML UUID) when set, else the GPU ``gpu_index`` (default 0) of node ``gpu_node``
+    #: (default: the address's host). See xds_server/collector.py.
+    gpu_node: Annotated[str, Field(min_length=1, max_length=253)] | None = None
+    gpu_index: Annotated[int, Field(strict=True, ge=0, le=1023)] | None = None
+    gpu_uuid: Annotated[str, Field(min_length=1, max_length=128)] | None = None
+
+    @property
+    def display_name(self) -> str:
+        """The name used in tables and in the simulator's ``x-inferlb-endpoint`` response header."""
+        return self.name or str(self.address)
+
+
+_TENANT_LIMITS = ("requests_per_minute", "tokens_per_minute", "max_concurrent_requests", "daily_token_budget")
+
+
+class TenantConfig(_Frozen):
+    """A tenant: its API keys, priority and quotas. ``None`` means unlimited."""
+
+    name: Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")]
+    api_keys: tuple[Annotated[str, Field(min_length=8, max_length=256)], ...]
+    priority: Priority = Priority.DEFAULT
+    #: Requests admitted in any 60 s: a sliding window of whole seconds that never overshoots
+    #: (inferlb/policy/quota.py).
+    requests_per_minute: Annotated[int, Field(strict=True, ge=1)] | None = None
+    #: Prompt + completion tokens admitted in any 60 s (the same window; reservations settled with the
+    #: real usage).
+    tokens_per_minute: Annotated[int, Field(strict=True, ge=1)] | None = None
+    #: Requests in flight at once, from admission to the end of the response (or the client's abort).
+    max_concurrent_requests: Annotated[int, Field(strict=True, ge=1)] | None = None
+    #: Prompt + completion tokens per UTC calendar day; a request is admitted only if its reservation
+    #: (prompt + largest output cap x n) still fits today's remainder.
+    daily_token_budget: Annotated[int, Field(strict=True, ge=1)] | None = None
+
+    @field_validator("api_keys")
+    @classmethod
+    def _keys(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        if not v:
+            raise ValueError("a tenant needs at least one API key")
+        if any(any(c.isspace() for c in k) for k in v):
+            raise ValueError("API keys cannot contain white space")
+        return v
+
+    def limits_set(self) -> tuple[str, ...]:
+        """The names of the limits this tenant sets, of ``requests_per_minute``, ``tokens_per_minute``,
+        ``max_concurrent_requests``, ``daily_token_budget`` (in that order); empty when unlimited."""
+        return tuple(f for f in _TENANT_LIMITS if getattr(self, f) is not None)
+
+
+class Config(_Frozen):
+    """The whole inferlb config. Build it with :func:`load_config` or :func:`parse_config`."""
+
+    gateway: GatewayConfig = GatewayConfig()
+    xds: XdsConfig = XdsConfig()
+    ext_proc: ExtProcConfig = ExtProcConfig()
+    simulation: Simulation = Simulation()
+    gpu_profiles: dict[str, GpuProfile] = Field(
+        default_factory=lambda: {k: GpuProfile(relative_capacity=v) for k, v in DEFAULT_GPU_CAPACITY.items()}
+    )
+    models: tuple[ModelConfig, ...]
+    endpoints: tuple[EndpointConfig, ...] = ()
+    tenants: tuple[TenantConfig, ...] = ()
+    weights: WeightsConfig = WeightsConfig()
+    telemetry: TelemetryConfig = TelemetryConfig()
+
+    @field_validator("gpu_profiles", mode="before")
+    @classmethod
+    def _merge_default_profiles(cls, v: Any) -> Any:
+        # A file that defines some profiles keeps the built-in ones for the others.
+        if isinstance(v, dict):
+            merged: dict[str, Any] = {k: {"relative_capacity": c} for k, c in DEFAULT_GPU_CAPACITY.items()}
+            merged.update(v)
+            return merged
+        return v
+
+    @model_validator(mode="after")
+    def _cross_check(self) -> Self:
+        problems: list[str] = []
+        seen: dict[str, str] = {}
+        for m in self.models:
+            for n in (m.name, *m.aliases):
+                if n in seen:
+                    problems.append(f"models: name or alias {n!r} is used by both {seen[n]!r} and {m.name!r}")
+                seen[n] = m.name
+        by_name = {m.name: m for m in self.models}
+        for i, e in enumerate(self.endpoints):
+            where = f"endpoints[{i}]"
+            model = by_name.get(e.model)
+            if model is None:
+                problems.append(f"{where}.model: unknown model {e.model!r} (known: {sorted(by_name)})")
+            elif e.version is not None and e.version not in {v.name for v in model.versions}:
+                problems.append(
+                    f"{where}.version: model {e.model!r} has no version {e.version!r} "
+                    f"(known: {[v.name for v in model.versions]})"
+                )
+            elif e.version is None and len(model.versions) > 1:
+                problems.append(f"{where}.version: model {e.model!r} has several versions; name one")
+            if e.gpu not in self.gpu_profiles:
+                problems.append(
+                    f"{where}.gpu: unknown GPU type {e.gpu!r} (known: {sorted(self.gpu_profiles)})"
+                )
+        keys: dict[str, str] = {}
+        names: set[str] = set()
+        for i, t in enumerate(self.tenants):
+            if t.name in names:
+                problems.append(f"tenants[{i}].name: duplicate tenant {t.name!r}")
+            names.add(t.name)
+            for k in t.api_keys:
+                if k in keys:
+                    problems.append(f"tenants[{i}].api_keys: a key is shared with tenant {keys[k]!r}")
+                keys[k] = t.name
+        fail_open = self.ext_proc.fail_open_model
+        if fail_open is not None and fail_open not in seen:  # a name or an alias
+            problems.append(
+                f"ext_proc.fail_open_model: unknown model {fail_open!r} (known: {sorted(by_name)})"
+            )
+        # every socket inferlb binds or Envoy dials must be distinct
+        taken: dict[str, str] = {}
+        for field, hp in self.listen_sockets():
+            if str(hp) in taken:
+                problems.append(f"{field}: {hp} is already used by {taken[str(hp)]}")
+            else:
+                taken[str(hp)] = field
+        if problems:
+            raise ValueError("; ".join(problems))
+        return self
+
+    @model_validator(mode="after")
+    def _check_quota_shared_by_extra_processes(self) -> Self:
+        # Envoy spreads requests over every ext_proc process; with quota_backend memory each keeps its
+        # own windows, concurrency slots and daily budgets, so N processes admit N x every limit.
+        processes = 1 + len(self.ext_proc.extra_listen)
+        if processes == 1 or self.ext_proc.quota_backend != "memory":
+            return self
+        limited = [(t.name, fields) for t in self.tenants if (fields := t.limits_set())]
+        if limited:
+            name, fields = limited[0]
+            raise ValueError(
+                f"ext_proc.extra_listen: {processes} ext_proc processes with quota_backend memory would "
+                f"each enforce every tenant's limits on their own share (limits x {processes}, e.g. tenant "
+                f"{name!r} sets {', '.join(fields)}): use quota_backend: redis, or drop extra_listen, "
+                "or give no tenant a limit"
+            )
+        return self
+
+    # -- lookups used by the services -------------------------------------------------------------
+    def listen_sockets(self, *, simulated_only: bool = False) -> list[tuple[str, HostPort]]:
+        """``(config field, address)`` of every socket the stack listens on: Envoy's listener and admin,
+        the xDS server's gRPC and HTTP API, ext_proc's gRPC and metrics, and the endpoints (only the
+        simulated ones with ``simulated_only``: the others are not ours to start)."""
+        out = [
+            ("gateway.listen", self.gateway.listen),
+            ("gateway.admin", self.gateway.admin),
+            ("xds.listen", self.xds.listen),
+            ("ext_proc.listen", self.ext_proc.listen),
+            ("ext_proc.metrics_listen", self.ext_proc.metrics_listen),
+        ]
+        out += [(f"ext_proc.extra_listen[{i}]", hp) for i, hp in enumerate(self.ext_proc.extra_listen)]
+        out += [
+            (f"ext_proc.extra_metrics_listen[{i}]", hp)
+            for i, hp in enumerate(self.ext_proc.extra_metrics_addresses())
+        ]
+        if self.xds.api_listen is not None:
+            out.append(("xds.api_listen", self.xds.api_listen))
+        out += [
+            (f"endpoints[{i}].address", e.address)
+            for i, e in enumerate(self.endpoints)
+            if e.simulated or not simulated_only
+        ]
+        return out
+
+    def model_by_name(self) -> dict[str, ModelConfig]:
+        """Every name and alias -> its model."""
+        out: dict[str, ModelConfig] = {}
+        for m in self.models:
+            for n in (m.name, *m.aliases):
+                out[n] = m
+        return out
+
+    def endpoint_version(self, e: EndpointConfig) -> str:
+        """The version an endpoint serves (its own, or its model's only version)."""
+        if e.version is not None:
+            return e.version
+        return next(m for m in self.models if m.name == e.model).versions[0].name
+
+
+_SUBFIELD = re.compile(
+    r"^(?P<field>[a-z_][a-z0-9_]*(?:\[\d+\])?(?:\.[a-z_][a-z0-9_]*(?:\[\d+\])?)*): (?P<msg>.+)$", re.S
+)
+
+
+def _loc_to_field(loc: tuple[int | str, ...]) -> str:
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif part in ("function-after[_parse(), HostPort]",):
+            continue
+        else:
+            out += ("." if out else "") + str(part)
+    return out
+
+
+def parse_config(data: Any, source: str = "<string>") -> Config:
+    """Validate a parsed YAML/JSON document into a :class:`Config`.
+
+    Raises:
+        ConfigError: with one ``(field, message)`` per problem, fields as dotted paths.
+    """
+    if not isinstance(data, dict):
+        raise ConfigError(source, [("", f"expected a mapping at the top level, got {type(data).__name__}")])
+    try:
+        return Config.model_validate(data)
+    except ValidationError as exc:
+        problems: list[tuple[str, str]] = []
+        for err in exc.errors(include_url=False):
+            msg = str(err["msg"]).removeprefix("Value error, ")
+            field = _loc_to_field(tuple(err["loc"]))
+            # cross-field checks report "field: message; field: message" from the model validator
+            if not field and ": " in msg:
+                for piece in msg.split("; "):
+                    f, _, m = piece.partition(": ")
+                    problems.append((f, m))
+                continue
+            # a model validator may prefix its message with the sub-field at fault ("versions: ...")
+            sub = _SUBFIELD.match(msg)
+            if sub:
+                problems.append((f"{field}.{sub['field']}", sub["msg"]))
+            else:
+                problems.append((field, msg))
+        raise ConfigError(source, problems) from None
+
+
+def load_config(path: str | Path) -> Config:
+    """Read and validate a YAML config file.
+
+    Raises:
+        ConfigError: the file cannot be read, is not YAML, or fails validation (field named).
+    """
+    p = Path(path)
+    try:
+        text = p.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(str(p), [("", f"cannot read: {exc.strerror or exc}")]) from None
+    try:
+        _refuse_duplicate_keys(yaml.compose(text, Loader=yaml.SafeLoader), "")
+        data = yaml.safe_load(text)
+    except DuplicateKeyError as exc:
+        raise ConfigError(str(p), [(exc.field, str(exc))]) from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(str(p), [("", f"not valid YAML: {exc}")]) from None
+    return parse_config(data, str(p))
+
+
+class DuplicateKeyError(yaml.YAMLError):
+    """A mapping names the same key twice. PyYAML keeps the last value silently; a config that says
+    ``num_retries`` twice is a mistake to report, not to guess at.
+
+    Attributes:
+        field: dotted path of the repeated key (``gateway.num_retries``, ``models[0].context_length``).
+    """
+
+    def __init__(self, field: str, line: int) -> None:
+        self.field = field
+        super().__init__(f"duplicate key (again on line {line}); each key may appear once")
+
+
+def _refuse_duplicate_keys(node: yaml.Node | None, path: str) -> None:
+    """Walk a composed YAML node tree; raise :class:`DuplicateKeyError` at the first repeated key."""
+    if isinstance(node, yaml.MappingNode):
+        seen: set[str] = set()
+        for key_node, value_node in node.value:
+            key = str(key_node.value)
+            where = f"{path}.{key}" if path else key
+            if key in seen:
+                raise DuplicateKeyError(where, key_node.start_mark.line + 1)
+            seen.add(key)
+            _refuse_duplicate_keys(value_node, where)
+    elif isinstance(node, yaml.SequenceNode):
+        for i, item in enumerate(node.value):
+            _refuse_duplicate_keys(item, f"{path}[{i}]")
+
+
+def default_config_path() -> Path:
+    """The embedded default config (``examples/local.yaml``, packaged as ``inferlb/data/local.yaml``)."""
+    return Path(__file__).parents[1] / "data" / "local.yaml"

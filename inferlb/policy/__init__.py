@@ -1,0 +1,14 @@
+"""The policies (core): pure decisions over the config, telemetry and request values.
+
+- :mod:`inferlb.policy.capacity`: an endpoint's static Envoy weight from its GPU profile.
+- :mod:`inferlb.policy.telemetry`: GPU (NVML/DCGM) and model-server metric values and their parsers.
+- :mod:`inferlb.policy.weights`: the telemetry weight policy (EWMA, hysteresis, slow start, stale fallback).
+- :mod:`inferlb.policy.length_aware`: length classes and their GPU tiers, static and live.
+- :mod:`inferlb.policy.affinity`: prefix and session affinity keys.
+- :mod:`inferlb.policy.routing`: the routing table (model, alias, version by canary split).
+- :mod:`inferlb.policy.quota`: the quota book (sliding windows, concurrency, daily budgets) and its
+  in-process store; the Redis store is an adapter (:mod:`inferlb.adapters.quota_redis`).
+
+May import: :mod:`inferlb.errors`, :mod:`inferlb.config`, :mod:`inferlb.request`, prometheus_client's text
+parser; no server, client, Redis, NVML or simulator.
+"""

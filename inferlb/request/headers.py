@@ -1,0 +1,31 @@
+"""HTTP header names shared by ext_proc (which sets them), the xDS routes (which match on them) and the
+simulated GPU servers (which report the serving endpoint).
+
+Every ``x-inferlb-*`` header a client sends is removed by ext_proc before routing, so only ext_proc can
+set them.
+"""
+
+from typing import Final
+
+PREFIX: Final = "x-inferlb-"
+#: Canonical model name chosen by ext_proc (aliases resolved); routes match on it.
+MODEL: Final = "x-inferlb-model"
+#: Model version chosen by ext_proc (canary split); routes match on it with MODEL.
+VERSION: Final = "x-inferlb-version"
+#: Tenant name resolved from the API key.
+TENANT: Final = "x-inferlb-tenant"
+#: Tenant priority (``high``/``default``/``low``); ``high`` routes with Envoy priority HIGH.
+PRIORITY: Final = "x-inferlb-priority"
+#: Prompt tokens counted by ext_proc.
+PROMPT_TOKENS: Final = "x-inferlb-prompt-tokens"
+#: Session affinity key (a digest of the session header or the ``user`` field,
+#: :mod:`inferlb.policy.affinity`); ring_hash/maglev routes hash on it when there is no prefix key.
+SESSION_KEY: Final = "x-inferlb-session"
+#: Conversation-prefix affinity key (a digest of the conversation's opening, :mod:`inferlb.policy.affinity`);
+#: ring_hash/maglev routes hash on it first.
+PREFIX_KEY: Final = "x-inferlb-prefix"
+#: Length class of a request to a length-aware model (``long``/``short``, :mod:`inferlb.policy.length_aware`):
+#: a ``long`` request's route balances it among the model's fast GPUs only.
+LENGTH_CLASS: Final = "x-inferlb-length-class"
+#: Response header set by a (simulated) model server: which endpoint served the request.
+ENDPOINT: Final = "x-inferlb-endpoint"

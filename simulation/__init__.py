@@ -1,0 +1,10 @@
+"""Simulators, outside the runtime: nothing in ``inferlb``, ``xds_server`` or ``ext_proc`` imports them.
+
+- :mod:`simulation.gpusim`: simulated GPU model servers (OpenAI-compatible, vLLM metric names, faults and
+  NVML-like telemetry) for the local stack, tests and benchmarks; ``python -m simulation.gpusim``.
+- :mod:`simulation.fleetsim`: a discrete-event simulation of a fleet behind Envoy-like balancers, for
+  benchmarks at 1,000-GPU scale.
+
+May import: the core (:mod:`inferlb.config`, :mod:`inferlb.request`, :mod:`inferlb.policy`,
+:mod:`inferlb.traces`, :mod:`inferlb.errors`) and aiohttp; no service, adapter or operator tool.
+"""

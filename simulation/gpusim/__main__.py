@@ -1,0 +1,103 @@
+"""``python -m simulation.gpusim --config PATH [--only NAME ...] [--log-level info]``: run the simulated
+endpoints of a config in one process (one aiohttp site per endpoint address).
+
+Runs every endpoint with ``simulated: true`` (or only those named with ``--only``, by display name, i.e. the
+endpoint's ``name`` or else its address). Logs ``gpusim ready: N endpoints`` once all listen; stops cleanly on
+SIGINT/SIGTERM. Exit status: 0 after a signal, 2 for a bad config or an unknown ``--only`` name, 1 when an
+address cannot be bound.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+from collections.abc import Sequence
+
+from inferlb.config.schema import Config, EndpointConfig, default_config_path, load_config
+from inferlb.errors import ConfigError
+from simulation.gpusim.server import SimulatedEndpoint
+
+log = logging.getLogger("gpusim")
+
+
+def select_endpoints(config: Config, only: Sequence[str] | None) -> list[EndpointConfig]:
+    """The endpoints to simulate: those marked ``simulated``, or exactly the ones named in ``only``.
+
+    Raises:
+        ValueError: a name in ``only`` matches no endpoint (the message lists the known names).
+    """
+    if not only:
+        return [e for e in config.endpoints if e.simulated]
+    by_name = {e.display_name: e for e in config.endpoints}
+    unknown = [n for n in only if n not in by_name]
+    if unknown:
+        raise ValueError(f"unknown endpoint name(s) {unknown}; known: {sorted(by_name)}")
+    return [by_name[n] for n in dict.fromkeys(only)]
+
+
+async def serve(config: Config, endpoints: Sequence[EndpointConfig]) -> int:
+    """Start one :class:`SimulatedEndpoint` per endpoint, wait for SIGINT/SIGTERM, stop them all."""
+    servers = [SimulatedEndpoint(config=config, endpoint=e) for e in endpoints]
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    started: list[SimulatedEndpoint] = []
+    try:
+        for srv in servers:
+            try:
+                host, port = await srv.start()
+            except OSError as exc:
+                log.error(
+                    "gpusim: cannot listen on %s for %s: %s", srv.endpoint.address, srv.display_name, exc
+                )
+                return 1
+            started.append(srv)
+            log.info(
+                "%s (%s, %s) listening on %s:%d",
+                srv.display_name, srv.endpoint.gpu, srv.model.name, host, port,
+            )  # fmt: skip
+        log.info("gpusim ready: %d endpoints", len(started))
+        await stop.wait()
+        log.info("stopping")
+        return 0
+    finally:
+        await asyncio.gather(*(s.stop() for s in started))
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Command-line entry point; returns the exit status."""
+    parser = argparse.ArgumentParser(
+        prog="python -m simulation.gpusim", description="Run the simulated GPU model servers."
+    )
+    parser.add_argument("--config", default=str(default_config_path()), help="inferlb config file (YAML)")
+    parser.add_argument(
+        "--only", nargs="+", metavar="NAME", help="run only these endpoints (by name or address)"
+    )
+    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    try:
+        config = load_config(args.config)
+        endpoints = select_endpoints(config, args.only)
+    except ConfigError as exc:
+        print(exc, file=sys.stderr)
+        return 2
+    except ValueError as exc:
+        print(f"gpusim: {exc}", file=sys.stderr)
+        return 2
+    if not endpoints:
+        print(f"gpusim: no simulated endpoints in {args.config}", file=sys.stderr)
+        return 2
+    return asyncio.run(serve(config, endpoints))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -8,7 +8,7 @@ to each ``--loads`` fraction of the fleet's capacity, under six Envoy balancers 
 ``inferlb.policy.weights.step``, length-aware placement: long completions to the fast GPUs, by those weights,
 and tiered placement: one length class per GPU class),
 then a second run per policy at ``--throttle-load`` where ``--throttle-fraction``
-of the H100s slow to half speed mid-way. See simulation/fleetsim.py for the model and every definition.
+of the H100s slow to half speed mid-way. See simulation/fleetsim/ for the model and every definition.
 
 Usage: ``.venv/bin/python bench/fleet_sim.py [--gpus 1000] [--duration 60] [--out bench/out]``
 (``--help`` for the rest). Needs matplotlib for the plots.
@@ -45,19 +45,16 @@ from inferlb.config.schema import Config, load_config
 from inferlb.policy.length_aware import DEFAULT_TIER_WORK_FRACTION, tier_thresholds
 from inferlb.policy.weights import WeightParams
 from inferlb.traces import DEFAULT_TRACE, TraceRow, read_trace
-from simulation.fleetsim import (
-    POLICIES,
+from simulation.fleetsim.loop import simulate
+from simulation.fleetsim.results import FleetRunResult, share_series
+from simulation.fleetsim.scenario import POLICIES, Policy, Scenario
+from simulation.fleetsim.workload import (
     FleetGpu,
-    FleetRunResult,
-    Policy,
-    Scenario,
     fleet_capacity_rps,
     fleet_mix,
     long_output_threshold,
     request_service_seconds,
     scale_trace,
-    share_series,
-    simulate,
     tiered_thresholds,
 )
 from simulation.gpusim.engine import BatchEngine, TimingModel
@@ -397,7 +394,7 @@ def main() -> None:
 
 def trace_part(rows: list[TraceRow], start: float, end: float) -> list[TraceRow]:
     """The rows whose offset lies in ``[start, end)`` of the trace's span (fractions; ``end`` 1.0 keeps the
-    last row), offsets kept (:func:`simulation.fleetsim.scale_trace` re-times them).
+    last row), offsets kept (:func:`simulation.fleetsim.workload.scale_trace` re-times them).
 
     Raises:
         SystemExit: the fractions are not ``0 <= start < end <= 1`` or the part holds no row.

@@ -107,7 +107,7 @@ from inferlb.policy.length_aware import (
     tier_thresholds,
 )
 from inferlb.traces import DEFAULT_TRACE, TraceRow, percentile, read_trace, window
-from simulation.fleetsim import request_service_seconds
+from simulation.fleetsim.workload import request_service_seconds
 from simulation.gpusim.engine import BATCH_SLOWDOWN_PER_SEQUENCE, TimingModel
 
 MODEL = "bench-model"

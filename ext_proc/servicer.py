@@ -235,8 +235,8 @@ def _override(
 
 #: ``mode_override`` for a request ext_proc lets through untouched (not an inference path): Envoy sends no
 #: request body and no response phases for it (honoured only with the filter's ``allow_mode_override``,
-#: which :func:`xds_server.resources.build_listener` sets; Envoy applies an override sent in answer to a
-#: headers message and ignores one sent with a body answer).
+#: which :func:`xds_server.resources.listener.build_listener` sets; Envoy applies an override sent in answer
+#: to a headers message and ignores one sent with a body answer).
 PASSTHROUGH_MODE = _override(request_body=_Mode.NONE, response_headers=_Mode.SKIP, response_body=_Mode.NONE)
 #: ``mode_override`` in the answer to the response headers of a 2xx JSON response whose ``content-length``
 #: fits Envoy's buffer (the gateway's ``max_request_body_bytes``, which is also the listener's

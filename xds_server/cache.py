@@ -35,7 +35,7 @@ from google.protobuf import any_pb2
 from google.protobuf.message import Message
 
 from inferlb.errors import InferlbError
-from xds_server.resources import (
+from xds_server.resources.common import (
     CLUSTER_TYPE,
     ENDPOINT_TYPE,
     LISTENER_TYPE,
@@ -121,7 +121,7 @@ class Snapshot:
     Build it with :meth:`from_resources`; the cache assigns versions with :meth:`SnapshotCache.set_resources`.
 
     Attributes:
-        versions: ``{type_url: version}`` for every type in :data:`xds_server.resources.PUSH_ORDER`.
+        versions: ``{type_url: version}`` for every type in :data:`xds_server.resources.common.PUSH_ORDER`.
         resources: ``{type_url: {name: SnapshotResource}}`` (read-only mappings).
     """
 

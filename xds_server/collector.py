@@ -54,6 +54,9 @@ classes give it, so a throttled H100 brings the next fastest GPU into the longes
 classes then differ from their profile's go to :meth:`~xds_server.server.XdsServer.set_telemetry_weights` with
 the weights and out as EDS endpoint metadata through the same coalesced push; Envoy rebuilds a cluster's
 subsets when an endpoint's metadata changes. With ``static`` weights the profile's classes stay.
+
+The server is known by what the collector needs of it (:class:`TelemetryTarget`), not by its class:
+:mod:`xds_server.__main__` hands it the :class:`~xds_server.server.XdsServer`.
 """
 
 from __future__ import annotations
@@ -63,14 +66,14 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal, Protocol
 
 import aiohttp
 from aiohttp import web
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
-from prometheus_client.registry import Collector
+from prometheus_client.registry import Collector, CollectorRegistry
 
 from inferlb.config.schema import Config, EndpointConfig
 from inferlb.errors import RequestError
@@ -103,10 +106,8 @@ from inferlb.policy.weights import (
     step,
     target_weight,
 )
-from xds_server.resources import endpoint_key
-
-if TYPE_CHECKING:
-    from xds_server.server import XdsServer
+from xds_server.fleet_state import FleetState
+from xds_server.resources.endpoints import endpoint_key
 
 log = logging.getLogger("xds_server.collector")
 
@@ -143,7 +144,7 @@ class EndpointWeight:
     """The outcome of one control-loop step for one endpoint.
 
     Attributes:
-        key: :func:`xds_server.resources.endpoint_key`.
+        key: :func:`xds_server.resources.endpoints.endpoint_key`.
         cluster: its Envoy cluster.
         inputs: what the policy saw; breakdown: the target and its factors.
         weight: the weight the policy pushes (``weights.scale`` units, in ``[1, max_weight]``).
@@ -246,8 +247,39 @@ class _Metrics(Collector):
         yield from (scrapes, failures, reports, weight, fresh)
 
 
+class MetricsRegistry(Protocol):
+    """The server's metrics, as far as the collector adds to them: the registry its series go on."""
+
+    @property
+    def registry(self) -> CollectorRegistry: ...
+
+
+class TelemetryTarget(Protocol):
+    """What the collector needs of the server it feeds (:class:`xds_server.server.XdsServer` is one): the
+    served config and resolved host names (what to scrape), the fleet API's weight pins and the weights and
+    length classes pushed (for ``GET /v1/weights``), the metrics registry, and the entry point the weights
+    go to."""
+
+    @property
+    def effective(self) -> Config | None: ...
+    @property
+    def resolved_hosts(self) -> Mapping[str, str]: ...
+    @property
+    def fleet(self) -> FleetState: ...
+    @property
+    def telemetry_weights(self) -> Mapping[str, int]: ...
+    @property
+    def telemetry_classes(self) -> Mapping[str, tuple[str, ...]]: ...
+    @property
+    def metrics(self) -> MetricsRegistry: ...
+    def set_telemetry_weights(
+        self, weights: Mapping[str, int], length_classes: Mapping[str, tuple[str, ...]] | None = None
+    ) -> None: ...
+
+
 class TelemetryCollector:
-    """Scrapes, receives GPU reports, steps the weight policy and hands weights to an :class:`XdsServer`.
+    """Scrapes, receives GPU reports, steps the weight policy and hands weights to a server
+    (:class:`TelemetryTarget`: the :class:`~xds_server.server.XdsServer`).
 
     Usage (``xds_server.__main__`` does this)::
 
@@ -271,7 +303,7 @@ class TelemetryCollector:
 
     def __init__(self, *, clock: Callable[[], float] = time.monotonic) -> None:
         self._clock = clock
-        self._server: XdsServer | None = None
+        self._server: TelemetryTarget | None = None
         self._session: aiohttp.ClientSession | None = None
         self._task: asyncio.Task[None] | None = None
         self._params_owner: Config | None = None
@@ -297,7 +329,7 @@ class TelemetryCollector:
             web.get("/v1/weights", self._get_weights),
         ]
 
-    async def start(self, server: XdsServer) -> None:
+    async def start(self, server: TelemetryTarget) -> None:
         """Attach to a started server, register the metrics and start the loop."""
         self._server = server
         server.metrics.registry.register(_Metrics(self))

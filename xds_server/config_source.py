@@ -1,6 +1,6 @@
 """Where Envoy fetches endpoints and routes from: the ADS stream, or this server's per-type services.
 
-:func:`xds_server.resources.build_resources` points every EDS cluster and the listener's RDS at ADS
+:func:`xds_server.resources.build.build_resources` points every EDS cluster and the listener's RDS at ADS
 (``ConfigSource.ads``). An Envoy bootstrapped for the per-type discovery services (``inferlb bootstrap
 --ads-mode xds``: LDS and CDS each on its own gRPC stream, no ADS) must instead be told to fetch them over
 ``ApiConfigSource`` gRPC streams to the same ``inferlb_xds`` cluster (EDS and RDS on their own streams).
@@ -22,7 +22,7 @@ from google.protobuf import any_pb2
 from google.protobuf.message import Message
 
 from xds_server.bootstrap import XDS_CLUSTER
-from xds_server.resources import CLUSTER_TYPE, LISTENER_TYPE, XdsResources
+from xds_server.resources.common import CLUSTER_TYPE, LISTENER_TYPE, XdsResources
 
 _HCM_TYPE: Final = (
     f"type.googleapis.com/{http_connection_manager_pb2.HttpConnectionManager.DESCRIPTOR.full_name}"

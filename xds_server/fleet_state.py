@@ -5,8 +5,8 @@ top of the last good config file with :func:`effective_config` and :func:`effect
 edit and fleet API changes compose (the file gives the base fleet, the API adds, hides and re-weights
 endpoints; an endpoint registered at an address the file also lists replaces the file's entry).
 
-Endpoints are named by :func:`xds_server.resources.endpoint_key` (their ``host:port``). Times are seconds
-on the caller's monotonic clock.
+Endpoints are named by :func:`xds_server.resources.endpoints.endpoint_key` (their ``host:port``). Times are
+seconds on the caller's monotonic clock.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from pydantic import ValidationError
 
 from inferlb.config.schema import Config, EndpointConfig, parse_config
 from inferlb.errors import ConfigError
-from xds_server.resources import EndpointOverride, endpoint_key
+from xds_server.resources.endpoints import EndpointOverride, endpoint_key
 
 
 class UnknownEndpointError(KeyError):
@@ -157,7 +157,7 @@ def effective_overrides(
     telemetry_weights: Mapping[str, int],
     length_classes: Mapping[str, tuple[str, ...]] | None = None,
 ) -> dict[str, EndpointOverride]:
-    """Per-endpoint overrides for :func:`xds_server.resources.build_resources`.
+    """Per-endpoint overrides for :func:`xds_server.resources.build.build_resources`.
 
     Weight precedence: a fleet API pin, then a telemetry weight, then (no override) the capacity weight.
     Draining endpoints get ``draining=True``. ``length_classes``: the telemetry's live length classes of

@@ -18,7 +18,10 @@ Routes (JSON in and out; errors are OpenAI-style ``{"error": {"message", "type",
 
 Every ``/v1`` route needs ``Authorization: Bearer <token>`` (compared in constant time); with no token
 configured, every ``/v1`` route answers 503 so an unconfigured server is never open. ``{key}`` is the
-endpoint's ``host:port`` as written in the config (:func:`xds_server.resources.endpoint_key`).
+endpoint's ``host:port`` as written in the config (:func:`xds_server.resources.endpoints.endpoint_key`).
+
+The server is known by what the routes need of it (:class:`FleetApiServer`), not by its class:
+:class:`xds_server.server.XdsServer` imports this module, not the other way round.
 """
 
 from __future__ import annotations
@@ -26,20 +29,46 @@ from __future__ import annotations
 import hmac
 import json
 import time
-from collections.abc import Awaitable, Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from typing import Any, Protocol
 
 from aiohttp import web
 
+from inferlb.config.schema import Config, EndpointConfig
 from inferlb.errors import ConfigError, RequestError
-from xds_server.fleet_state import UnknownEndpointError, parse_endpoint
-from xds_server.metrics import render_metrics
-from xds_server.resources import endpoint_key
-
-if TYPE_CHECKING:
-    from xds_server.server import XdsServer
+from xds_server.fleet_state import FleetState, UnknownEndpointError, parse_endpoint
+from xds_server.metrics import HasMetrics, render_metrics
+from xds_server.resources.endpoints import endpoint_key
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+class ClientList(Protocol):
+    """The ADS servicer as ``GET /v1/clients`` sees it."""
+
+    def clients_json(self) -> list[dict[str, Any]]:
+        """Every open stream (node, mode, ACKed versions, last NACK)."""
+        ...
+
+
+class FleetApiServer(HasMetrics, Protocol):
+    """What the HTTP API needs of the server (:class:`xds_server.server.XdsServer` is one): the served
+    config, fleet changes and telemetry weights to list endpoints, the fleet changes themselves, the
+    connected clients and (:class:`~xds_server.metrics.HasMetrics`) the metrics to render."""
+
+    @property
+    def effective(self) -> Config | None: ...
+    @property
+    def fleet(self) -> FleetState: ...
+    @property
+    def telemetry_weights(self) -> Mapping[str, int]: ...
+    @property
+    def servicer(self) -> ClientList: ...
+    async def register_endpoint(self, endpoint: EndpointConfig) -> None: ...
+    def drain_endpoint(self, key: str, drain_ms: int | None = None) -> float: ...
+    def deregister_endpoint(self, key: str) -> None: ...
+    def override_weight(self, key: str, weight: int | None) -> None: ...
+    def override_weights(self, weights: Mapping[str, int | None]) -> None: ...
 
 
 def _error(status: int, message: str, code: str, param: str | None = None) -> web.Response:
@@ -54,7 +83,7 @@ def _config_error(exc: ConfigError) -> web.Response:
 
 
 class HttpApi:
-    """The aiohttp application over one :class:`~xds_server.server.XdsServer`.
+    """The aiohttp application over one xDS server (:class:`FleetApiServer`).
 
     Args:
         server: the xDS server whose fleet it changes and whose streams it reports.
@@ -62,7 +91,9 @@ class HttpApi:
         routes: extra routes (the ``/v1/`` ones behind the same token check).
     """
 
-    def __init__(self, server: XdsServer, *, token: str | None, routes: Sequence[web.RouteDef] = ()) -> None:
+    def __init__(
+        self, server: FleetApiServer, *, token: str | None, routes: Sequence[web.RouteDef] = ()
+    ) -> None:
         self._server = server
         self._token = token.encode() if token else None
         self._runner: web.AppRunner | None = None

@@ -16,26 +16,55 @@ Series (``mode`` is ``sotw`` or ``delta``; ``type`` the short xDS type name, e.g
   ``inferlb_xds_snapshots_published_total``; ``inferlb_xds_config_reload_errors_total``;
   ``inferlb_xds_publish_errors_total``; ``inferlb_xds_fleet_endpoints{state}``;
   ``inferlb_xds_oversized_responses_total``; ``inferlb_xds_snapshot_groups``.
+
+The server is known by what is read from it (:class:`MetricsSource`, :class:`HasMetrics`), not by its class:
+:class:`xds_server.server.XdsServer` imports this module, not the other way round.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from xds_server.ads import MODES
-from xds_server.resources import PUSH_ORDER
-
-if TYPE_CHECKING:
-    from xds_server.server import XdsServer
+from inferlb.config.schema import Config
+from xds_server.ads import MODES, AggregatedDiscoveryServicer
+from xds_server.cache import SnapshotCache
+from xds_server.fleet_state import FleetState
+from xds_server.resources.common import PUSH_ORDER
 
 #: Push latency buckets (s): coalescing adds up to ``push_debounce_ms`` (100 ms by default), so the
 #: interesting range is 10 ms .. a few s.
 PUSH_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.0, 5.0, 10.0)
+
+
+class MetricsSource(Protocol):
+    """What the metrics read from the server at scrape time (:class:`xds_server.server.XdsServer` is one):
+    its ADS servicer (``stats``, ``clients``), snapshot cache (``groups()``, ``snapshot()``), the served
+    config and fleet changes, and its error counts."""
+
+    @property
+    def servicer(self) -> AggregatedDiscoveryServicer: ...
+    @property
+    def cache(self) -> SnapshotCache: ...
+    @property
+    def effective(self) -> Config | None: ...
+    @property
+    def fleet(self) -> FleetState: ...
+    @property
+    def reload_errors(self) -> int: ...
+    @property
+    def publish_errors(self) -> int: ...
+
+
+class HasMetrics(Protocol):
+    """A server with its :class:`XdsMetrics` (what :func:`render_metrics` renders)."""
+
+    @property
+    def metrics(self) -> XdsMetrics: ...
 
 
 def _short(type_url: str) -> str:
@@ -43,7 +72,7 @@ def _short(type_url: str) -> str:
 
 
 class _StateCollector(Collector):
-    def __init__(self, server: XdsServer) -> None:
+    def __init__(self, server: MetricsSource) -> None:
         self._server = server
 
     def collect(self) -> Iterator[Metric]:
@@ -113,12 +142,15 @@ class _StateCollector(Collector):
 class XdsMetrics:
     """The metrics of one server.
 
+    Args:
+        server: what the gauges and counters are read from at scrape time.
+
     Attributes:
         registry: the ``CollectorRegistry`` ``/metrics`` renders.
         push_latency: the ``inferlb_xds_push_latency_seconds{mode}`` histogram.
     """
 
-    def __init__(self, server: XdsServer) -> None:
+    def __init__(self, server: MetricsSource) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
         self.push_latency = Histogram(
             "inferlb_xds_push_latency_seconds",
@@ -134,6 +166,6 @@ class XdsMetrics:
         self.push_latency.labels(mode=mode).observe(max(0.0, seconds))
 
 
-def render_metrics(server: XdsServer) -> tuple[bytes, str]:
+def render_metrics(server: HasMetrics) -> tuple[bytes, str]:
     """The Prometheus text exposition of ``server``'s metrics and its content type."""
     return generate_latest(server.metrics.registry), CONTENT_TYPE_LATEST

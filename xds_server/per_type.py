@@ -26,7 +26,7 @@ from envoy.service.route.v3 import rds_pb2_grpc
 
 from xds_server.ads import AggregatedDiscoveryServicer
 from xds_server.cache import SnapshotCache
-from xds_server.resources import CLUSTER_TYPE, ENDPOINT_TYPE, LISTENER_TYPE, ROUTE_TYPE
+from xds_server.resources.common import CLUSTER_TYPE, ENDPOINT_TYPE, LISTENER_TYPE, ROUTE_TYPE
 from xds_server.sotw import NAMED_TYPES
 
 

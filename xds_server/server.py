@@ -52,7 +52,8 @@ from xds_server.fleet_state import (
 from xds_server.http_api import HttpApi
 from xds_server.metrics import XdsMetrics
 from xds_server.per_type import add_per_type_services
-from xds_server.resources import LbEndpointCache, build_resources
+from xds_server.resources.build import build_resources
+from xds_server.resources.endpoints import LbEndpointCache
 
 log = logging.getLogger("xds_server")
 

@@ -38,7 +38,7 @@ from envoy.config.core.v3 import base_pb2
 from envoy.service.discovery.v3 import discovery_pb2
 
 from xds_server.cache import Snapshot, SnapshotResource
-from xds_server.resources import CLUSTER_TYPE, ENDPOINT_TYPE, LISTENER_TYPE, PUSH_ORDER, ROUTE_TYPE
+from xds_server.resources.common import CLUSTER_TYPE, ENDPOINT_TYPE, LISTENER_TYPE, PUSH_ORDER, ROUTE_TYPE
 
 #: Types whose SotW subscription names specific resources (the others are wildcard: all resources).
 NAMED_TYPES = frozenset({ENDPOINT_TYPE, ROUTE_TYPE})

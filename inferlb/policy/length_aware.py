@@ -223,9 +223,9 @@ def tier_thresholds(
         set_shares: the capacity share (0..1) of each nested tier set, fastest (smallest) set first, as the
             second members of :func:`tier_capacity_shares`.
         samples: ``(output cap tokens, work)`` of each request of a *training* window, where work is the
-            request's GPU-seconds on any one GPU type (:func:`simulation.fleetsim.request_service_seconds`:
-            prefill plus decode at full batch; the shares do not depend on the type, since every rate scales
-            with ``relative_capacity``).
+            request's GPU-seconds on any one GPU type
+            (:func:`simulation.fleetsim.workload.request_service_seconds`: prefill plus decode at full batch;
+            the shares do not depend on the type, since every rate scales with ``relative_capacity``).
         fraction: the share of a set's capacity its confined requests may take (0 < fraction <= 1).
 
     Returns:
@@ -354,9 +354,9 @@ def live_class_sets(
     delivers ``C_k`` again (the throttled GPU stays in it: it still serves at half speed, and its weight
     already halves its share within the set). Ranking by effective capacity keeps the long requests on
     the fastest GPUs that remain, and the sets are prefixes of one ranking, so they stay nested as
-    Envoy's one ``list_as_any`` selector and :class:`simulation.fleetsim.TieredBalancer` expect. With every
-    performance 1.0 the ranking is the profile order and the prefix that first reaches ``C_k`` is exactly
-    the static set (every capacity > 0, so no shorter prefix reaches it): today's sets.
+    Envoy's one ``list_as_any`` selector and :class:`simulation.fleetsim.balancers.TieredBalancer` expect.
+    With every performance 1.0 the ranking is the profile order and the prefix that first reaches ``C_k`` is
+    exactly the static set (every capacity > 0, so no shorter prefix reaches it): today's sets.
 
     Raises:
         ValueError: two members with the same name.

@@ -10,7 +10,7 @@ from typing import Any
 from envoy.config.endpoint.v3 import endpoint_pb2
 
 from simulation.gpusim.faults import FaultCommand
-from tests.integration.test_xds_telemetry import CLUSTER, MODEL, Running, _doc, _start, _until, _weights
+from tests.integration.test_xds_collector import CLUSTER, MODEL, Running, _doc, _start, _until, _weights
 from tests.unit.test_length_aware_live import _classes_by_name
 from xds_server import resources as r
 

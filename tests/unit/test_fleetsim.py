@@ -17,24 +17,24 @@ import inferlb
 from inferlb.config.schema import Config, load_config
 from inferlb.policy.weights import WeightParams
 from inferlb.traces import DEFAULT_TRACE, TraceRow, read_trace
-from simulation.fleetsim import (
+from simulation.fleetsim.balancers import (
     EdfScheduler,
-    FleetGpu,
-    FleetRunResult,
     LeastRequestBalancer,
     LengthAwareBalancer,
     RoundRobinBalancer,
-    Scenario,
     TieredBalancer,
+)
+from simulation.fleetsim.loop import simulate
+from simulation.fleetsim.results import FleetRunResult, share_series, traffic_shift
+from simulation.fleetsim.scenario import Scenario
+from simulation.fleetsim.workload import (
+    FleetGpu,
     fleet_capacity_rps,
     fleet_mix,
     long_output_threshold,
     request_service_seconds,
     scale_trace,
-    share_series,
-    simulate,
     tiered_thresholds,
-    traffic_shift,
 )
 from simulation.gpusim.engine import BatchEngine, TimingModel
 

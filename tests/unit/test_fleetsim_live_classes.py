@@ -1,4 +1,4 @@
-"""Live class sets in the discrete-event fleet (:class:`simulation.fleetsim.TieredBalancer`,
+"""Live class sets in the discrete-event fleet (:class:`simulation.fleetsim.balancers.TieredBalancer`,
 ``Scenario.live_classes``): the same pure rule as the xDS server (:func:`inferlb.policy.length_aware.
 live_class_sets`); healthy it never moves the sets, a throttled H100 brings an A100 into the longest class."""
 
@@ -13,15 +13,11 @@ from hypothesis import strategies as st
 
 from inferlb.policy.length_aware import class_set_performance
 from inferlb.policy.weights import DEFAULT_PARAMS, WeightInputs, WeightParams, target_weight
-from simulation.fleetsim import (
-    FleetRunResult,
-    Scenario,
-    TieredBalancer,
-    fleet_capacity_rps,
-    fleet_mix,
-    scale_trace,
-    simulate,
-)
+from simulation.fleetsim.balancers import TieredBalancer
+from simulation.fleetsim.loop import simulate
+from simulation.fleetsim.results import FleetRunResult
+from simulation.fleetsim.scenario import Scenario
+from simulation.fleetsim.workload import fleet_capacity_rps, fleet_mix, scale_trace
 from simulation.gpusim.engine import TimingModel
 from tests.unit.test_fleetsim import config, engine_factory, trace
 

@@ -1,7 +1,7 @@
 """Live length-class sets (:func:`inferlb.policy.length_aware.live_class_sets`, :func:`hold_performance`): the
 sets follow the GPUs' performance; healthy, they are the static sets exactly. Also their xDS form (EDS
-endpoint metadata through :class:`xds_server.resources.EndpointOverride`) and ``inferlb status``'s classes
-column."""
+endpoint metadata through :class:`xds_server.resources.endpoints.EndpointOverride`) and ``inferlb status``'s
+classes column."""
 
 from __future__ import annotations
 

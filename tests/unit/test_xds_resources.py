@@ -19,7 +19,7 @@ from envoy.extensions.upstreams.http.v3 import http_protocol_options_pb2
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from inferlb.config.schema import Config, default_config_path, load_config, parse_config
+from inferlb.config.schema import Config, cluster_name, default_config_path, load_config, parse_config
 from inferlb.errors import ConfigError
 from inferlb.request import headers
 from xds_server import resources as r
@@ -248,7 +248,7 @@ def test_routes_per_version_with_high_priority_variant_first(config: Config) -> 
         hm = {h.name: h.string_match.exact for h in high.match.headers}
         dm = {h.name: h.string_match.exact for h in default.match.headers}
         assert hm == {**dm, headers.PRIORITY: "high"}
-        assert high.route.cluster == r.cluster_name(dm[headers.MODEL], dm[headers.VERSION])
+        assert high.route.cluster == cluster_name(dm[headers.MODEL], dm[headers.VERSION])
         for route in (high, default):
             assert route.match.prefix == "/"
             assert route.route.timeout.ToMilliseconds() == config.gateway.request_timeout_ms

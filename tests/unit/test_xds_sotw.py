@@ -6,6 +6,7 @@ import copy
 from typing import Any
 
 import yaml
+from envoy.config.cluster.v3 import cluster_pb2
 from envoy.config.core.v3 import base_pb2
 from envoy.service.discovery.v3 import discovery_pb2
 from google.rpc import status_pb2
@@ -262,7 +263,7 @@ def _without_canary(cache: SnapshotCache, *, panic: int | None = None) -> Snapsh
 def _names(resp: discovery_pb2.DiscoveryResponse) -> set[str]:
     out = set()
     for a in resp.resources:
-        c = r.cluster_pb2.Cluster() if resp.type_url == r.CLUSTER_TYPE else None
+        c = cluster_pb2.Cluster() if resp.type_url == r.CLUSTER_TYPE else None
         assert c is not None
         a.Unpack(c)
         out.add(c.name)

@@ -1,0 +1,192 @@
+"""The tree's layers, checked: dependencies point one way (core <- adapters <- services <- operator tools; the
+simulators depend on the core only), over every import in every module (top-level, function-level and
+``TYPE_CHECKING`` alike), and a fresh interpreter that imports the whole core loads no server, client or
+simulator library.
+
+Each package's ``__init__`` docstring says what it may import; this is the rule those docstrings state.
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGES = ("inferlb", "xds_server", "ext_proc", "simulation")
+
+#: Layer of each module prefix; the longest matching prefix wins.
+LAYER_OF = {
+    "inferlb": "core",  # inferlb/__init__.py: the version only
+    "inferlb.errors": "core",
+    "inferlb.traces": "core",
+    "inferlb.config": "core",
+    "inferlb.request": "core",
+    "inferlb.policy": "core",
+    "inferlb.adapters": "adapters",
+    "xds_server": "services",
+    "ext_proc": "services",
+    "inferlb.ops": "ops",
+    "inferlb.__main__": "ops",
+    "simulation": "simulation",
+}
+
+#: The core's packages: each may import only these.
+CORE = ("inferlb.errors", "inferlb.traces", "inferlb.config", "inferlb.request", "inferlb.policy")
+
+#: Project modules each layer may import (prefixes).
+MAY_IMPORT = {
+    "core": CORE,
+    "adapters": (*CORE, "inferlb.adapters"),
+    # each service its own package only: see FORBIDDEN_WITHIN
+    "services": (*CORE, "inferlb.adapters", "xds_server", "ext_proc"),
+    # operator tools run the services as processes; they import only the pure Envoy bootstrap of one
+    "ops": (*CORE, "inferlb.adapters", "inferlb.ops", "xds_server.bootstrap"),
+    "simulation": (*CORE, "simulation"),
+}
+
+#: Finer rules inside a layer: (importer prefix, prefixes it must not import).
+FORBIDDEN_WITHIN = (
+    # the request side knows nothing of the config model or the policies
+    ("inferlb.request", ("inferlb.config", "inferlb.policy", "inferlb.traces")),
+    ("inferlb.config", ("inferlb.policy", "inferlb.traces")),
+    # the two services never import each other
+    ("xds_server", ("ext_proc",)),
+    ("ext_proc", ("xds_server",)),
+    # the fleet simulation takes its serving engines by injection
+    ("simulation.fleetsim", ("simulation.gpusim",)),
+)
+
+#: Third-party top-level packages a layer must not import (servers, clients, NVML, the Envoy protos).
+FORBIDDEN_LIBRARIES = {
+    "core": {
+        *("grpc", "aiohttp", "redis", "pynvml", "envoy", "xds", "udpa", "google", "uvloop", "rich", "psutil"),
+    },
+    "adapters": {"grpc", "aiohttp", "envoy", "xds", "udpa", "google", "uvloop", "rich"},
+    "services": {"pynvml", "rich", "matplotlib"},
+    "ops": {"grpc", "envoy", "xds", "udpa", "google", "uvloop", "matplotlib"},
+    "simulation": {"grpc", "redis", "pynvml", "envoy", "xds", "udpa", "google", "uvloop", "rich"},
+}
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def layer(module: str) -> str:
+    best = max((p for p in LAYER_OF if module == p or module.startswith(p + ".")), key=len)
+    return LAYER_OF[best]
+
+
+def under(module: str, prefixes: tuple[str, ...]) -> bool:
+    return any(module == p or module.startswith(p + ".") for p in prefixes)
+
+
+def imports(path: Path, text: str) -> Iterator[tuple[int, str]]:
+    """Every module the source ``text`` of ``path`` imports (absolute names; relative imports resolved),
+    with its line."""
+    here = module_name(path)
+    package = here if path.name == "__init__.py" else here.rpartition(".")[0]
+    for node in ast.walk(ast.parse(text)):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                yield node.lineno, alias.name
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                mod = ".".join([*base, node.module] if node.module else base)
+            else:
+                mod = node.module or ""
+            yield node.lineno, mod
+            # `from pkg import submodule` imports pkg.submodule
+            for alias in node.names:
+                yield node.lineno, f"{mod}.{alias.name}"
+
+
+def project_modules() -> list[Path]:
+    return sorted(p for pkg in PACKAGES for p in (ROOT / pkg).rglob("*.py"))
+
+
+def module_violations(path: Path, text: str, known: set[str]) -> list[str]:
+    """The imports of one module (source ``text`` at ``path``) that break the layer rules."""
+    out: list[str] = []
+    here = module_name(path)
+    lay = layer(here)
+    for line, target in imports(path, text):
+        where = f"{path.relative_to(ROOT)}:{line}: {here} ({lay}) imports {target}"
+        top = target.split(".")[0]
+        if top in PACKAGES:
+            if target not in known and target.rpartition(".")[0] in known:
+                continue  # `from module import name`: the name, not a module
+            if not under(target, MAY_IMPORT[lay]):
+                out.append(where)
+            for importer, banned in FORBIDDEN_WITHIN:
+                if under(here, (importer,)) and under(target, banned):
+                    out.append(where)
+        elif top in FORBIDDEN_LIBRARIES[lay]:
+            out.append(where)
+    return out
+
+
+def known_modules() -> set[str]:
+    return {module_name(p) for p in project_modules()}
+
+
+def test_every_module_of_the_tree_has_a_layer() -> None:
+    mods = [module_name(p) for p in project_modules()]
+    assert len(mods) > 50
+    assert all(layer(m) in MAY_IMPORT for m in mods)
+
+
+def test_dependencies_point_one_way() -> None:
+    known = known_modules()
+    found = [v for p in project_modules() for v in module_violations(p, p.read_text(encoding="utf-8"), known)]
+    assert found == []
+
+
+@pytest.mark.parametrize(
+    ("path", "line"),
+    [
+        ("inferlb/policy/weights.py", "import grpc"),
+        ("inferlb/policy/weights.py", "from xds_server.cache import SnapshotCache"),
+        ("inferlb/request/tokens.py", "from inferlb.config.schema import Config"),
+        ("inferlb/adapters/quota_redis.py", "from ext_proc import handlers"),
+        ("ext_proc/handlers.py", "from simulation.gpusim import engine"),
+        ("ext_proc/servicer.py", "from xds_server import cache"),
+        ("xds_server/cache.py", "from inferlb.ops.stack import Stack"),
+        ("inferlb/ops/cli.py", "from simulation.gpusim.server import SimulatedEndpoint"),
+        ("simulation/gpusim/server.py", "from inferlb.adapters.quota_redis import RedisQuotaStore"),
+        ("simulation/gpusim/server.py", "import grpc"),
+    ],
+)
+def test_the_rule_catches_a_wrong_way_import(path: str, line: str) -> None:
+    """The rule is not vacuous: one wrong-way import added to a real module is reported at that line."""
+    source = ROOT / path
+    text = f"{line}\n{source.read_text(encoding='utf-8')}"
+    found = module_violations(source, text, known_modules())
+    assert any(v.startswith(f"{path}:1:") for v in found), found
+
+
+def test_the_core_loads_no_server_client_or_simulator() -> None:
+    core = sorted(m for m in map(module_name, project_modules()) if layer(m) == "core")
+    banned = sorted(
+        {"grpc", "aiohttp", "redis", "pynvml", "uvloop", "envoy", "xds_server", "ext_proc", "simulation"}
+        | {"inferlb.ops", "inferlb.adapters"}
+    )
+    code = (
+        "import importlib, sys\n"
+        f"for m in {core!r}: importlib.import_module(m)\n"
+        f"banned = {banned!r}\n"
+        "print(sorted(m for m in sys.modules if any(m == b or m.startswith(b + '.') for b in banned)))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120, check=True
+    )
+    assert done.stdout.strip() == "[]", done.stdout

@@ -1,0 +1,221 @@
+"""The Clusters: one EDS Cluster per model version (:func:`inferlb.config.schema.cluster_name`), plus the
+HTTP/2 cluster ``inferlb_ext_proc``.
+
+Each model-version cluster sets every resilience knob explicitly from the model's ``cluster`` policy: LB
+policy, outlier detection, circuit breakers per routing priority, panic threshold, slow start, health
+checks. A length-aware model's clusters get an ``lb_subset_config`` (one selector on ``gpu_tier``, or on
+``length_classes`` with ``list_as_any`` when tiered; fallback ``ANY_ENDPOINT``), which selects on the
+``envoy.lb`` metadata of their endpoints (:mod:`xds_server.resources.endpoints`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Final
+
+from envoy.config.cluster.v3 import circuit_breaker_pb2, cluster_pb2, outlier_detection_pb2
+from envoy.config.core.v3 import base_pb2, health_check_pb2, protocol_pb2
+from envoy.config.endpoint.v3 import endpoint_components_pb2, endpoint_pb2
+from envoy.extensions.upstreams.http.v3 import http_protocol_options_pb2
+from envoy.type.v3 import percent_pb2
+from google.protobuf import any_pb2, wrappers_pb2
+
+from inferlb.config.schema import CircuitBreaker, ClusterPolicy, Config
+from inferlb.policy.affinity import HASH_LB_POLICIES
+from inferlb.policy.length_aware import subset_key
+from xds_server.resources.common import EXT_PROC_CLUSTER, ads_source, duration_ms, pack, socket_address
+
+#: The ext_proc cluster carries one HTTP/2 stream per client request: Envoy's default circuit breaker
+#: (1024 requests) would 503 the gateway before any model cluster is saturated, so lift it.
+EXT_PROC_MAX_REQUESTS: Final = 1_000_000
+EXT_PROC_CONNECT_TIMEOUT_MS: Final = 1_000
+
+
+def _http2_protocol_options() -> dict[str, any_pb2.Any]:
+    opts = http_protocol_options_pb2.HttpProtocolOptions(
+        explicit_http_config=http_protocol_options_pb2.HttpProtocolOptions.ExplicitHttpConfig(
+            http2_protocol_options=protocol_pb2.Http2ProtocolOptions()
+        )
+    )
+    return {"envoy.extensions.upstreams.http.v3.HttpProtocolOptions": pack(opts)}
+
+
+_LB_POLICY: Final[Mapping[str, int]] = {
+    "least_request": cluster_pb2.Cluster.LEAST_REQUEST,
+    "round_robin": cluster_pb2.Cluster.ROUND_ROBIN,
+    "ring_hash": cluster_pb2.Cluster.RING_HASH,
+    "maglev": cluster_pb2.Cluster.MAGLEV,
+}
+
+
+def _thresholds(priority: int, cb: CircuitBreaker) -> circuit_breaker_pb2.CircuitBreakers.Thresholds:
+    return circuit_breaker_pb2.CircuitBreakers.Thresholds(
+        priority=priority,
+        max_connections=wrappers_pb2.UInt32Value(value=cb.max_connections),
+        max_pending_requests=wrappers_pb2.UInt32Value(value=cb.max_pending_requests),
+        max_requests=wrappers_pb2.UInt32Value(value=cb.max_requests),
+        max_retries=wrappers_pb2.UInt32Value(value=cb.max_retries),
+        # remaining_* gauges let `inferlb status` show how close a cluster is to tripping
+        track_remaining=True,
+    )
+
+
+def build_model_cluster(name: str, policy: ClusterPolicy) -> cluster_pb2.Cluster:
+    """One EDS Cluster for one model version, every resilience knob set explicitly from ``policy``.
+
+    Envoy's defaults differ from what inference needs (shared/DESIGN.md): gateway-failure enforcement
+    defaults to 0% and the panic threshold to 50%, so both are always sent.
+    """
+    od = policy.outlier_detection
+    cluster = cluster_pb2.Cluster(
+        name=name,
+        type=cluster_pb2.Cluster.EDS,
+        eds_cluster_config=cluster_pb2.Cluster.EdsClusterConfig(eds_config=ads_source()),
+        connect_timeout=duration_ms(policy.connect_timeout_ms),
+        lb_policy=_LB_POLICY[policy.lb_policy],
+        common_lb_config=cluster_pb2.Cluster.CommonLbConfig(
+            healthy_panic_threshold=percent_pb2.Percent(value=policy.healthy_panic_threshold)
+        ),
+        outlier_detection=outlier_detection_pb2.OutlierDetection(
+            consecutive_5xx=wrappers_pb2.UInt32Value(value=od.consecutive_5xx),
+            enforcing_consecutive_5xx=wrappers_pb2.UInt32Value(value=100),
+            consecutive_gateway_failure=wrappers_pb2.UInt32Value(value=od.consecutive_gateway_failure),
+            enforcing_consecutive_gateway_failure=wrappers_pb2.UInt32Value(
+                value=od.enforcing_consecutive_gateway_failure
+            ),
+            interval=duration_ms(od.interval_ms),
+            base_ejection_time=duration_ms(od.base_ejection_time_ms),
+            max_ejection_percent=wrappers_pb2.UInt32Value(value=od.max_ejection_percent),
+            failure_percentage_threshold=wrappers_pb2.UInt32Value(value=od.failure_percentage_threshold),
+            enforcing_failure_percentage=wrappers_pb2.UInt32Value(value=od.enforcing_failure_percentage),
+            failure_percentage_minimum_hosts=wrappers_pb2.UInt32Value(
+                value=od.failure_percentage_minimum_hosts
+            ),
+            failure_percentage_request_volume=wrappers_pb2.UInt32Value(
+                value=od.failure_percentage_request_volume
+            ),
+        ),
+        circuit_breakers=circuit_breaker_pb2.CircuitBreakers(
+            thresholds=[
+                _thresholds(base_pb2.RoutingPriority.DEFAULT, policy.circuit_breaker_default),
+                _thresholds(base_pb2.RoutingPriority.HIGH, policy.circuit_breaker_high),
+            ]
+        ),
+    )
+    if policy.lb_policy == "least_request":
+        cluster.least_request_lb_config.active_request_bias.CopyFrom(
+            base_pb2.RuntimeDouble(
+                default_value=policy.active_request_bias, runtime_key=f"inferlb.{name}.active_request_bias"
+            )
+        )
+    if policy.slow_start_window_ms:
+        slow = cluster_pb2.Cluster.SlowStartConfig(
+            slow_start_window=duration_ms(policy.slow_start_window_ms),
+            aggression=base_pb2.RuntimeDouble(
+                default_value=policy.slow_start_aggression,
+                runtime_key=f"inferlb.{name}.slow_start_aggression",
+            ),
+            min_weight_percent=percent_pb2.Percent(value=policy.slow_start_min_weight_percent),
+        )
+        # the config validator allows slow start with these two policies only
+        if policy.lb_policy == "least_request":
+            cluster.least_request_lb_config.slow_start_config.CopyFrom(slow)
+        else:
+            cluster.round_robin_lb_config.slow_start_config.CopyFrom(slow)
+    if policy.lb_policy in HASH_LB_POLICIES:
+        # bounded load: a hot key spills to the next host on the ring instead of overloading one GPU
+        cluster.common_lb_config.consistent_hashing_lb_config.hash_balance_factor.value = (
+            policy.hash_balance_factor
+        )
+    if policy.locality_weighted:
+        cluster.common_lb_config.locality_weighted_lb_config.SetInParent()
+    if policy.length_aware is not None:
+        cluster.lb_subset_config.CopyFrom(length_aware_subsets(policy))
+    hc = policy.health_check
+    if hc is not None:
+        cluster.health_checks.append(
+            health_check_pb2.HealthCheck(
+                timeout=duration_ms(hc.timeout_ms),
+                interval=duration_ms(hc.interval_ms),
+                interval_jitter=duration_ms(hc.interval_jitter_ms),
+                no_traffic_interval=duration_ms(hc.no_traffic_interval_ms),
+                unhealthy_threshold=wrappers_pb2.UInt32Value(value=hc.unhealthy_threshold),
+                healthy_threshold=wrappers_pb2.UInt32Value(value=hc.healthy_threshold),
+                http_health_check=health_check_pb2.HealthCheck.HttpHealthCheck(path=hc.path),
+            )
+        )
+    return cluster
+
+
+def length_aware_subsets(policy: ClusterPolicy) -> cluster_pb2.Cluster.LbSubsetConfig:
+    """The ``lb_subset_config`` of a length-aware model's clusters (:mod:`inferlb.policy.length_aware`).
+
+    One selector on the endpoints' ``envoy.lb`` key ``gpu_tier`` (two tiers), or ``length_classes`` with
+    ``list_as_any`` (tiered: an endpoint lists every class it may serve, and a route's value matches any
+    element, so the overlapping sets of the classes need one selector); fallback ``ANY_ENDPOINT``, so a
+    route without ``metadata_match`` (short requests) and a confined request whose subset is empty are
+    balanced over every endpoint (``NO_FALLBACK``, Envoy's default, would fail them as if the cluster had
+    no hosts). Each subset runs the cluster's own ``lb_policy`` with its weights. Verified against Envoy
+    1.40 (tests/e2e/test_length_aware_envoy.py), which accepts the cluster field with the legacy
+    ``lb_policy`` enum; the typed ``envoy.load_balancing_policies.subset`` policy would also need the inner
+    policy restated as an extension.
+    """
+    subset = cluster_pb2.Cluster.LbSubsetConfig
+    length_aware = policy.length_aware
+    if length_aware is None:
+        raise ValueError("length_aware_subsets needs a cluster policy with length_aware set")
+    return subset(
+        fallback_policy=subset.ANY_ENDPOINT,
+        subset_selectors=[subset.LbSubsetSelector(keys=[subset_key(length_aware)])],
+        list_as_any=length_aware.tiers is not None,
+        # with locality-weighted balancing, a subset keeps picking the locality first by its weight
+        locality_weight_aware=policy.locality_weighted,
+    )
+
+
+def build_ext_proc_cluster(config: Config) -> cluster_pb2.Cluster:
+    """The ``inferlb_ext_proc`` cluster: HTTP/2 (Envoy 1.40 500s every request over HTTP/1.1, see
+    shared/DESIGN.md), one endpoint per ext_proc process (``ext_proc.listen`` then ``extra_listen``),
+    STATIC for IP literals, else LOGICAL_DNS (one host name) or STRICT_DNS (several)."""
+    addresses = (config.ext_proc.listen, *config.ext_proc.extra_listen)
+    if all(hp.is_ip for hp in addresses):
+        kind = cluster_pb2.Cluster.STATIC
+    else:  # LOGICAL_DNS takes a single endpoint
+        kind = cluster_pb2.Cluster.LOGICAL_DNS if len(addresses) == 1 else cluster_pb2.Cluster.STRICT_DNS
+    return cluster_pb2.Cluster(
+        name=EXT_PROC_CLUSTER,
+        type=kind,
+        connect_timeout=duration_ms(EXT_PROC_CONNECT_TIMEOUT_MS),
+        typed_extension_protocol_options=_http2_protocol_options(),
+        circuit_breakers=circuit_breaker_pb2.CircuitBreakers(
+            thresholds=[
+                circuit_breaker_pb2.CircuitBreakers.Thresholds(
+                    priority=p,
+                    max_connections=wrappers_pb2.UInt32Value(value=EXT_PROC_MAX_REQUESTS),
+                    max_pending_requests=wrappers_pb2.UInt32Value(value=EXT_PROC_MAX_REQUESTS),
+                    max_requests=wrappers_pb2.UInt32Value(value=EXT_PROC_MAX_REQUESTS),
+                )
+                for p in (base_pb2.RoutingPriority.DEFAULT, base_pb2.RoutingPriority.HIGH)
+            ]
+        ),
+        load_assignment=endpoint_pb2.ClusterLoadAssignment(
+            cluster_name=EXT_PROC_CLUSTER,
+            endpoints=[
+                endpoint_components_pb2.LocalityLbEndpoints(
+                    lb_endpoints=[
+                        endpoint_components_pb2.LbEndpoint(
+                            endpoint=endpoint_components_pb2.Endpoint(address=socket_address(hp))
+                        )
+                        for hp in addresses
+                    ]
+                )
+            ],
+        ),
+    )
+
+
+def build_clusters(config: Config) -> list[cluster_pb2.Cluster]:
+    """Every Cluster: one EDS cluster per model version (config order), then ``inferlb_ext_proc``."""
+    out = [build_model_cluster(m.cluster_name(v.name), m.cluster) for m in config.models for v in m.versions]
+    out.append(build_ext_proc_cluster(config))
+    return out

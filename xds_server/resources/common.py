@@ -1,0 +1,87 @@
+"""The pieces every resource module shares: the xDS type URLs and the order they are pushed in, the
+resource names, :class:`XdsResources` (one config's resources), and small proto helpers (durations,
+``Any`` packing, socket addresses, the ADS config source).
+
+The bottom of the package: it imports no other module of :mod:`xds_server.resources`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Final
+
+from envoy.config.core.v3 import address_pb2, config_source_pb2
+from google.protobuf import any_pb2, duration_pb2
+from google.protobuf.message import Message
+
+from inferlb.config.schema import HostPort
+
+# -- type URLs (envoy/api/v3; the ADS stream multiplexes on these) --------------------------------------
+LISTENER_TYPE: Final = "type.googleapis.com/envoy.config.listener.v3.Listener"
+ROUTE_TYPE: Final = "type.googleapis.com/envoy.config.route.v3.RouteConfiguration"
+CLUSTER_TYPE: Final = "type.googleapis.com/envoy.config.cluster.v3.Cluster"
+ENDPOINT_TYPE: Final = "type.googleapis.com/envoy.config.endpoint.v3.ClusterLoadAssignment"
+
+#: The order an ADS server must push types in so Envoy never routes to something it does not know yet
+#: ("make before break", envoy/api/xds_protocol: "eventual consistency considerations"): clusters, then
+#: their endpoints, then listeners, then the routes they reference.
+PUSH_ORDER: Final[tuple[str, ...]] = (CLUSTER_TYPE, ENDPOINT_TYPE, LISTENER_TYPE, ROUTE_TYPE)
+
+# -- resource names ------------------------------------------------------------------------------------
+LISTENER_NAME: Final = "inferlb_gateway"
+ROUTE_CONFIG_NAME: Final = "inferlb_routes"
+EXT_PROC_CLUSTER: Final = "inferlb_ext_proc"
+VIRTUAL_HOST_NAME: Final = "inferlb"
+NO_ROUTE_NAME: Final = "no_route"
+#: The ext_proc HTTP filter's name in the chain; per-route ``ExtProcPerRoute`` configs are keyed by it.
+EXT_PROC_FILTER: Final = "envoy.filters.http.ext_proc"
+#: Name prefix of the per-path failure-mode routes
+#: (:func:`xds_server.resources.routes.failure_mode_routes`): ``failure_mode:<path>``.
+FAILURE_MODE_ROUTE_PREFIX: Final = "failure_mode:"
+#: Response header on replies that took the fail-open route (ext_proc failed; the request was not
+#: checked, counted or routed by model), so clients and logs can tell.
+FAILED_OPEN_HEADER: Final = "x-inferlb-failed-open"
+#: ``filter_metadata`` namespace on each LbEndpoint (``{"name", "gpu"}``), read back by status tools.
+METADATA_NAMESPACE: Final = "inferlb"
+
+# -- proto helpers ---------------------------------------------------------------------------------------
+_V3 = config_source_pb2.ApiVersion.V3
+
+
+@dataclass(frozen=True, kw_only=True)
+class XdsResources:
+    """Everything one config yields, by type URL then resource name.
+
+    Attributes:
+        by_type: ``{type_url: {name: proto}}`` for the four types in :data:`PUSH_ORDER` (each present,
+            possibly empty).
+    """
+
+    by_type: Mapping[str, Mapping[str, Message]]
+
+
+def duration_ms(ms: int) -> duration_pb2.Duration:
+    """A ``google.protobuf.Duration`` of ``ms`` milliseconds."""
+    d = duration_pb2.Duration()
+    d.FromMilliseconds(ms)
+    return d
+
+
+def pack(msg: Message) -> any_pb2.Any:
+    """``msg`` packed into a ``google.protobuf.Any`` (typed configs, per-filter configs)."""
+    a = any_pb2.Any()
+    a.Pack(msg)
+    return a
+
+
+def socket_address(hp: HostPort) -> address_pb2.Address:
+    """The Envoy TCP ``Address`` of ``hp``."""
+    return address_pb2.Address(socket_address=address_pb2.SocketAddress(address=hp.host, port_value=hp.port))
+
+
+def ads_source() -> config_source_pb2.ConfigSource:
+    """A ``ConfigSource`` naming the ADS stream (v3): where EDS clusters and the listener's RDS fetch from."""
+    return config_source_pb2.ConfigSource(
+        ads=config_source_pb2.AggregatedConfigSource(), resource_api_version=_V3
+    )

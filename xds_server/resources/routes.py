@@ -1,0 +1,276 @@
+"""The RouteConfiguration ``inferlb_routes`` (one virtual host ``*``), which the listener's HCM fetches
+over RDS.
+
+Per model version, a HIGH-priority route (``x-inferlb-priority: high``) then a DEFAULT one, both matching
+``x-inferlb-model`` + ``x-inferlb-version``; then one route per OpenAI inference path carrying that path's
+ext_proc failure mode (:func:`failure_mode_routes`); a final catch-all answering 404 with an OpenAI-style
+JSON error. Models balanced with ``ring_hash``/``maglev`` get a ``hash_policy`` on the affinity headers
+ext_proc sets (:func:`affinity_hash_policy`). A model with ``cluster.length_aware`` gets two routes more per
+version and confined length class, first (HIGH then DEFAULT), matching ``x-inferlb-length-class: long`` with
+``metadata_match {envoy.lb: {gpu_tier: fast}}`` (two tiers), or ``long-k`` with
+``{envoy.lb: {length_classes: long-k}}`` (tiered) (:mod:`inferlb.policy.length_aware`).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Final
+
+from envoy.config.core.v3 import base_pb2
+from envoy.config.route.v3 import route_components_pb2, route_pb2
+from envoy.extensions.filters.http.ext_proc.v3 import ext_proc_pb2
+from envoy.extensions.retry.host.previous_hosts.v3 import previous_hosts_pb2
+from envoy.type.matcher.v3 import string_pb2
+from google.protobuf import any_pb2, struct_pb2, wrappers_pb2
+
+from inferlb.config.schema import Config, cluster_name
+from inferlb.errors import RequestError
+from inferlb.policy.affinity import HASH_LB_POLICIES
+from inferlb.policy.length_aware import ENVOY_LB_NAMESPACE, ConfinedClass, confined_classes
+from inferlb.request import headers
+from inferlb.request.parsing import INFERENCE_PATHS
+from xds_server.resources.common import (
+    EXT_PROC_FILTER,
+    FAILED_OPEN_HEADER,
+    FAILURE_MODE_ROUTE_PREFIX,
+    NO_ROUTE_NAME,
+    ROUTE_CONFIG_NAME,
+    VIRTUAL_HOST_NAME,
+    duration_ms,
+    pack,
+)
+from xds_server.resources.listener import processor_unavailable_body
+
+#: Headers removed on model routes, after ext_proc has read them: the tenant's API key never reaches a
+#: model server.
+UPSTREAM_REMOVED_HEADERS: Final[tuple[str, ...]] = ("authorization",)
+#: Envoy's retry conditions for inference requests: only failures where the request provably did not reach
+#: a model server (or was reset), so a retry cannot double-generate. 5xx answers are not retried.
+RETRY_ON: Final = "connect-failure,refused-stream,reset"
+#: How often Envoy re-picks a host to avoid ones already tried (``host_selection_retry_max_attempts``).
+HOST_SELECTION_RETRY_MAX_ATTEMPTS: Final = 3
+
+
+def no_route_body() -> str:
+    """The JSON body of the catch-all 404: an OpenAI error with ``code`` ``"no_route"``."""
+    err = RequestError(
+        404,
+        "no model route matched this request: send an OpenAI-style request whose 'model' this gateway serves",
+        type="invalid_request_error",
+        code="no_route",
+    )
+    return json.dumps(err.to_openai_json(), separators=(",", ":"))
+
+
+def _exact(name: str, value: str) -> route_components_pb2.HeaderMatcher:
+    return route_components_pb2.HeaderMatcher(name=name, string_match=string_pb2.StringMatcher(exact=value))
+
+
+def affinity_hash_policy() -> list[route_components_pb2.RouteAction.HashPolicy]:
+    """Envoy ``hash_policy`` of a ring_hash/maglev model's routes: the prefix key header (terminal: a
+    conversation's turns hash alike whoever sends them), else the session key header; a request with
+    neither gets a random host (:mod:`inferlb.policy.affinity` defines both keys)."""
+    header = route_components_pb2.RouteAction.HashPolicy.Header
+    return [
+        route_components_pb2.RouteAction.HashPolicy(
+            header=header(header_name=headers.PREFIX_KEY), terminal=True
+        ),
+        route_components_pb2.RouteAction.HashPolicy(header=header(header_name=headers.SESSION_KEY)),
+    ]
+
+
+def class_match(length_class: ConfinedClass) -> base_pb2.Metadata:
+    """The route ``metadata_match`` that sends a confined length class to its subset of a length-aware
+    cluster: ``{envoy.lb: {gpu_tier: fast}}`` (two tiers) or ``{envoy.lb: {length_classes: long-k}}``
+    (tiered) (:mod:`inferlb.policy.length_aware`)."""
+    criteria = struct_pb2.Struct()
+    criteria.update({length_class.match_key: length_class.match_value})
+    return base_pb2.Metadata(filter_metadata={ENVOY_LB_NAMESPACE: criteria})
+
+
+def _route_action(
+    config: Config, cluster: str, *, high: bool, hashed: bool = False, confined: ConfinedClass | None = None
+) -> route_components_pb2.RouteAction:
+    gw = config.gateway
+    retry = route_components_pb2.RetryPolicy(
+        retry_on=RETRY_ON,
+        num_retries=wrappers_pb2.UInt32Value(value=gw.num_retries),
+        retry_host_predicate=[
+            route_components_pb2.RetryPolicy.RetryHostPredicate(
+                name="envoy.retry_host_predicates.previous_hosts",
+                typed_config=pack(previous_hosts_pb2.PreviousHostsPredicate()),
+            )
+        ],
+        host_selection_retry_max_attempts=HOST_SELECTION_RETRY_MAX_ATTEMPTS,
+    )
+    return route_components_pb2.RouteAction(
+        cluster=cluster,
+        # HIGH has its own circuit-breaker thresholds on every cluster, so high-priority tenants keep a
+        # budget when DEFAULT traffic saturates the cluster.
+        priority=base_pb2.RoutingPriority.HIGH if high else base_pb2.RoutingPriority.DEFAULT,
+        timeout=duration_ms(gw.request_timeout_ms),
+        retry_policy=retry,
+        hash_policy=affinity_hash_policy() if hashed else [],
+        metadata_match=class_match(confined) if confined is not None else None,
+    )
+
+
+def path_failure_modes(config: Config) -> dict[str, bool]:
+    """``{path: fail open?}`` for every OpenAI inference path
+    (:data:`inferlb.request.parsing.INFERENCE_PATHS`, in that order) and every path in
+    ``ext_proc.path_failure_modes``: the path's own mode, else ``ext_proc.failure_mode_allow``."""
+    default = config.ext_proc.failure_mode_allow
+    overrides = config.ext_proc.path_failure_modes
+    paths = [*INFERENCE_PATHS, *(p for p in overrides if p not in INFERENCE_PATHS)]
+    return {p: overrides[p] == "open" if p in overrides else default for p in paths}
+
+
+def fail_open_cluster(config: Config) -> str | None:
+    """The cluster a request that failed open goes to: ``ext_proc.fail_open_model``'s main version (the
+    largest ``traffic_percent``, the first on a tie), or None when no fail-open model is configured."""
+    name = config.ext_proc.fail_open_model
+    if name is None:
+        return None
+    model = config.model_by_name()[name]
+    main = max(model.versions, key=lambda v: v.traffic_percent)  # max keeps the first of equals
+    return model.cluster_name(main.name)
+
+
+def _json_direct_response(status: int, body: str) -> dict[str, object]:
+    return {
+        "direct_response": route_components_pb2.DirectResponseAction(
+            status=status, body=base_pb2.DataSource(inline_string=body)
+        ),
+        "response_headers_to_add": [
+            base_pb2.HeaderValueOption(
+                header=base_pb2.HeaderValue(key="content-type", value="application/json"),
+                append_action=base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD,
+            )
+        ],
+    }
+
+
+def ext_proc_per_route(fail_open: bool) -> any_pb2.Any:
+    """The ``typed_per_filter_config`` value that enables the ext_proc filter (disabled in the HCM, see
+    :func:`~xds_server.resources.listener.build_listener`) with ``failure_mode_allow`` set explicitly: a
+    ``FilterConfig`` wrapping an ``ExtProcPerRoute``."""
+    per_route = ext_proc_pb2.ExtProcPerRoute(
+        overrides=ext_proc_pb2.ExtProcOverrides(failure_mode_allow=wrappers_pb2.BoolValue(value=fail_open))
+    )
+    return pack(route_components_pb2.FilterConfig(config=pack(per_route)))
+
+
+def failure_mode_routes(config: Config) -> list[route_components_pb2.Route]:
+    """One route per path of :func:`path_failure_modes`, matched exactly (query string excluded), each
+    with an ``ExtProcPerRoute`` that sets ``failure_mode_allow`` for that path.
+
+    Envoy's ext_proc filter reads its per-route config from the route chosen when the request arrives,
+    before ext_proc has set ``x-inferlb-model`` (measured on Envoy 1.40): that is this route, never a model
+    route, so the failure mode is per path, not per model. A request reaches this route's *action* only
+    when ext_proc let it through without routing headers, i.e. it failed open: then it goes to
+    :func:`fail_open_cluster` (DEFAULT priority, API key removed, ``x-inferlb-failed-open: true`` on the
+    response) or, with no fail-open model, gets 503 ``gateway_processor_unavailable``. A fail-closed path
+    never gets there (Envoy answers 5xx first); its action is the same 404 as the catch-all.
+    """
+    target = fail_open_cluster(config)
+    hashed = False
+    if target is not None:
+        model = config.model_by_name()[config.ext_proc.fail_open_model or ""]
+        hashed = model.cluster.lb_policy in HASH_LB_POLICIES
+    out = []
+    for path, fail_open in path_failure_modes(config).items():
+        common: dict[str, object] = {
+            "name": f"{FAILURE_MODE_ROUTE_PREFIX}{path}",
+            "match": route_components_pb2.RouteMatch(path=path),
+            "typed_per_filter_config": {EXT_PROC_FILTER: ext_proc_per_route(fail_open)},
+        }
+        if not fail_open:
+            action = _json_direct_response(404, no_route_body())
+        elif target is None:
+            action = _json_direct_response(503, processor_unavailable_body())
+        else:
+            action = {
+                "route": _route_action(config, target, high=False, hashed=hashed),
+                "request_headers_to_remove": list(UPSTREAM_REMOVED_HEADERS),
+                "response_headers_to_add": [
+                    base_pb2.HeaderValueOption(
+                        header=base_pb2.HeaderValue(key=FAILED_OPEN_HEADER, value="true"),
+                        append_action=base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD,
+                    )
+                ],
+            }
+        out.append(route_components_pb2.Route(**common, **action))
+    return out
+
+
+def build_route_configuration(config: Config) -> route_pb2.RouteConfiguration:
+    """RouteConfiguration ``inferlb_routes`` (one virtual host ``*``).
+
+    Routes are matched in order: per model version the HIGH variant (also requiring
+    ``x-inferlb-priority: high``) precedes the DEFAULT one; a length-aware model's variants for each
+    confined length class, longest first (``x-inferlb-length-class: long``, to the fast subset,
+    ``<cluster>--long-high`` and ``<cluster>--long``; tiered: ``long-k``, ``<cluster>--long-k-high`` and
+    ``<cluster>--long-k``) precede both; then the per-path failure-mode routes (:func:`failure_mode_routes`);
+    the catch-all 404 comes last.
+    """
+    routes: list[route_components_pb2.Route] = []
+    for model in config.models:
+        for version in model.versions:
+            cluster = cluster_name(model.name, version.name)
+            hashed = model.cluster.lb_policy in HASH_LB_POLICIES
+            base = [_exact(headers.MODEL, model.name), _exact(headers.VERSION, version.name)]
+            length_aware = model.cluster.length_aware
+            for confined in () if length_aware is None else confined_classes(length_aware):
+                long = [*base, _exact(headers.LENGTH_CLASS, confined.name)]
+                for suffix, match, high in (
+                    (f"--{confined.name}-high", [*long, _exact(headers.PRIORITY, "high")], True),
+                    (f"--{confined.name}", long, False),
+                ):
+                    routes.append(
+                        route_components_pb2.Route(
+                            name=f"{cluster}{suffix}",
+                            match=route_components_pb2.RouteMatch(prefix="/", headers=match),
+                            route=_route_action(config, cluster, high=high, confined=confined),
+                            request_headers_to_remove=list(UPSTREAM_REMOVED_HEADERS),
+                        )
+                    )
+            routes.append(
+                route_components_pb2.Route(
+                    name=f"{cluster}--high",
+                    match=route_components_pb2.RouteMatch(
+                        prefix="/", headers=[*base, _exact(headers.PRIORITY, "high")]
+                    ),
+                    route=_route_action(config, cluster, high=True, hashed=hashed),
+                    request_headers_to_remove=list(UPSTREAM_REMOVED_HEADERS),
+                )
+            )
+            routes.append(
+                route_components_pb2.Route(
+                    name=cluster,
+                    match=route_components_pb2.RouteMatch(prefix="/", headers=base),
+                    route=_route_action(config, cluster, high=False, hashed=hashed),
+                    request_headers_to_remove=list(UPSTREAM_REMOVED_HEADERS),
+                )
+            )
+    routes += failure_mode_routes(config)
+    routes.append(
+        route_components_pb2.Route(
+            name=NO_ROUTE_NAME,
+            match=route_components_pb2.RouteMatch(prefix="/"),
+            **_json_direct_response(404, no_route_body()),
+        )
+    )
+    return route_pb2.RouteConfiguration(
+        name=ROUTE_CONFIG_NAME,
+        virtual_hosts=[
+            route_components_pb2.VirtualHost(
+                name=VIRTUAL_HOST_NAME,
+                domains=["*"],
+                routes=routes,
+                # enables ext_proc for every route (the failure-mode routes override it per path)
+                typed_per_filter_config={
+                    EXT_PROC_FILTER: ext_proc_per_route(config.ext_proc.failure_mode_allow)
+                },
+            )
+        ],
+    )

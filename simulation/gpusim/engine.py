@@ -383,6 +383,15 @@ class BatchEngine:
     _step_started_at: float | None = None
     _step_ends_at: float | None = None
     _step_admitted: list[_Sequence] = field(default_factory=list)
+    #: The run of identical decode-only steps under way: its batch key (slots, slowdown), its start, the
+    #: length of each of its steps and the index of the current one. Step ``k`` of a run ends at
+    #: ``start + (k + 1) * step`` whether the driver stepped to it or jumped over it, so the boundaries (and
+    #: which side of one an arrival lands on) do not depend on how the engine is driven. None while the step
+    #: under way admits (prefills) requests.
+    _run_key: tuple[int, float] | None = None
+    _run_started_at: float = 0.0
+    _run_step: float = 0.0
+    _run_index: int = 0
     _running: dict[str, _Sequence] = field(default_factory=dict)
     _running_slots: int = 0
     _waiting: deque[_Sequence] = field(default_factory=deque)
@@ -496,11 +505,10 @@ class BatchEngine:
         None when idle. A discrete-event simulator schedules its next engine event here."""
         if self._step_ends_at is None or self._step_started_at is None:
             return None
-        if self._step_admitted or not self._running:
+        if self._step_admitted or not self._running or not self._in_steady_run():
             return self._step_ends_at
         steps_to_finish = min(s.last_step for s in self._running.values()) - self._steps_done
-        step = self.model.decode_step_seconds(self._running_slots, slowdown=self.slowdown)
-        return self._step_ends_at + (max(steps_to_finish, 1) - 1) * step
+        return self._run_started_at + (self._run_index + max(steps_to_finish, 1)) * self._run_step
 
     def tokens_emitted(self, request_id: str) -> int:
         """Tokens (per sample) emitted so far by a running or waiting request.
@@ -600,12 +608,28 @@ class BatchEngine:
             self._step_ends_at = None
             self._step_admitted = []
             return
+        self._step_started_at = t
+        self._step_admitted = admitted
+        if not admitted:
+            if self._in_steady_run() and t == self._step_ends_at:
+                self._run_index += 1
+            else:
+                self._run_key = (self._running_slots, self.slowdown)
+                self._run_started_at = t
+                self._run_step = self.model.decode_step_seconds(self._running_slots, slowdown=self.slowdown)
+                self._run_index = 0
+            self._step_ends_at = self._run_started_at + (self._run_index + 1) * self._run_step
+            return
+        self._run_key = None
         decoding = self._running_slots - sum(s.width for s in admitted)
         duration = self.model.prefill_seconds(sum(s.prompt_tokens for s in admitted), slowdown=self.slowdown)
         duration += self.model.decode_step_seconds(decoding, slowdown=self.slowdown)
-        self._step_started_at = t
         self._step_ends_at = t + duration
-        self._step_admitted = admitted
+
+    def _in_steady_run(self) -> bool:
+        """True when the step under way is decode-only and the batch and speed still match its run (no
+        cancel or slowdown change since it started), so the next step continues the run."""
+        return self._run_key == (self._running_slots, self.slowdown)
 
     def _skip_steady_steps(self, now: float) -> None:
         """Complete in one go the decode steps that end by ``now`` and change nothing (no admission, no first
@@ -615,21 +639,26 @@ class BatchEngine:
             or self._step_started_at is None
             or self._step_admitted
             or not self._running
+            or not self._in_steady_run()
         ):
             return
-        step = self._step_ends_at - self._step_started_at
+        step = self._run_step
         if step <= 0:
             return
         # Steps that can complete before the one at whose end the first running sequence finishes.
         quiet = min(s.last_step for s in self._running.values()) - self._steps_done - 1
         fit = math.floor((now - self._step_started_at) / step)
+        # the division can round up by one step: skip only steps whose exact end is <= now
+        while fit > 0 and self._run_started_at + (self._run_index + fit) * step > now:
+            fit -= 1
         skip = min(quiet, fit)
         if skip <= 0:
             return
         self._steps_done += skip
         self._busy_seconds_done += skip * step
-        self._step_started_at += skip * step
-        self._step_ends_at = self._step_started_at + step
+        self._run_index += skip
+        self._step_started_at = self._run_started_at + self._run_index * step
+        self._step_ends_at = self._run_started_at + (self._run_index + 1) * step
 
     def _fits_next_boundary(self, width: int) -> bool:
         """True when all waiting requests and one of ``width`` slots join the batch at the next boundary."""

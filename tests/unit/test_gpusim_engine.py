@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from inferlb.config.schema import parse_config
@@ -420,14 +420,25 @@ def test_random_workloads_respect_bounds_fifo_and_the_uncontended_floor(
 
 @settings(max_examples=100, deadline=None)
 @given(arrivals)
+# An arrival exactly on a step boundary of a steady decode run: with boundaries accumulated step by step
+# (stepping) or multiplied out (jumping) they differed in the last bit, so the request joined the batch one
+# step earlier when stepping (first tokens 0.35 vs 0.37 s).
+@example(
+    [
+        Arrival(gap=0.02, prompt=0, completion=9, width=1, cancel_after=None),
+        Arrival(gap=0.04, prompt=0, completion=39, width=1, cancel_after=None),
+        Arrival(gap=0.01, prompt=0, completion=0, width=1, cancel_after=None),
+        Arrival(gap=0.01, prompt=250, completion=29, width=1, cancel_after=None),
+    ]
+)
 def test_jumping_over_steady_steps_gives_the_same_events_as_stepping(workload: list[Arrival]) -> None:
     m = model(max_batch=4, max_queue=2)
     _, fine, refused_fine, eng_fine = run(m, workload, fine=True)
     _, coarse, refused_coarse, eng_coarse = run(m, workload, fine=False)
     assert refused_fine == refused_coarse
     assert [(type(e), e.request_id) for e in fine] == [(type(e), e.request_id) for e in coarse]
-    for a, b in zip(fine, coarse, strict=True):
-        assert a.at == pytest.approx(b.at, rel=1e-9, abs=1e-9)
+    # the same boundaries to the bit: each is computed once, however the engine is driven
+    assert [e.at for e in fine] == [e.at for e in coarse]
     assert eng_fine.stats().generation_tokens_total == eng_coarse.stats().generation_tokens_total
     assert eng_fine.stats().steps_total == eng_coarse.stats().steps_total
 

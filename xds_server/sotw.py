@@ -30,7 +30,6 @@ shared/DESIGN.md):
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -191,7 +190,9 @@ class SotwStream:
     max_response_bytes: int = MAX_RESPONSE_BYTES
     node: base_pb2.Node | None = None
     types: dict[str, TypeState] = field(default_factory=dict)
-    _nonces: itertools.count[int] = field(default_factory=lambda: itertools.count(1))
+    #: nonces sent so far (a plain counter: a stream's state is copied, and itertools objects lose copy
+    #: support in Python 3.14)
+    _nonces_sent: int = 0
 
     @property
     def node_id(self) -> str:
@@ -314,10 +315,11 @@ class SotwStream:
         names = state.resource_names if t in NAMED_TYPES else frozenset()
         selected = tuple(snapshot.select(t, names)) if resources is None else resources
         version = snapshot.version(t) if version is None else version
+        self._nonces_sent += 1
         response = discovery_pb2.DiscoveryResponse(
             version_info=version,
             type_url=t,
-            nonce=str(next(self._nonces)),
+            nonce=str(self._nonces_sent),
             resources=[r.packed for r in selected],
             control_plane=base_pb2.ControlPlane(identifier=self.control_plane_id),
         )

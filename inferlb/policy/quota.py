@@ -49,7 +49,6 @@ replicas.
 
 from __future__ import annotations
 
-import itertools
 import math
 import time
 from collections.abc import Callable, Mapping
@@ -316,7 +315,9 @@ class QuotaBook:
 
     def __init__(self, limits: Mapping[str, TenantLimits], now: float) -> None:
         self._tenants: dict[str, _TenantState] = {}
-        self._lease_ids = itertools.count(1)
+        # a plain counter, not itertools.count: a book is copied in tests (itertools objects lose copy
+        # support in Python 3.14 and warn from 3.12)
+        self._leases_issued = 0
         self.update_limits(limits, now)
 
     def update_limits(self, limits: Mapping[str, TenantLimits], now: float) -> None:
@@ -418,7 +419,9 @@ class QuotaBook:
             tok_w.add(second, tokens)
         if budget is not None:
             state.day_tokens += tokens
-        lease_id = lease if lease is not None else f"l{next(self._lease_ids)}"
+        if lease is None:
+            self._leases_issued += 1
+        lease_id = lease if lease is not None else f"l{self._leases_issued}"
         if max_inflight is not None:
             state.inflight.add(lease_id)
         return Admitted(tenant=tenant, tokens=tokens, lease=lease_id, day=day, second=second)

@@ -115,6 +115,7 @@ def test_codec_errors_come_back_as_openai_json(failure_stack: RunningStack) -> N
     assert hdrs["content-type"] == "application/json"
     err = Reply(status, hdrs, body).json()["error"]
     assert (err["type"], err["code"]) == ("invalid_request_error", "http1.headers_too_large")
+    assert "param" in err and err["param"] is None  # OpenAI's whole shape
     status, hdrs, body = _status_and_json(_raw(gw, b"NOT A REQUEST LINE\r\n\r\n"))
     assert status == 400
     assert hdrs["content-type"] == "application/json"

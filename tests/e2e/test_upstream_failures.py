@@ -36,7 +36,10 @@ def test_a_model_whose_gpus_are_all_down_gets_a_json_503(tmp_path: Path) -> None
         err = r.json()["error"]
         assert err["type"] == "server_error"
         assert "upstream" in err["message"]
-        assert err["code"]  # Envoy's response flags, e.g. "UF,URX"
+        # a readable code for the cause, the response flags in the message, OpenAI's whole shape
+        assert err["code"] in {"upstream_connect_failure", "no_healthy_upstream"}, err
+        assert "Envoy response flags: " in err["message"]
+        assert set(err) == {"message", "type", "param", "code"} and err["param"] is None
         # a live model on the same gateway is unaffected
         ok = http_request(
             str(stack.config.gateway.listen),

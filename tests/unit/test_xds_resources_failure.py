@@ -195,7 +195,27 @@ def test_any_other_envoy_error_reply_becomes_json_by_class() -> None:
         fmt = mapper.body_format_override
         assert fmt.content_type == "application/json"
         err = dict(fmt.json_format["error"])
-        assert err == {"message": "%LOCAL_REPLY_BODY%", "type": kind, "code": "%RESPONSE_CODE_DETAILS%"}
+        assert err == {
+            "message": "%LOCAL_REPLY_BODY%",
+            "type": kind,
+            "param": None,
+            "code": "%RESPONSE_CODE_DETAILS%",
+        }
+
+
+def test_each_upstream_failure_flag_gets_a_readable_code_causes_before_the_retry_limit() -> None:
+    mappers = [m for m in _mappers(parse_config(_doc())) if m.filter.HasField("response_flag_filter")]
+    overflow, *upstream = mappers
+    assert list(overflow.filter.response_flag_filter.flags) == [r.OVERFLOW_FLAG]
+    flags = [list(m.filter.response_flag_filter.flags) for m in upstream]
+    assert flags == [[f] for f, _ in r.UPSTREAM_FAILURE_CODES]
+    assert {f for (f,) in flags} == set(r.UPSTREAM_FAILURE_FLAGS) - {r.OVERFLOW_FLAG}
+    assert flags[-1] == ["URX"]  # "URX,UF" reads as its cause, upstream_connect_failure
+    for m, (_, code) in zip(upstream, r.UPSTREAM_FAILURE_CODES, strict=True):
+        err = dict(m.body_format_override.json_format["error"])
+        assert err["code"] == code and code.replace("_", "").isalpha()
+        assert err["param"] is None and err["type"] == "server_error"
+        assert "%RESPONSE_FLAGS%" in err["message"]  # the flags stay readable in the message
 
 
 def test_extra_ext_proc_processes_get_metrics_addresses_and_their_sockets_are_checked() -> None:

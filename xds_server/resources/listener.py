@@ -68,6 +68,19 @@ REPLACED_CLIENT_HEADERS: Final[tuple[str, ...]] = ("x-forwarded-for",)
 #: "%RESPONSE_FLAGS%"): no healthy upstream, connection failure, circuit-breaker overflow, retry limit
 #: exceeded, upstream timeout, upstream connection termination, no cluster, DNS failure.
 UPSTREAM_FAILURE_FLAGS: Final[tuple[str, ...]] = ("UH", "UF", "UO", "URX", "UT", "UC", "NC", "DF")
+#: The OpenAI ``code`` of Envoy's reply for each upstream-failure flag, in the order the mappers test them
+#: (first match wins): a reply flagged ``URX,UF`` (retries used up on connect failures) reads
+#: ``upstream_connect_failure``, the cause; ``URX`` alone only when no cause flag is set. UO (overflow) has
+#: its own mapper before these.
+UPSTREAM_FAILURE_CODES: Final[tuple[tuple[str, str], ...]] = (
+    ("UH", "no_healthy_upstream"),
+    ("UT", "upstream_timeout"),
+    ("UF", "upstream_connect_failure"),
+    ("UC", "upstream_connection_terminated"),
+    ("DF", "upstream_dns_failure"),
+    ("NC", "no_cluster"),
+    ("URX", "upstream_retry_limit_exceeded"),
+)
 
 
 def body_too_large_body(limit: int) -> str:
@@ -161,11 +174,13 @@ def build_local_reply_config(config: Config) -> http_connection_manager_pb2.Loca
     4. circuit-breaker overflow (flag UO: the routing priority's budget on the model cluster is full, so
        DEFAULT traffic is shed while HIGH keeps its own): 503 ``overloaded`` with
        ``retry-after: gateway.overflow_retry_after_s``.
-    5. an upstream-failure flag (:data:`UPSTREAM_FAILURE_FLAGS`: 503 no healthy upstream, 504 timeout, ...):
-       ``{"error": {"message": <Envoy's text>, "type": "server_error", "code": <response flags>}}``.
+    5. an upstream-failure flag, one mapper per flag of :data:`UPSTREAM_FAILURE_CODES` (503 no healthy
+       upstream, 504 timeout, ...): ``{"error": {"message": "<Envoy's text> (Envoy response flags:
+       <flags>)", "type": "server_error", "param": null, "code": <the flag's code>}}``.
     6. / 7. any other reply of Envoy's with status 4xx / 5xx (codec errors: 400 malformed request, 431
        headers too large, 426 HTTP/1.0; 408 stream idle; ...): ``invalid_request_error`` /
-       ``server_error`` with Envoy's text as message and its response code details as ``code``.
+       ``server_error`` with Envoy's text as message, ``param`` null and its response code details as
+       ``code`` (``http1.codec_error``, ``http1.headers_too_large``, ...).
 
     ext_proc's own immediate replies (code details ``inferlb_*``) and our direct responses are already
     JSON: mappers 1-3 and 6-7 exclude them by a CEL filter on ``response.code_details``; they never carry
@@ -207,34 +222,38 @@ def build_local_reply_config(config: Config) -> http_connection_manager_pb2.Loca
             )
         ],
     )
-    error = struct_pb2.Struct()
-    error.update(
-        {"error": {"message": "%LOCAL_REPLY_BODY%", "type": "server_error", "code": "%RESPONSE_FLAGS%"}}
-    )
-    upstream = http_connection_manager_pb2.ResponseMapper(
-        filter=accesslog_pb2.AccessLogFilter(
-            response_flag_filter=accesslog_pb2.ResponseFlagFilter(flags=list(UPSTREAM_FAILURE_FLAGS))
-        ),
-        body_format_override=substitution_format_string_pb2.SubstitutionFormatString(
-            json_format=error, content_type="application/json"
-        ),
-    )
-    generic = []
-    for low, high, kind in ((400, 500, "invalid_request_error"), (500, 600, "server_error")):
-        fmt = struct_pb2.Struct()
-        fmt.update(
-            {"error": {"message": "%LOCAL_REPLY_BODY%", "type": kind, "code": "%RESPONSE_CODE_DETAILS%"}}
+    upstream = [
+        http_connection_manager_pb2.ResponseMapper(
+            filter=accesslog_pb2.AccessLogFilter(
+                response_flag_filter=accesslog_pb2.ResponseFlagFilter(flags=[flag])
+            ),
+            body_format_override=_json_error_format(
+                "%LOCAL_REPLY_BODY% (Envoy response flags: %RESPONSE_FLAGS%)", "server_error", code
+            ),
         )
-        generic.append(
-            http_connection_manager_pb2.ResponseMapper(
-                filter=_cel(f"response.code >= {low} && response.code < {high} && {_NOT_OURS}"),
-                body_format_override=substitution_format_string_pb2.SubstitutionFormatString(
-                    json_format=fmt, content_type="application/json"
-                ),
-            )
+        for flag, code in UPSTREAM_FAILURE_CODES
+    ]
+    generic = [
+        http_connection_manager_pb2.ResponseMapper(
+            filter=_cel(f"response.code >= {low} && response.code < {high} && {_NOT_OURS}"),
+            body_format_override=_json_error_format("%LOCAL_REPLY_BODY%", kind, "%RESPONSE_CODE_DETAILS%"),
         )
+        for low, high, kind in ((400, 500, "invalid_request_error"), (500, 600, "server_error"))
+    ]
     return http_connection_manager_pb2.LocalReplyConfig(
-        mappers=[processor_timeout, processor_failed, too_large, overflow, upstream, *generic]
+        mappers=[processor_timeout, processor_failed, too_large, overflow, *upstream, *generic]
+    )
+
+
+def _json_error_format(
+    message: str, kind: str, code: str
+) -> substitution_format_string_pb2.SubstitutionFormatString:
+    """An OpenAI error body (``{"error": {"message", "type", "param": null, "code"}}``) as an Envoy JSON
+    format; ``message`` and ``code`` may hold Envoy command operators (``%LOCAL_REPLY_BODY%``, ...)."""
+    fmt = struct_pb2.Struct()
+    fmt.update({"error": {"message": message, "type": kind, "param": None, "code": code}})
+    return substitution_format_string_pb2.SubstitutionFormatString(
+        json_format=fmt, content_type="application/json"
     )
 
 

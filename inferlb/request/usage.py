@@ -34,6 +34,7 @@ split across any chunk boundary (even inside a multi-byte UTF-8 character) parse
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any, Final
@@ -195,6 +196,35 @@ def _reported(doc: dict[str, Any]) -> tuple[int, int] | None:
     return None
 
 
+#: The top-level ``"usage": null`` member every chunk carries once ``include_usage`` is on ("All other chunks
+#: will also include a usage field, but with a null value", OpenAI API reference, ``stream_options``), with
+#: the comma that joins it to its neighbour. An unescaped ``"`` only occurs in JSON's structure, never
+#: inside a string, so these match the member itself, not text that quotes it.
+_NULL_USAGE_AFTER: Final = re.compile(rb',[ \t]*"usage"[ \t]*:[ \t]*null(?=[ \t]*[,}])')
+_NULL_USAGE_BEFORE: Final = re.compile(rb'"usage"[ \t]*:[ \t]*null[ \t]*,[ \t]*')
+
+
+def without_null_usage(event: bytes, doc: dict[str, Any]) -> bytes:
+    """The raw SSE ``event`` (its lines and the blank line that ends it) without the top-level
+    ``"usage": null`` member of its JSON ``doc``, every other byte unchanged; ``event`` itself when the
+    member cannot be cut out exactly (the result is parsed back and must equal ``doc`` without ``usage``)."""
+    cut, n = _NULL_USAGE_AFTER.subn(b"", event, count=1)
+    if n == 0:
+        cut, n = _NULL_USAGE_BEFORE.subn(b"", event, count=1)
+    if n == 0:
+        return event
+    data = [
+        line[5:].removeprefix(b" ")
+        for line in cut.replace(b"\r\n", b"\n").split(b"\n")
+        if line.startswith(b"data:")
+    ]
+    try:
+        back = json.loads(b"\n".join(data))
+    except ValueError:
+        return event
+    return cut if back == {k: v for k, v in doc.items() if k != "usage"} else event
+
+
 def is_usage_only_event(doc: dict[str, Any]) -> bool:
     """True for the extra final chunk ``include_usage`` adds: a non-null ``usage`` and empty ``choices``."""
     return isinstance(doc.get("usage"), dict) and doc.get("choices") == []
@@ -203,13 +233,14 @@ def is_usage_only_event(doc: dict[str, Any]) -> bool:
 class SseMeter:
     """Incremental SSE reader: counts completion tokens of every complete event and keeps the last
     reported usage. With ``strip_usage_event`` it also returns the bytes to pass to the client: every
-    complete event except the usage-only chunk (held back until the blank line that ends an event, so an
-    event is never cut in the middle).
+    complete event except the usage-only chunk, and without the ``"usage": null`` member ``include_usage``
+    puts on every other chunk (:func:`without_null_usage`), so the client gets the chunks it asked for
+    (held back until the blank line that ends an event, so an event is never cut in the middle).
 
     Args:
         counter: completion text token counter.
-        strip_usage_event: remove the usage-only chunk from the client's stream (set when the gateway,
-            not the client, asked for it).
+        strip_usage_event: remove the usage-only chunk and every chunk's ``"usage": null`` from the
+            client's stream (set when the gateway, not the client, asked for them).
     """
 
     __slots__ = (
@@ -217,6 +248,7 @@ class SseMeter:
         "_data",
         "_event_raw",
         "_line",
+        "_null_usage",
         "_skipping_line",
         "completion_tokens",
         "done",
@@ -231,6 +263,7 @@ class SseMeter:
         self._skipping_line = False  # inside an over-long line that is being dropped
         self._data: list[bytes] = []  # data: values of the current event
         self._event_raw = bytearray()  # raw bytes of the current event (strip mode)
+        self._null_usage: dict[str, Any] | None = None  # the event's doc when its usage is null (strip mode)
         self.completion_tokens = 0
         self.reported: tuple[int, int] | None = None
         self.done = False
@@ -273,9 +306,15 @@ class SseMeter:
             keep = self._end_event()
             if self.strip_usage_event:
                 if keep:
-                    out += self._event_raw
+                    out += self._client_event()
                 self._event_raw.clear()
         return bytes(out) if self.strip_usage_event else chunk
+
+    def _client_event(self) -> bytes:
+        """The current event as the client gets it (strip mode): without a null ``usage`` member."""
+        doc, self._null_usage = self._null_usage, None
+        raw = bytes(self._event_raw)
+        return raw if doc is None else without_null_usage(raw, doc)
 
     def flush(self) -> bytes:
         """End of body: process an event left without its blank line; returns the bytes still held back."""
@@ -285,7 +324,7 @@ class SseMeter:
                 self._on_line(line)
         self._line.clear()
         keep = self._end_event()
-        held = bytes(self._event_raw) if keep else b""
+        held = self._client_event() if keep else b""
         self._event_raw.clear()
         return held if self.strip_usage_event else b""
 
@@ -318,6 +357,8 @@ class SseMeter:
             for choice in choices:
                 for text in _choice_texts(choice):
                     self.completion_tokens += self._counter.count(text)
+        if self.strip_usage_event and "usage" in doc and doc["usage"] is None:
+            self._null_usage = doc
         return not (self.strip_usage_event and is_usage_only_event(doc))
 
     def _end_responses_event(self, kind: str, doc: dict[str, Any]) -> bool:

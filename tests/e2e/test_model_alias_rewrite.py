@@ -100,6 +100,11 @@ def test_an_aliased_stream_is_renamed_and_keeps_its_usage_hidden(alias_stack: Ru
     assert {ch.model for ch in chunks} == {LLAMA}
     assert all(ch.usage is None and ch.choices for ch in chunks)
     assert "".join(ch.choices[0].delta.content or "" for ch in chunks)
+    # the bytes too: the model server puts "usage": null on every chunk of an include_usage stream; a
+    # client that did not ask for usage gets none of them (the SDK reads a missing and a null usage alike)
+    raw = alias_stack.chat(NEW_ALIAS, max_tokens=5, stream=True)
+    assert raw.status == 200 and raw.body.endswith(b"data: [DONE]\n\n"), raw.body
+    assert raw.body.count(b"data: ") >= 5 + 1 and b"usage" not in raw.body, raw.body
 
 
 def test_an_aliased_stream_that_asked_for_usage_sees_it(alias_stack: RunningStack) -> None:

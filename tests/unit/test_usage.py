@@ -18,6 +18,7 @@ from inferlb.request.usage import (
     UsageSource,
     add_include_usage,
     is_usage_only_event,
+    without_null_usage,
 )
 
 COUNTER = default_counter()
@@ -153,6 +154,55 @@ def test_strip_removes_only_the_usage_only_chunk() -> None:
     seen, usage = run(ResponseMeter(res, COUNTER), [STREAM])
     assert seen == sse(*(delta(t) for t in TEXTS), "[DONE]")
     assert usage.source is UsageSource.REPORTED
+
+
+def with_null_usage(doc: dict[str, Any], at: int) -> dict[str, Any]:
+    """``doc`` with ``"usage": None`` inserted as its ``at``-th member (as include_usage adds it)."""
+    items = list(doc.items())
+    items.insert(at % (len(items) + 1), ("usage", None))
+    return dict(items)
+
+
+@settings(max_examples=200)
+@given(
+    st.lists(st.integers(min_value=0, max_value=10_000), max_size=40),
+    st.lists(st.integers(0, 5), min_size=len(TEXTS), max_size=len(TEXTS)),
+    st.booleans(),
+    st.sampled_from([(",", ":"), (", ", ": ")]),
+)
+def test_a_gateway_added_usage_leaves_the_clients_chunks_as_they_were(
+    cuts: list[int], where: list[int], crlf: bool, separators: tuple[str, str]
+) -> None:
+    """What the client gets is the stream it would have got without include_usage: no usage-only chunk,
+    no ``"usage": null`` member, every other byte the model server's, however the body was chunked."""
+
+    def dumps(d: dict[str, Any] | str) -> str:
+        return d if isinstance(d, str) else json.dumps(d, ensure_ascii=False, separators=separators)
+
+    def stream(docs: list[dict[str, Any] | str]) -> bytes:
+        return sse(*(dumps(d) for d in docs), crlf=crlf)
+
+    plain = [delta(t) for t in TEXTS]
+    nulls = [with_null_usage(d, w) for d, w in zip(plain, where, strict=True)]
+    served = stream([*nulls, USAGE_CHUNK, "[DONE]"])
+    res = Reservation(prompt_tokens=20, reserved_tokens=120, stream=True, strip_usage_event=True)
+    seen, usage = run(ResponseMeter(res, COUNTER), chunked(served, cuts))
+    assert seen == stream([*plain, "[DONE]"])
+    assert usage.source is UsageSource.REPORTED and usage.total_tokens == 20
+    # a client that asked for usage gets every byte as served
+    res = Reservation(prompt_tokens=20, reserved_tokens=120, stream=True, strip_usage_event=False)
+    seen, _ = run(ResponseMeter(res, COUNTER), chunked(served, cuts))
+    assert seen == served
+
+
+def test_a_null_usage_quoted_in_the_text_is_the_models_and_stays() -> None:
+    text = 'say ,"usage":null and "usage": null,'
+    doc = with_null_usage(delta(text), 1)
+    event = sse(doc)
+    assert without_null_usage(event, doc) == sse(delta(text))
+    assert json.loads(without_null_usage(event, doc)[6:])["choices"][0]["delta"]["content"] == text
+    # a member that is not where the patterns look (here: no usage at all) leaves the event as it is
+    assert without_null_usage(sse(delta(text)), {**delta(text), "usage": None}) == sse(delta(text))
 
 
 def test_abort_charges_what_was_produced_and_only_complete_events() -> None:

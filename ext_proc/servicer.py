@@ -521,7 +521,7 @@ class ExternalProcessor(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc
         pending = ex.pending
         if pending is None:
             # a body without an accepted headers phase: Envoy is configured to skip headers, which breaks
-            # routing (shared/DESIGN.md); refuse rather than forward unrouted
+            # routing (measured on Envoy 1.40); refuse rather than forward unrouted
             log.error("request body received without a request headers phase; check processing_mode")
             return immediate_response(_INTERNAL_ERROR)
         state = self.state

@@ -1,7 +1,8 @@
 """The one exception root of inferlb, with structured fields.
 
 Adapters map these to wire codes (HTTP status, gRPC status) at the edge; the core only raises them.
-Modelled on h2's ``exceptions.py`` (shared/STYLE.md, item 6).
+Modelled on python-hyper/h2's ``exceptions.py``: each error carries the fields that explain it, mapped to a
+wire status only by the adapter.
 """
 
 from __future__ import annotations

@@ -6,5 +6,6 @@
   benchmarks at 1,000-GPU scale.
 
 May import: the core (:mod:`inferlb.config`, :mod:`inferlb.request`, :mod:`inferlb.policy`,
-:mod:`inferlb.traces`, :mod:`inferlb.errors`) and aiohttp; no service, adapter or operator tool.
+:mod:`inferlb.traces`, :mod:`inferlb.errors`), aiohttp and prometheus_client; no service, adapter or
+operator tool.
 """

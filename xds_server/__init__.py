@@ -1,6 +1,7 @@
 """inferlb's xDS control server: config -> Envoy resources -> versioned snapshots -> ADS streams.
 
-Layers, each importing only the ones before it (shared/STYLE.md, item 3):
+Layers, each importing only the ones before it (as envoyproxy/go-control-plane's ``pkg/resource`` ->
+``pkg/cache`` -> ``pkg/server``):
 
 - :mod:`xds_server.resources`: pure functions from an :class:`inferlb.config.schema.Config` to Envoy v3
   protos, one module per resource: :mod:`~xds_server.resources.common` (type URLs, ``PUSH_ORDER``, names,

@@ -9,7 +9,7 @@ one input at a time, asks the protocol state what to send, and writes it. Reques
 handled strictly in arrival order on each stream, with no locks. Wake-ups that pile up while a stream is
 busy are merged: the stream only ever pushes the newest snapshot.
 
-gRPC status codes appear only here (shared/STYLE.md, item 3).
+gRPC status codes appear only here (as only go-control-plane's ``pkg/server`` knows gRPC).
 """
 
 from __future__ import annotations

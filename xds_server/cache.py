@@ -1,7 +1,8 @@
 """Immutable versioned snapshots of xDS resources and the cache that publishes them.
 
 Modelled on go-control-plane's ``pkg/cache/v3`` (``snapshot.go``: ``Snapshot`` + ``Consistent()``;
-``simple.go``: ``SetSnapshot`` answering the waiting watches), with the pitfalls of shared/DESIGN.md in mind:
+``simple.go``: ``SetSnapshot`` answering the waiting watches), with the pitfalls public control planes
+reported in mind:
 
 - each resource is serialized once per snapshot (into a packed ``Any``) and shared by every stream;
 - versions are ``<instance-id>-<n>``: the instance id is fresh per cache (per process start), so a version

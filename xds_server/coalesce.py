@@ -3,7 +3,7 @@
 Every input of the snapshot (the config file, the fleet API, telemetry weights) calls
 :meth:`PushCoalescer.changed`; the publish runs ``debounce`` after the *last* change of a burst, but never
 later than ``max_delay`` after the *first* one, so a steady trickle of changes (a weight every 50 ms) cannot
-postpone a push forever (shared/DESIGN.md: "debounce pushes without going stale").
+postpone a push forever (debounce, but never go stale).
 
 The timing rule is the pure function :func:`push_deadline`; :class:`PushCoalescer` is the asyncio edge.
 """

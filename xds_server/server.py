@@ -3,7 +3,7 @@
 The file is polled (``poll_interval_s``, 0.5 s by default) by content hash: a change is re-validated and,
 when good, published as a new snapshot, which every connected Envoy receives without a restart. A bad file
 (or one Envoy could not take) is logged with the field named and the last good snapshot keeps serving
-(shared/STYLE.md, item 5: fail fast at start-up, degrade at run time).
+(fail fast at start-up, degrade at run time, as uvicorn does).
 
 Three inputs feed the snapshot, each applied on top of the last good config file: the file itself, the
 fleet API (:mod:`xds_server.fleet_state`: register, drain, deregister, weight pins) and telemetry weights

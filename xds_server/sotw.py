@@ -2,8 +2,8 @@
 
 The servicer (:mod:`xds_server.ads`) feeds it the stream's requests and the snapshots the cache publishes,
 and writes out the responses it returns; everything protocol-shaped is decided here, in plain methods a
-unit test can drive. The rules (envoy/api/xds_protocol, "ACK and NACK semantics", and the pitfalls in
-shared/DESIGN.md):
+unit test can drive. The rules (envoy/api/xds_protocol, "ACK and NACK semantics", and the pitfalls
+public control planes reported, e.g. go-control-plane#962 on NACK loops):
 
 - a request for a type not subscribed yet, or with an empty ``response_nonce``, is a new subscription: it is
   answered at once with the current snapshot, even if its version did not change;

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import os
 import signal
 import sys
@@ -185,6 +186,12 @@ def _fetch_weights(cfg: Config, args: argparse.Namespace) -> tuple[dict[str, Any
     return body, ""
 
 
+def _ms(seconds: float) -> str:
+    """A duration in whole ms, or ``-`` for none (NaN: no request to measure, e.g. TTFT of a non-streamed
+    replay)."""
+    return "-" if math.isnan(seconds) else f"{seconds * 1000:.0f} ms"
+
+
 def cmd_replay(args: argparse.Namespace, out: Console) -> int:
     """``inferlb replay [TRACE]``: replay a trace through the gateway and print what the fleet did."""
     from inferlb.ops import replay as rp  # noqa: PLC0415
@@ -308,10 +315,7 @@ def print_replay(out: Console, s: ReplaySummary, shares: Sequence[EndpointShare]
         str(s.sent),
         str(s.ok),
         errs,
-        f"{s.latency_p50_s * 1000:.0f} ms",
-        f"{s.latency_p99_s * 1000:.0f} ms",
-        f"{s.ttft_p50_s * 1000:.0f} ms",
-        f"{s.ttft_p99_s * 1000:.0f} ms",
+        *(_ms(v) for v in (s.latency_p50_s, s.latency_p99_s, s.ttft_p50_s, s.ttft_p99_s)),
         f"{s.wall_s:.1f} s",
     )
     out.print(tot)
@@ -394,7 +398,7 @@ def cmd_sim(args: argparse.Namespace, out: Console) -> int:
 
     cfg = _load(args.config)
     by_name = {e.display_name: e for e in cfg.endpoints}
-    endpoint = by_name.get(args.name)
+    endpoint = by_name.get(args.name) or next((e for e in cfg.endpoints if str(e.address) == args.name), None)
     if endpoint is None:
         raise ValueError(f"unknown endpoint {args.name!r}; known: {sorted(by_name)}")
     base = f"http://{endpoint.address}"

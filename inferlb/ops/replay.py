@@ -226,8 +226,7 @@ async def _one(
                     msg = text[:200]
                 return done(resp.status, endpoint, msg)
             if not stream:
-                data = await resp.json()
-                ttft = time.perf_counter() - t0
+                data = await resp.json()  # no first token to time: ttft stays None
                 usage = data.get("usage") or {}
                 return done(200, endpoint)
             async for raw in resp.content:

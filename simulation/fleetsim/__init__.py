@@ -25,4 +25,7 @@ Modules (each imports only those above it, and the core):
 - :mod:`simulation.fleetsim.loop`: the event loop, :func:`~simulation.fleetsim.loop.simulate`.
 
 Import each name from the module that defines it; this ``__init__`` re-exports nothing.
+
+May import: the core (:mod:`inferlb.config`, :mod:`inferlb.policy`, :mod:`inferlb.traces`); never
+:mod:`simulation.gpusim` (its engines come in by injection), a service, an adapter or an operator tool.
 """

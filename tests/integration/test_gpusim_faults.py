@@ -218,6 +218,10 @@ async def test_the_sim_cli_drives_a_running_endpoint(
         assert srv.fault.mode == "failed"
         assert await asyncio.to_thread(sim, "recover", "a100-t") == 0
         assert srv.fault.mode == "healthy" and srv.engine.slowdown == 1.0
+        # a named endpoint is also found by its address, as the help says
+        assert await asyncio.to_thread(sim, "fail", f"127.0.0.1:{port}") == 0
+        assert srv.fault.mode == "failed"
+        assert await asyncio.to_thread(sim, "recover", f"127.0.0.1:{port}") == 0
         # refused by the endpoint: exit 1, state unchanged
         assert await asyncio.to_thread(sim, "slow", "a100-t", "--factor", "0.5") == cli.EXIT_FAIL
         assert srv.fault.mode == "healthy"

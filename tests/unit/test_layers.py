@@ -190,3 +190,20 @@ def test_the_core_loads_no_server_client_or_simulator() -> None:
         [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120, check=True
     )
     assert done.stdout.strip() == "[]", done.stdout
+
+
+def test_every_package_docstring_names_its_modules_and_what_it_may_import() -> None:
+    """The README sends readers to the package docstrings for the layout: each names every module and
+    subpackage it holds, and says what the package may import."""
+    missing: list[str] = []
+    for init in sorted(p for pkg in PACKAGES for p in (ROOT / pkg).rglob("__init__.py")):
+        doc = ast.get_docstring(ast.parse(init.read_text(encoding="utf-8"))) or ""
+        here = module_name(init)
+        children = sorted(
+            {p.stem for p in init.parent.glob("*.py") if p.stem not in ("__init__", "__main__")}
+            | {p.parent.name for p in init.parent.glob("*/__init__.py")}
+        )
+        missing += [f"{here}: {c}" for c in children if f"{here}.{c}" not in doc and f"``{c}``" not in doc]
+        if here != "inferlb" and not any(w in doc for w in ("May import", "may import", "importing only")):
+            missing.append(f"{here}: what it may import")
+    assert missing == []

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
+import math
 from pathlib import Path
 
 import pytest
@@ -11,6 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from inferlb.config.schema import default_config_path, load_config
+from inferlb.ops import cli
 from inferlb.ops.replay import (
     CHAT_OVERHEAD_TOKENS,
     Outcome,
@@ -140,3 +143,11 @@ def test_summary_counts_statuses_per_tenant() -> None:
     assert s.by_status == {200: 2, 429: 1, 0: 1}
     assert s.by_tenant == {"a": {200: 1, 0: 1}, "b": {429: 1, 200: 1}}
     assert s.latency_p50_s == pytest.approx(0.1)
+
+
+def test_a_replay_with_no_first_token_times_shows_no_ttft() -> None:
+    """Non-streamed requests have no first token to time (``--no-stream``): the TTFT cells read ``-``."""
+    untimed = [dataclasses.replace(_o(i, 200, "x"), ttft_s=None) for i in (1, 2)]
+    s = summarize(untimed, 1.0)
+    assert math.isnan(s.ttft_p50_s) and math.isnan(s.ttft_p99_s)
+    assert (cli._ms(s.ttft_p99_s), cli._ms(s.latency_p50_s)) == ("-", "100 ms")

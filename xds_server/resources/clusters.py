@@ -63,7 +63,8 @@ def _thresholds(priority: int, cb: CircuitBreaker) -> circuit_breaker_pb2.Circui
 def build_model_cluster(name: str, policy: ClusterPolicy) -> cluster_pb2.Cluster:
     """One EDS Cluster for one model version, every resilience knob set explicitly from ``policy``.
 
-    Envoy's defaults differ from what inference needs (shared/DESIGN.md): gateway-failure enforcement
+    Envoy's defaults differ from what inference needs (Envoy docs, outlier detection and
+    ``healthy_panic_threshold``): gateway-failure enforcement
     defaults to 0% and the panic threshold to 50%, so both are always sent.
     """
     od = policy.outlier_detection
@@ -174,8 +175,8 @@ def length_aware_subsets(policy: ClusterPolicy) -> cluster_pb2.Cluster.LbSubsetC
 
 
 def build_ext_proc_cluster(config: Config) -> cluster_pb2.Cluster:
-    """The ``inferlb_ext_proc`` cluster: HTTP/2 (Envoy 1.40 500s every request over HTTP/1.1, see
-    shared/DESIGN.md), one endpoint per ext_proc process (``ext_proc.listen`` then ``extra_listen``),
+    """The ``inferlb_ext_proc`` cluster: HTTP/2 (Envoy 1.40 500s every request over HTTP/1.1, measured
+    here), one endpoint per ext_proc process (``ext_proc.listen`` then ``extra_listen``),
     STATIC for IP literals, else LOGICAL_DNS (one host name) or STRICT_DNS (several)."""
     addresses = (config.ext_proc.listen, *config.ext_proc.extra_listen)
     if all(hp.is_ip for hp in addresses):

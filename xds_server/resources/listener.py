@@ -299,7 +299,8 @@ def build_listener(config: Config) -> listener_pb2.Listener:
             request_trailer_mode=processing_mode_pb2.ProcessingMode.SKIP,
             response_trailer_mode=processing_mode_pb2.ProcessingMode.SKIP,
         ),
-        # Envoy's 200 ms default breaks big bodies (shared/DESIGN.md); a hit answers 504 (or fails open).
+        # Envoy's 200 ms default breaks big bodies (measured on Envoy 1.40); a hit answers 504 (or fails
+        # open).
         message_timeout=duration_ms(config.ext_proc.message_timeout_ms),
         # the default for paths without a failure-mode route (failure_mode_routes sets it per path)
         failure_mode_allow=config.ext_proc.failure_mode_allow,

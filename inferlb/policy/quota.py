@@ -24,8 +24,10 @@ minute. Other consequences worth knowing:
   (no retry time is given for it);
 - a clock that goes backwards is treated as standing still: ``now`` counts as the newest second written.
 
-Admission reserves prompt tokens + the largest completion the request may produce (its ``max_tokens`` x
-``n``, or the model's ``default_max_tokens``) in the sub-window of its admission second
+Admission reserves prompt tokens + the largest completion the request may produce (the largest output cap
+the body carries, :attr:`inferlb.request.parsing.InferenceRequest.largest_output_tokens`: for chat the larger
+of ``max_completion_tokens`` and ``max_tokens``; else the model's ``default_max_tokens``; x ``n`` x prompts)
+in the sub-window of its admission second
 (:attr:`Admitted.second`). :meth:`QuotaBook.settle` (through :meth:`QuotaBook.reconcile`) replaces that
 reservation with the real usage in the same sub-window while it is still inside the window: unused tokens
 are freed, an overrun is a debt that delays later admissions. Once the sub-window has left the window, a

@@ -8,11 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import shutil
 import signal
 import socket
-import subprocess
 import sys
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -41,8 +38,8 @@ from inferlb.policy.quota import (
     Refused,
     TenantLimits,
 )
+from tests.conftest import redis_or_skip
 
-REDIS_BIN = shutil.which("redis-server") or "/usr/bin/redis-server"
 WALL = 20_000 * SECONDS_PER_DAY + 3600.25  # a fixed wall clock: nothing leaves the window during a test
 
 
@@ -53,34 +50,9 @@ def free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def redis_url() -> Iterator[str]:
-    if not os.path.exists(REDIS_BIN):
-        if os.environ.get("CI"):
-            pytest.fail("redis-server is not installed but CI is set: .ci/run must install it")
-        pytest.skip("redis-server is not installed (apt-get install redis-server)")
-    port = free_port()
-    proc = subprocess.Popen(
-        [REDIS_BIN, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    try:
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                with socket.create_connection(("127.0.0.1", port), timeout=0.2) as s:
-                    s.sendall(b"PING\r\n")
-                    if s.recv(16).startswith(b"+PONG"):
-                        break
-            except OSError:
-                pass
-            if time.monotonic() > deadline or proc.poll() is not None:
-                raise RuntimeError("redis-server did not start")
-            time.sleep(0.05)
-        yield f"redis://127.0.0.1:{port}/0"
-    finally:
-        proc.terminate()
-        proc.wait(timeout=10)
+def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    with redis_or_skip(tmp_path_factory.mktemp("redis")) as server:
+        yield server.url
 
 
 @pytest.fixture

@@ -268,6 +268,7 @@ class RedisQuotaStore:
         self.lease_ttl_s = lease_ttl_s
         self.wall_clock = wall_clock
         self.on_error = on_error
+        self.cancel_safe = False  # admit awaits Redis: a cancelled caller may lose a lease Redis took
         self._admit = client.register_script(_ADMIT_LUA)
         self._settle = client.register_script(_SETTLE_LUA)
 
@@ -285,9 +286,12 @@ class RedisQuotaStore:
         base = f"{self.key_prefix}:{{{tenant}}}"
         return [f"{base}:state", f"{base}:inflight", f"{base}:rpm", f"{base}:tpm"]
 
-    def update_limits(self, limits: Mapping[str, TenantLimits]) -> None:
-        """Use ``limits`` from the next call on (state in Redis is kept and checked against new quotas)."""
+    def update_limits(self, limits: Mapping[str, TenantLimits], *, lease_ttl_s: float | None = None) -> None:
+        """Use ``limits`` (and ``lease_ttl_s`` when given) from the next call on (state in Redis is kept and
+        checked against new quotas)."""
         self.limits = dict(limits)
+        if lease_ttl_s is not None:
+            self.lease_ttl_s = lease_ttl_s
 
     def _failed(self, operation: str, exc: BaseException) -> None:
         log.warning("quota backend redis: %s failed: %s", operation, exc)

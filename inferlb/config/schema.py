@@ -195,6 +195,12 @@ class ExtProcConfig(_Frozen):
     redis_timeout_ms: Annotated[int, Field(strict=True, ge=1, le=10_000)] = 100
     #: When Redis is unreachable: ``open`` admits the request unchecked, ``closed`` answers 503.
     redis_failure_mode: Literal["open", "closed"] = "open"
+    #: Lifetime of a concurrency lease that is never released (ms): its ext_proc replica died holding it
+    #: (Redis), or its stream's end went unseen. After it the slot counts no more. None: the route timeout
+    #: (``gateway.request_timeout_ms``) + 60 s, or 1 h when the route timeout is off
+    #: (:func:`inferlb.policy.quota.lease_ttl_s`). Must exceed the route timeout, or a running request
+    #: could lose its slot.
+    lease_ttl_ms: Annotated[int, Field(strict=True, ge=1_000, le=7 * 86_400_000)] | None = None
     #: A request header carrying the client's session id (e.g. ``x-session-id``): its value, when sent,
     #: makes the session affinity key instead of the request's ``user`` field
     #: (:mod:`inferlb.policy.affinity`).
@@ -677,6 +683,18 @@ class Config(_Frozen):
                 taken[str(hp)] = field
         if problems:
             raise ValueError("; ".join(problems))
+        return self
+
+    @model_validator(mode="after")
+    def _check_lease_outlives_the_route_timeout(self) -> Self:
+        ttl, timeout = self.ext_proc.lease_ttl_ms, self.gateway.request_timeout_ms
+        if ttl is not None and (timeout == 0 or ttl <= timeout):
+            route = "off (0)" if timeout == 0 else f"{timeout} ms"
+            raise ValueError(
+                f"ext_proc.lease_ttl_ms: {ttl} ms does not outlive the route timeout "
+                f"(gateway.request_timeout_ms {route}): a running request's concurrency lease would expire "
+                "and its slot be given away; raise it or leave it unset (route timeout + 60 s)"
+            )
         return self
 
     @model_validator(mode="after")

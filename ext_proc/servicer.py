@@ -12,7 +12,8 @@ the same body again) is answered with a plain continue and logged once per strea
 admitted again.
 
 Quota accounting per stream: admission takes a reservation (and a concurrency lease) from the
-:class:`~inferlb.policy.quota.QuotaStore`; a :class:`~inferlb.request.usage.ResponseMeter` follows the
+:class:`~inferlb.policy.quota.QuotaStore`, within the body's budget (90% of Envoy's ``message_timeout``,
+:data:`ext_proc.handlers.ADMIT_BUDGET_FRACTION`); a :class:`~inferlb.request.usage.ResponseMeter` follows the
 response, and the reservation is settled with the real usage exactly once: at the end of the response body, at
 the response trailers, or, when the stream ends first (client abort, upstream reset, Envoy timeout), with
 what was produced so far. A settlement that has to wait for the store (Redis) after the stream was
@@ -619,7 +620,8 @@ class ExternalProcessor(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc
                 tenant,
                 pending.path,
             )
-        decision = await self._admit(ex, tenant, prepared.reserved_tokens)
+        deadline = arrived + gateway.admit_budget_s
+        decision = await self._admit(ex, tenant, prepared.reserved_tokens, deadline=deadline)
         if isinstance(decision, Refused):
             reply = handlers.quota_refusal(decision)
             state.metrics.quota_rejections.labels(tenant, decision.limit.value).inc()
@@ -635,15 +637,15 @@ class ExternalProcessor(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc
             await self._settle(ex, None, status="forwarded")
         return body_continue(cont)
 
-    async def _admit(self, ex: _Exchange, tenant: str, tokens: int) -> Admitted | Refused:
+    async def _admit(self, ex: _Exchange, tenant: str, tokens: int, *, deadline: float) -> Admitted | Refused:
         """``quotas.admit``, shielded from the stream's cancellation: a Redis admission cut mid-call may
         still have taken a lease (the script ran, its answer was still on the way), so when the stream is
         cancelled meanwhile the call runs on (tracked) and an admission it returns is settled at once with
         its reservation (nothing went upstream). An in-process store cannot be cut (``cancel_safe``)."""
         quotas = self.state.quotas
         if quotas.cancel_safe:
-            return await quotas.admit(tenant, tokens)
-        call = self._track(quotas.admit(tenant, tokens))
+            return await quotas.admit(tenant, tokens, deadline=deadline)
+        call = self._track(quotas.admit(tenant, tokens, deadline=deadline))
         try:
             decision: Admitted | Refused = await asyncio.shield(call)
         except asyncio.CancelledError:

@@ -16,8 +16,10 @@ from inferlb.policy.quota import MemoryQuotaStore, QuotaStore, lease_ttl_s, limi
 
 def make_quota_store(config: Config, metrics: ExtProcMetrics) -> QuotaStore:
     """The quota store ``ext_proc.quota_backend`` names: :class:`~inferlb.policy.quota.MemoryQuotaStore` or a
-    :class:`~inferlb.adapters.quota_redis.RedisQuotaStore` on ``ext_proc.redis_url`` (connects on first use,
-    so an unreachable Redis at start-up is handled like one at run time: by ``redis_failure_mode``)."""
+    :class:`~inferlb.adapters.quota_redis.RedisQuotaStore` on ``ext_proc.redis_url`` with a pool of
+    ``redis_pool_size`` connections. Call its ``start()`` before serving: it opens the connections (an
+    unreachable Redis at start-up is logged and then handled like one at run time: by
+    ``redis_failure_mode``)."""
     limits = limits_from_config(config)
     ep = config.ext_proc
     if ep.quota_backend == "memory":
@@ -26,6 +28,8 @@ def make_quota_store(config: Config, metrics: ExtProcMetrics) -> QuotaStore:
         ep.redis_url,
         limits,
         timeout_s=ep.redis_timeout_ms / 1000.0,
+        connect_timeout_s=ep.redis_connect_timeout_ms / 1000.0,
+        pool_size=ep.redis_pool_size,
         key_prefix=ep.redis_key_prefix,
         failure_mode=ep.redis_failure_mode,
         lease_ttl_s=lease_ttl_s(config),

@@ -191,8 +191,17 @@ class ExtProcConfig(_Frozen):
     redis_url: str = "redis://127.0.0.1:6379/0"
     #: Prefix of every Redis key inferlb writes.
     redis_key_prefix: Annotated[str, Field(min_length=1, max_length=64)] = "inferlb:quota"
-    #: Timeout of one Redis call (ms); a slower call counts as Redis being unreachable.
+    #: Timeout of one Redis command on an open connection (ms); a slower command counts as Redis failing.
+    #: Opening a connection has its own timeout (``redis_connect_timeout_ms``) and waiting for a free one
+    #: is bounded by the request's budget instead (:mod:`inferlb.adapters.quota_redis`).
     redis_timeout_ms: Annotated[int, Field(strict=True, ge=1, le=10_000)] = 100
+    #: Timeout of opening one Redis connection, TCP connect and handshake (ms); slower counts as Redis
+    #: unreachable. Connections open at start-up (all ``redis_pool_size``) and again only after one broke.
+    redis_connect_timeout_ms: Annotated[int, Field(strict=True, ge=1, le=60_000)] = 1_000
+    #: Redis connections per ext_proc process, all opened at start-up; at most this many quota calls run at
+    #: once, the others wait for a free connection (within 90% of ``message_timeout_ms`` from the body's
+    #: arrival, then 503 ``quota_backend_busy``, never admitted unchecked).
+    redis_pool_size: Annotated[int, Field(strict=True, ge=1, le=1_024)] = 16
     #: When Redis is unreachable: ``open`` admits the request unchecked, ``closed`` answers 503.
     redis_failure_mode: Literal["open", "closed"] = "open"
     #: Lifetime of a concurrency lease that is never released (ms): its ext_proc replica died holding it

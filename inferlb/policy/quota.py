@@ -75,6 +75,9 @@ class Limit(StrEnum):
     DAILY_TOKEN_BUDGET = "daily_token_budget"
     #: The shared quota state (Redis) could not be reached and the store fails closed (503, not 429).
     QUOTA_BACKEND_UNAVAILABLE = "quota_backend_unavailable"
+    #: No connection to the shared quota state freed within the request's budget: the gateway is
+    #: overloaded, Redis has not failed (503 whatever ``redis_failure_mode`` says; never admitted unchecked).
+    QUOTA_BACKEND_BUSY = "quota_backend_busy"
 
 
 #: Seconds in a UTC day: the daily budget's day is ``floor(wall_clock_s / SECONDS_PER_DAY)``.
@@ -545,8 +548,14 @@ class QuotaStore(Protocol):
     #: caller must see such a call through (``ext_proc.servicer`` does).
     cancel_safe: bool
 
-    async def admit(self, tenant: str, tokens: int) -> Admitted | Refused:
-        """Admit one request reserving ``tokens`` (see :meth:`QuotaBook.try_admit`)."""
+    async def start(self) -> None:
+        """Get ready to serve before the first request: open connections (nothing in-process)."""
+        ...
+
+    async def admit(self, tenant: str, tokens: int, *, deadline: float | None = None) -> Admitted | Refused:
+        """Admit one request reserving ``tokens`` (see :meth:`QuotaBook.try_admit`); ``deadline``
+        (``time.monotonic()`` seconds) bounds how long it may wait for the store's own resources (a free
+        connection), None: no bound of its own."""
         ...
 
     async def settle(self, admitted: Admitted, used: int) -> bool:
@@ -585,8 +594,12 @@ class MemoryQuotaStore:
         self.book = QuotaBook(limits, clock(), lease_ttl_s=lease_ttl_s)
         self.cancel_safe = True  # admit has no await inside
 
-    async def admit(self, tenant: str, tokens: int) -> Admitted | Refused:
-        """See :meth:`QuotaBook.try_admit` (atomic: no await inside)."""
+    async def start(self) -> None:
+        """Nothing to open."""
+
+    async def admit(self, tenant: str, tokens: int, *, deadline: float | None = None) -> Admitted | Refused:
+        """See :meth:`QuotaBook.try_admit` (atomic: no await inside, so nothing to wait for and
+        ``deadline`` is unused)."""
         return self.book.try_admit(tenant, tokens, self.clock(), wall=self.wall_clock())
 
     async def settle(self, admitted: Admitted, used: int) -> bool:

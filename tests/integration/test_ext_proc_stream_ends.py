@@ -207,6 +207,7 @@ async def redis_url(tmp_path: Path) -> AsyncIterator[str]:
 async def test_a_stream_cancelled_while_redis_admits_does_not_leak_its_lease(redis_url: str) -> None:
     config = parse_config(CONFIG)
     store = RedisQuotaStore.from_url(redis_url, limits_from_config(config), timeout_s=5.0, key_prefix="cut")
+    await store.start()
     blocker = aioredis.Redis.from_url(redis_url)
     async with serving(CONFIG, quotas=store) as c:
         call = c.stub.Process()

@@ -45,13 +45,25 @@ was admitted unchecked (258 admitted at 50 requests/min) or refused 503 with Red
   budget; connections normally open once, at start-up;
 - redis-py's own retries are off (``Retry(NoBackoff(), 0)``; its default of 10 retries with backoff up to
   1 s kept an admission waiting seconds on a Redis that was down): a timed-out admission script may still
-  have run, and running it again would count the request twice.
+  have run, and running it again would count the request twice. A pooled connection that went stale (a
+  Redis restart) is reopened when it is taken from the pool (redis-py checks it for a pending EOF; its
+  maintenance notifications are off, which would skip that check), not reported as a failure.
 
 When Redis itself fails (connection refused, a connect slower than ``connect_timeout_s``, a command slower
 than ``timeout_s``, a broken connection), the ``failure_mode`` decides: ``open`` admits the request
 unchecked (``Admitted.degraded``; its settlement is skipped) and ``closed`` refuses it with
 :attr:`~inferlb.policy.quota.Limit.QUOTA_BACKEND_UNAVAILABLE` (503). Either way ``on_error`` is called
 (``ExtProcMetrics.quota_backend_error``).
+
+Persistence: the quota state must survive a Redis restart, or a restart hands every tenant a fresh minute
+and day. Run Redis with the append-only file (``appendonly yes``): with ``appendfsync everysec`` (Redis's
+default fsync policy) a Redis process crash or restart loses nothing (each write reaches the kernel
+before its reply is sent, and a SIGTERM shutdown fsyncs the file), an OS crash or power loss up to about
+1 s of admissions, which are then admitted again (an overshoot bounded by one second's admissions);
+``appendfsync always`` fsyncs before each reply and loses nothing acknowledged, at the cost of a disk sync
+per admission. RDB snapshots alone (``save``) lose everything since the last snapshot, minutes by default.
+(https://redis.io/docs/latest/operate/oss_and_stack/management/persistence/). Lua scripts are not
+persisted; a restarted Redis gets them again on the first ``NOSCRIPT`` answer.
 """
 
 from __future__ import annotations
@@ -69,6 +81,7 @@ import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
+from redis.maint_notifications import MaintNotificationsConfig
 
 from inferlb.policy.quota import (
     SECONDS_PER_DAY,
@@ -340,6 +353,11 @@ class RedisQuotaStore:
             socket_timeout=timeout_s,
             socket_connect_timeout=connect_timeout_s,
             retry=Retry(NoBackoff(), 0),
+            # off: with it on ("auto", redis-py 8's default for RESP3) the pool skips its check of a
+            # pooled connection for a pending EOF, so every connection a Redis restart closed failed
+            # its next command ("Connection closed by server") instead of being reopened; and each
+            # connect spent a round trip on CLIENT MAINT_NOTIFICATIONS, which open-source Redis lacks
+            maint_notifications_config=MaintNotificationsConfig(enabled=False),
         )
         return cls(aioredis.Redis.from_pool(pool), limits, pool_size=pool_size, **kwargs)
 

@@ -452,6 +452,57 @@ async def test_no_free_connection_within_the_budget_is_503_busy_not_a_redis_fail
         await store.aclose()
 
 
+# -- persistence: the quota state survives a Redis restart -------------------------------------------
+@pytest.mark.parametrize("appendfsync", ["everysec", "always"])
+async def test_quota_state_survives_a_redis_restart_with_the_append_only_file(
+    tmp_path: Path, appendfsync: str
+) -> None:
+    server = redis_or_skip(tmp_path, appendonly=True, appendfsync=appendfsync).start()
+    metrics = ExtProcMetrics()
+    store = RedisQuotaStore.from_url(
+        server.url,
+        {"t": TenantLimits(requests_per_minute=5)},
+        timeout_s=2.0,
+        failure_mode="open",
+        on_error=metrics.quota_backend_error,
+    )
+    try:
+        await store.start()
+        for _ in range(5):
+            assert isinstance(await store.admit("t", 1), Admitted)
+        assert isinstance(await store.admit("t", 1), Refused)
+        await asyncio.to_thread(server.restart)  # SIGTERM, then the same port and directory
+        # the same minute: the five admissions came back from the AOF; the pooled connections that
+        # the restart broke are reopened, not reported as Redis failing (which would admit unchecked)
+        r = await store.admit("t", 1)
+        assert isinstance(r, Refused) and r.limit is Limit.REQUESTS_PER_MINUTE, r
+        limits = {"t": TenantLimits(requests_per_minute=5)}
+        fresh = RedisQuotaStore.from_url(server.url, limits, timeout_s=2.0)
+        assert isinstance(await fresh.admit("t", 1), Refused)
+        await fresh.aclose()
+        assert metrics.registry.get_sample_value(
+            "inferlb_quota_backend_errors_total", {"backend": "redis", "operation": "admit"}
+        ) is None
+    finally:
+        await store.aclose()
+        server.stop()
+
+
+async def test_without_the_append_only_file_a_restart_forgets_the_quota(tmp_path: Path) -> None:
+    # why production needs appendonly: the same restart on a Redis without persistence
+    server = redis_or_skip(tmp_path, appendonly=False).start()
+    store = RedisQuotaStore.from_url(server.url, {"t": TenantLimits(requests_per_minute=5)}, timeout_s=2.0)
+    try:
+        for _ in range(5):
+            assert isinstance(await store.admit("t", 1), Admitted)
+        await asyncio.to_thread(server.restart)
+        r = await store.admit("t", 1)
+        assert isinstance(r, Admitted) and not r.degraded  # a fresh minute: the quota was lost
+    finally:
+        await store.aclose()
+        server.stop()
+
+
 # -- two `python -m ext_proc` replicas sharing one Redis ------------------------------------------
 async def _wait_ready(proc: asyncio.subprocess.Process) -> None:
     assert proc.stderr is not None

@@ -109,9 +109,10 @@ WINDOW_TTL_S: Final = 2 * WINDOW_S
 #: Retry-after given when failing closed or when no connection freed in time (s).
 BACKEND_RETRY_AFTER_S: Final = 1.0
 #: Connections per process (``ext_proc.redis_pool_size``). By Little's law the connections busy are admissions
-#: per second x round trip: one ext_proc process answers a few thousand requests/s (bench/extproc_cpu.py), so
-#: at a 1 ms LAN round trip about 5 are busy; 16 leaves 3x headroom, and 16 per replica stays far below
-#: Redis's default ``maxclients`` of 10000.
+#: per second x round trip: one ext_proc process spends 0.65-1.7 ms of CPU per request
+#: (bench/results/2026-11-29/extproc_overhead.txt), so it admits at most ~1,500 requests/s, and at a 1 ms LAN
+#: round trip about 2 connections are busy; 16 stay enough up to a ~10 ms round trip, and 16 per replica stays
+#: far below Redis's default ``maxclients`` of 10000.
 DEFAULT_POOL_SIZE: Final = 16
 #: Time to open one connection, TCP connect and handshake (s; ``ext_proc.redis_connect_timeout_ms``): far
 #: above a healthy loopback or LAN connect (well under 10 ms) even on a loaded host, so only a Redis that is

@@ -179,6 +179,8 @@ async def serve(
         return 1
     log.info("ext_proc metrics on %s", HostPort(host=metrics_at.host, port=metrics_port))
     log.info("ext_proc quota backend: %s", config.ext_proc.quota_backend)
+    # open the quota store's connections before the first stream: a cold burst must find them ready
+    await quotas.start()
     await server.start()
     bound = HostPort(host=listen.host, port=port)
     log.info("ext_proc ready on %s", bound)

@@ -56,6 +56,11 @@ MAX_ERROR_MESSAGE_CHARS = 2048
 #: Share of Envoy's ``message_timeout`` the body phase may spend counting tokens: the rest covers the
 #: gRPC hops, parsing and admission, so the client gets our error and not Envoy's empty 504.
 COUNTING_BUDGET_FRACTION = 0.6
+#: Share of Envoy's ``message_timeout`` within which the body phase must have its quota decision: a quota
+#: store may wait this long after the body arrived for its own resources (a free Redis connection) before
+#: it answers 503 ``quota_backend_busy``; the rest covers the answer's gRPC hop, so the client gets our
+#: JSON and not Envoy's empty 504.
+ADMIT_BUDGET_FRACTION = 0.9
 #: Response code details of a request refused because counting ran out of time (logged by the servicer).
 COUNTING_BUDGET_DETAILS = "inferlb_counting_budget_exceeded"
 
@@ -161,6 +166,8 @@ class Gateway:
         counters: canonical model name -> its ``tokenizer``'s counter.
         counting_budget_s: most seconds the body phase spends counting one request's tokens
             (``ext_proc.message_timeout_ms`` x :data:`COUNTING_BUDGET_FRACTION`).
+        admit_budget_s: seconds after the body's arrival by which admission must be decided
+            (``ext_proc.message_timeout_ms`` x :data:`ADMIT_BUDGET_FRACTION`).
         account_responses: ``ext_proc.account_responses``: responses are metered, so streams get
             ``stream_options.include_usage`` added when the client did not ask for it.
         allow_other_paths: ``ext_proc.non_inference_paths == "allow"``.
@@ -174,6 +181,7 @@ class Gateway:
     counter: TextTokenCounter
     counters: Mapping[str, TextTokenCounter]
     counting_budget_s: float = 3.0
+    admit_budget_s: float = 4.5
     account_responses: bool = True
     allow_other_paths: bool = False
 
@@ -220,6 +228,7 @@ class Gateway:
             counter=default,
             counters=MappingProxyType(counters),
             counting_budget_s=config.ext_proc.message_timeout_ms / 1000 * COUNTING_BUDGET_FRACTION,
+            admit_budget_s=config.ext_proc.message_timeout_ms / 1000 * ADMIT_BUDGET_FRACTION,
             account_responses=config.ext_proc.account_responses,
             allow_other_paths=config.ext_proc.non_inference_paths == "allow",
         )
@@ -492,17 +501,18 @@ def admit(
 
 def quota_refusal(decision: Refused) -> ImmediateReply:
     """The answer to a quota refusal: 429 ``rate_limit_error``/``rate_limit_exceeded`` with ``retry-after``
-    (none when the request can never fit), or 503 ``server_error``/``quota_backend_unavailable`` when the
-    shared quota state is unreachable and the store fails closed."""
-    if decision.limit is Limit.QUOTA_BACKEND_UNAVAILABLE:
+    (none when the request can never fit), or 503 ``server_error`` with ``retry-after``: code
+    ``quota_backend_unavailable`` when the shared quota state is unreachable and the store fails closed,
+    ``quota_backend_busy`` when no connection to it freed within the request's budget."""
+    if decision.limit in (Limit.QUOTA_BACKEND_UNAVAILABLE, Limit.QUOTA_BACKEND_BUSY):
         err = RequestError(
             503,
             decision.message,
             type="server_error",
-            code="quota_backend_unavailable",
+            code=decision.limit.value,
             retry_after_s=decision.retry_after_s,
         )
-        return refusal(err, "inferlb_quota_backend_unavailable")
+        return refusal(err, f"inferlb_{decision.limit.value}")
     err = RequestError(
         429,
         decision.message,

@@ -10,8 +10,12 @@ bounded by the config. A request refused before its tenant or model is known is 
   tokens charged to the quotas;
 - ``inferlb_usage_settled_total{source}``: settlements by where the usage came from (``reported``,
   ``counted``, ``reserved``, ``none``; see :class:`inferlb.request.usage.UsageSource`);
-- ``inferlb_quota_rejections_total{tenant, limit}``: quota refusals (429, or 503 when failing closed);
-- ``inferlb_quota_backend_errors_total{backend, operation}``: calls to the shared quota state that failed;
+- ``inferlb_quota_rejections_total{tenant, limit}``: quota refusals (429; 503 with ``limit``
+  ``quota_backend_unavailable`` when failing closed, ``quota_backend_busy`` when no Redis connection freed
+  within the request's budget);
+- ``inferlb_quota_backend_errors_total{backend, operation}``: calls to the shared quota state that failed
+  (``operation`` ``admit``, ``settle``, or ``start``: the warm-up at start-up); a wait for a free connection
+  is not one;
 - ``inferlb_ext_proc_processing_seconds{phase}``: time to answer one ext_proc message.
 """
 

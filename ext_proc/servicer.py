@@ -7,12 +7,20 @@ fits Envoy's buffer, none for a non-2xx answer (``mode_override`` in the answer 
 and response trailers if Envoy is configured to send them. Each message gets exactly one answer: a
 headers/body response that continues (with header or body mutations) or an ``ImmediateResponse``.
 
+A request body message after the request body was answered (a repeated end-of-stream message, empty or
+the same body again) is answered with a plain continue and logged once per stream: it is never parsed or
+admitted again.
+
 Quota accounting per stream: admission takes a reservation (and a concurrency lease) from the
-:class:`~inferlb.policy.quota.QuotaStore`; a :class:`~inferlb.request.usage.ResponseMeter` follows the
+:class:`~inferlb.policy.quota.QuotaStore`, within the body's budget (90% of Envoy's ``message_timeout``,
+:data:`ext_proc.handlers.ADMIT_BUDGET_FRACTION`); a :class:`~inferlb.request.usage.ResponseMeter` follows the
 response, and the reservation is settled with the real usage exactly once: at the end of the response body, at
 the response trailers, or, when the stream ends first (client abort, upstream reset, Envoy timeout), with
 what was produced so far. A settlement that has to wait for the store (Redis) after the stream was
-cancelled runs as a tracked task (:meth:`ExternalProcessor.drain` waits for them).
+cancelled runs as a tracked task (:meth:`ExternalProcessor.drain` waits for them), and so does a Redis
+admission the cancellation cut: it runs on, and a lease it took is released at once. Every way a stream
+ends (response end, client abort, gRPC cancel, an error) releases its lease; one lost anyway expires
+after ``ext_proc.lease_ttl_ms``.
 
 Envoy resets the stream after the last message it needs; grpc aio turns that into a cancellation of this
 coroutine, which is normal and not logged. A bug in a handler answers 500 with an OpenAI ``server_error``
@@ -26,7 +34,8 @@ import json
 import logging
 import random
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Coroutine
+from typing import Any
 
 import grpc
 from envoy.config.core.v3 import base_pb2
@@ -38,7 +47,14 @@ from envoy.type.v3 import http_status_pb2
 from ext_proc import handlers
 from ext_proc.metrics import ExtProcMetrics
 from inferlb.config.schema import Config, GatewayConfig
-from inferlb.policy.quota import Admitted, MemoryQuotaStore, QuotaStore, Refused, limits_from_config
+from inferlb.policy.quota import (
+    Admitted,
+    MemoryQuotaStore,
+    QuotaStore,
+    Refused,
+    lease_ttl_s,
+    limits_from_config,
+)
 from inferlb.request import headers as h
 from inferlb.request.usage import ResponseMeter, Usage
 
@@ -122,7 +138,9 @@ class ExtProcState:
         self.rng = rng or random.Random()
         self.gateway = handlers.Gateway.from_config(config)
         self.quotas: QuotaStore = (
-            quotas if quotas is not None else MemoryQuotaStore(limits_from_config(config), clock=clock)
+            quotas
+            if quotas is not None
+            else MemoryQuotaStore(limits_from_config(config), clock=clock, lease_ttl_s=lease_ttl_s(config))
         )
         self.metrics = metrics if metrics is not None else ExtProcMetrics()
 
@@ -139,7 +157,7 @@ class ExtProcState:
             self.gateway.counter,
             known_counters={m.tokenizer: self.gateway.counters[m.name] for m in self.gateway.config.models},
         )
-        self.quotas.update_limits(limits_from_config(config))
+        self.quotas.update_limits(limits_from_config(config), lease_ttl_s=lease_ttl_s(config))
         self.gateway = gateway
 
 
@@ -392,7 +410,18 @@ class RateLimitedLog:
 class _Exchange:
     """Per-stream state: what the headers phase learned, and the admitted request's meter."""
 
-    __slots__ = ("admitted", "decided", "meter", "model", "passthrough", "pending", "settled", "started")
+    __slots__ = (
+        "admitted",
+        "body_seen",
+        "decided",
+        "late_body_logged",
+        "meter",
+        "model",
+        "passthrough",
+        "pending",
+        "settled",
+        "started",
+    )
 
     def __init__(self) -> None:
         #: monotonic seconds when the request headers arrived
@@ -406,6 +435,9 @@ class _Exchange:
         self.meter: ResponseMeter | None = None
         self.model = ""
         self.settled = False
+        #: the request body was answered: a body message after it is late (ignored, never re-admitted)
+        self.body_seen = False
+        self.late_body_logged = False
 
 
 class ExternalProcessor(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]  # generated, untyped
@@ -414,15 +446,23 @@ class ExternalProcessor(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc
     def __init__(self, state: ExtProcState, *, offload_body_bytes: int = OFFLOAD_BODY_BYTES) -> None:
         self.state = state
         self.offload_body_bytes = offload_body_bytes
-        self._settling: set[asyncio.Task[None]] = set()
+        self._settling: set[asyncio.Future[Any]] = set()
         self._gave_up_log = RateLimitedLog(log)
         self._budget_log = RateLimitedLog(log)
         self._unknown_log = RateLimitedLog(log)
 
     async def drain(self) -> None:
-        """Wait for settlements still running after their streams ended."""
+        """Wait for settlements (and admissions cut by a cancelled stream) still running after their streams
+        ended."""
         while self._settling:
             await asyncio.gather(*self._settling, return_exceptions=True)
+
+    def _track(self, work: Coroutine[Any, Any, Any] | asyncio.Future[Any]) -> asyncio.Future[Any]:
+        """Run ``work`` to its end whatever happens to the stream that started it; :meth:`drain` waits."""
+        task = asyncio.ensure_future(work)
+        self._settling.add(task)
+        task.add_done_callback(self._settling.discard)
+        return task
 
     async def Process(
         self,
@@ -493,10 +533,9 @@ class ExternalProcessor(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc
                     (time.monotonic() - ex.started) * 1000,
                 )
             if ex.admitted is not None and not ex.settled:
-                # the stream ended before the response did: charge what was produced, release the lease
-                task = asyncio.get_running_loop().create_task(self._finish(ex, aborted=True))
-                self._settling.add(task)
-                task.add_done_callback(self._settling.discard)
+                # the stream ended before the response did (EOF, client abort, gRPC cancel, an error while
+                # writing): charge what was produced, release the lease
+                self._track(self._finish(ex, aborted=True))
 
     def _on_headers(self, ex: _Exchange, msg: ep.HttpHeaders) -> ep.ProcessingResponse:
         decision = handlers.on_request_headers(
@@ -518,12 +557,28 @@ class ExternalProcessor(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc
     async def _on_body(self, ex: _Exchange, msg: ep.HttpBody) -> ep.ProcessingResponse:
         if ex.passthrough:
             return _REQUEST_BODY_CONTINUE
+        if ex.body_seen:
+            # Envoy sends a BUFFERED body once; another body message after it (an empty end_of_stream one,
+            # or the same body again) is not a new request: never parse or admit it again, which refused
+            # a valid request 400 or took a second lease that nothing released
+            if not ex.late_body_logged and ex.pending is not None:
+                ex.late_body_logged = True
+                log.warning(
+                    "ignoring a request body message after the request body was answered (tenant %s, %s, "
+                    "%d bytes, end_of_stream %s); logged once per stream",
+                    ex.pending.tenant.name,
+                    ex.pending.path,
+                    len(msg.body),
+                    msg.end_of_stream,
+                )
+            return _REQUEST_BODY_CONTINUE
         pending = ex.pending
         if pending is None:
             # a body without an accepted headers phase: Envoy is configured to skip headers, which breaks
             # routing (measured on Envoy 1.40); refuse rather than forward unrouted
             log.error("request body received without a request headers phase; check processing_mode")
             return immediate_response(_INTERNAL_ERROR)
+        ex.body_seen = True
         state = self.state
         gateway = state.gateway
         body = msg.body
@@ -565,7 +620,8 @@ class ExternalProcessor(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc
                 tenant,
                 pending.path,
             )
-        decision = await state.quotas.admit(tenant, prepared.reserved_tokens)
+        deadline = arrived + gateway.admit_budget_s
+        decision = await self._admit(ex, tenant, prepared.reserved_tokens, deadline=deadline)
         if isinstance(decision, Refused):
             reply = handlers.quota_refusal(decision)
             state.metrics.quota_rejections.labels(tenant, decision.limit.value).inc()
@@ -580,6 +636,30 @@ class ExternalProcessor(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc
             # no response phases will come: the reservation is the charge, the lease ends now
             await self._settle(ex, None, status="forwarded")
         return body_continue(cont)
+
+    async def _admit(self, ex: _Exchange, tenant: str, tokens: int, *, deadline: float) -> Admitted | Refused:
+        """``quotas.admit``, shielded from the stream's cancellation: a Redis admission cut mid-call may
+        still have taken a lease (the script ran, its answer was still on the way), so when the stream is
+        cancelled meanwhile the call runs on (tracked) and an admission it returns is settled at once with
+        its reservation (nothing went upstream). An in-process store cannot be cut (``cancel_safe``)."""
+        quotas = self.state.quotas
+        if quotas.cancel_safe:
+            return await quotas.admit(tenant, tokens, deadline=deadline)
+        call = self._track(quotas.admit(tenant, tokens, deadline=deadline))
+        try:
+            decision: Admitted | Refused = await asyncio.shield(call)
+        except asyncio.CancelledError:
+            call.add_done_callback(lambda done: self._release_orphan(ex, done))
+            raise
+        return decision
+
+    def _release_orphan(self, ex: _Exchange, done: asyncio.Future[Any]) -> None:
+        if done.cancelled() or done.exception() is not None:
+            return
+        decision = done.result()
+        if isinstance(decision, Admitted) and ex.admitted is None:
+            ex.admitted = decision
+            self._track(self._settle(ex, None, status="aborted"))
 
     def _on_response_headers(self, ex: _Exchange, msg: ep.HttpHeaders) -> ep.ProcessingResponse:
         meter = ex.meter

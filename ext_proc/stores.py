@@ -11,35 +11,25 @@ from prometheus_client import start_http_server
 from ext_proc.metrics import ExtProcMetrics
 from inferlb.adapters.quota_redis import RedisQuotaStore
 from inferlb.config.schema import Config, HostPort
-from inferlb.policy.quota import MemoryQuotaStore, QuotaStore, limits_from_config
-
-#: A concurrency lease outlives the longest request by this much (s), so a lease is only ever dropped by
-#: expiry when its replica died without settling it.
-LEASE_MARGIN_S = 60.0
-#: Lease lifetime when Envoy's route timeout is disabled (``gateway.request_timeout_ms: 0``), in s.
-UNBOUNDED_LEASE_S = 3600.0
-
-
-def lease_ttl_s(config: Config) -> float:
-    """Lifetime of a Redis concurrency lease (s): the route timeout plus :data:`LEASE_MARGIN_S`."""
-    timeout_ms = config.gateway.request_timeout_ms
-    if timeout_ms == 0:
-        return UNBOUNDED_LEASE_S
-    return timeout_ms / 1000.0 + LEASE_MARGIN_S
+from inferlb.policy.quota import MemoryQuotaStore, QuotaStore, lease_ttl_s, limits_from_config
 
 
 def make_quota_store(config: Config, metrics: ExtProcMetrics) -> QuotaStore:
     """The quota store ``ext_proc.quota_backend`` names: :class:`~inferlb.policy.quota.MemoryQuotaStore` or a
-    :class:`~inferlb.adapters.quota_redis.RedisQuotaStore` on ``ext_proc.redis_url`` (connects on first use,
-    so an unreachable Redis at start-up is handled like one at run time: by ``redis_failure_mode``)."""
+    :class:`~inferlb.adapters.quota_redis.RedisQuotaStore` on ``ext_proc.redis_url`` with a pool of
+    ``redis_pool_size`` connections. Call its ``start()`` before serving: it opens the connections (an
+    unreachable Redis at start-up is logged and then handled like one at run time: by
+    ``redis_failure_mode``)."""
     limits = limits_from_config(config)
     ep = config.ext_proc
     if ep.quota_backend == "memory":
-        return MemoryQuotaStore(limits)
+        return MemoryQuotaStore(limits, lease_ttl_s=lease_ttl_s(config))
     return RedisQuotaStore.from_url(
         ep.redis_url,
         limits,
         timeout_s=ep.redis_timeout_ms / 1000.0,
+        connect_timeout_s=ep.redis_connect_timeout_ms / 1000.0,
+        pool_size=ep.redis_pool_size,
         key_prefix=ep.redis_key_prefix,
         failure_mode=ep.redis_failure_mode,
         lease_ttl_s=lease_ttl_s(config),

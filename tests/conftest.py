@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import os
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -18,6 +19,7 @@ import pytest
 import yaml
 
 from inferlb.config.schema import default_config_path
+from inferlb.ops.redis_server import RedisServer, find_redis_server
 from inferlb.ops.stack import free_ports
 
 LOOPBACK = "127.0.0.1"
@@ -74,3 +76,14 @@ async def wait_until(
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
         await asyncio.sleep(poll_s)
+
+
+def redis_or_skip(directory: Path, **kw: Any) -> RedisServer:
+    """A :class:`~inferlb.ops.redis_server.RedisServer` with its files in ``directory`` (not started yet);
+    the test is skipped when redis-server is not installed, and fails when ``CI`` is set (``.ci/run``
+    installs it)."""
+    if find_redis_server() is None:
+        if os.environ.get("CI"):
+            pytest.fail("redis-server is not installed but CI is set: .ci/run must install it")
+        pytest.skip("redis-server is not installed (apt-get install redis-server)")
+    return RedisServer(directory, **kw)

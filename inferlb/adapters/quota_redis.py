@@ -25,23 +25,63 @@ request fits and Python turns it into ``retry_after_s`` with :func:`~inferlb.pol
 both stores give the same float. Limits are passed with every call, so a config reload takes effect on the
 next call; the sub-windows are kept and checked against the new quota.
 
-When Redis cannot be reached (connection refused, timeout), the ``failure_mode`` decides: ``open`` admits
-the request unchecked (``Admitted.degraded``; its settlement is skipped) and ``closed`` refuses it with
+Connections: each process holds a bounded pool of ``pool_size`` connections
+(``redis.asyncio.BlockingConnectionPool``), all opened by :meth:`RedisQuotaStore.start` before the server
+takes streams (warm-up, with the scripts loaded), and a gate (an ``asyncio.Semaphore`` of the same size) in
+front of it, so at most ``pool_size`` calls hold a connection and the others queue for one in FIFO order.
+The gateway's own limits are never mistaken for Redis failing, which a cold burst used to do: 300
+concurrent admissions over two replicas opened a connection each, the 101st of a process failed at once
+with redis-py's ``Too many connections`` (its asyncio ``ConnectionPool`` caps at 100), new connections
+slower than the 100 ms call timeout failed with ``Timeout connecting to server``, and every such failure
+was admitted unchecked (258 admitted at 50 requests/min) or refused 503 with Redis up. Now:
+
+- waiting for a free connection is not a failure. It counts in the request's budget: an admission that
+  has no connection by its ``deadline`` (the servicer passes the body's arrival + 90% of Envoy's
+  ``message_timeout``) is refused 503 :attr:`~inferlb.policy.quota.Limit.QUOTA_BACKEND_BUSY` with
+  ``retry-after``, never admitted unchecked, whatever the ``failure_mode``;
+- opening a connection has its own timeout (``connect_timeout_s``, ``ext_proc.redis_connect_timeout_ms``,
+  1000 ms), apart from the timeout of one command on an open connection (``timeout_s``,
+  ``ext_proc.redis_timeout_ms``, 100 ms), so connection set-up under load is not cut at the command's
+  budget; connections normally open once, at start-up;
+- redis-py's own retries are off (``Retry(NoBackoff(), 0)``; its default of 10 retries with backoff up to
+  1 s kept an admission waiting seconds on a Redis that was down): a timed-out admission script may still
+  have run, and running it again would count the request twice. A pooled connection that went stale (a
+  Redis restart) is reopened when it is taken from the pool (redis-py checks it for a pending EOF; its
+  maintenance notifications are off, which would skip that check), not reported as a failure.
+
+When Redis itself fails (connection refused, a connect slower than ``connect_timeout_s``, a command slower
+than ``timeout_s``, a broken connection), the ``failure_mode`` decides: ``open`` admits the request
+unchecked (``Admitted.degraded``; its settlement is skipped) and ``closed`` refuses it with
 :attr:`~inferlb.policy.quota.Limit.QUOTA_BACKEND_UNAVAILABLE` (503). Either way ``on_error`` is called
 (``ExtProcMetrics.quota_backend_error``).
+
+Persistence: the quota state must survive a Redis restart, or a restart hands every tenant a fresh minute
+and day. Run Redis with the append-only file (``appendonly yes``): with ``appendfsync everysec`` (Redis's
+default fsync policy) a Redis process crash or restart loses nothing (each write reaches the kernel
+before its reply is sent, and a SIGTERM shutdown fsyncs the file), an OS crash or power loss up to about
+1 s of admissions, which are then admitted again (an overshoot bounded by one second's admissions);
+``appendfsync always`` fsyncs before each reply and loses nothing acknowledged, at the cost of a disk sync
+per admission. RDB snapshots alone (``save``) lose everything since the last snapshot, minutes by default.
+(https://redis.io/docs/latest/operate/oss_and_stack/management/persistence/). Lua scripts are not
+persisted; a restarted Redis gets them again on the first ``NOSCRIPT`` answer.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import math
 import time
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any, Final, Literal
 
 import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
+from redis.maint_notifications import MaintNotificationsConfig
 
 from inferlb.policy.quota import (
     SECONDS_PER_DAY,
@@ -66,8 +106,18 @@ STATE_TTL_S: Final = 2 * SECONDS_PER_DAY
 #: Seconds a window hash is kept after its last write: its sub-windows matter for 61 s; twice the window
 #: leaves room for replicas' clocks running ahead of Redis's.
 WINDOW_TTL_S: Final = 2 * WINDOW_S
-#: Retry-after given when failing closed (s).
+#: Retry-after given when failing closed or when no connection freed in time (s).
 BACKEND_RETRY_AFTER_S: Final = 1.0
+#: Connections per process (``ext_proc.redis_pool_size``). By Little's law the connections busy are admissions
+#: per second x round trip: one ext_proc process spends 0.65-1.7 ms of CPU per request
+#: (bench/results/2026-11-29/extproc_overhead.txt), so it admits at most ~1,500 requests/s, and at a 1 ms LAN
+#: round trip about 2 connections are busy; 16 stay enough up to a ~10 ms round trip, and 16 per replica stays
+#: far below Redis's default ``maxclients`` of 10000.
+DEFAULT_POOL_SIZE: Final = 16
+#: Time to open one connection, TCP connect and handshake (s; ``ext_proc.redis_connect_timeout_ms``): far
+#: above a healthy loopback or LAN connect (well under 10 ms) even on a loaded host, so only a Redis that is
+#: really unreachable reaches it.
+DEFAULT_CONNECT_TIMEOUT_S: Final = 1.0
 
 # Shared by both scripts: read one window hash and drop its sub-windows older than the window.
 _WINDOW_LUA: Final = f"""
@@ -235,12 +285,18 @@ def _lim(value: int | None) -> int:
     return -1 if value is None else value
 
 
+class _NoConnectionInTime(Exception):
+    """Every pooled connection stayed busy until the caller's deadline (the gateway is overloaded; Redis
+    has not failed)."""
+
+
 class RedisQuotaStore:
     """:class:`inferlb.policy.quota.QuotaStore` in Redis, shared by every replica pointing at the same keys.
 
     Args:
         client: a ``redis.asyncio.Redis`` (give it ``socket_timeout``/``socket_connect_timeout``: a call
-            slower than that counts as Redis being unreachable).
+            slower than that counts as Redis being unreachable); :meth:`from_url` builds the bounded,
+            blocking pool the services use.
         limits: tenant name -> limits (tenants not in it are unlimited and never touch Redis).
         key_prefix: prefix of every key.
         failure_mode: ``open`` (admit unchecked) or ``closed`` (refuse, 503) when Redis is unreachable.
@@ -248,6 +304,8 @@ class RedisQuotaStore:
             longest request (Envoy's route timeout).
         wall_clock: epoch seconds (injected in tests).
         on_error: called with ``(backend, operation)`` for every failed call (a metric).
+        pool_size: calls that may hold a connection at once (the gate); default the client pool's
+            ``max_connections``, so the pool itself never runs out.
     """
 
     def __init__(
@@ -260,6 +318,7 @@ class RedisQuotaStore:
         lease_ttl_s: float = 3600.0,
         wall_clock: Callable[[], float] = time.time,
         on_error: Callable[[str, str], None] | None = None,
+        pool_size: int | None = None,
     ) -> None:
         self.client = client
         self.limits: Mapping[str, TenantLimits] = dict(limits)
@@ -268,34 +327,115 @@ class RedisQuotaStore:
         self.lease_ttl_s = lease_ttl_s
         self.wall_clock = wall_clock
         self.on_error = on_error
+        self.pool_size = pool_size if pool_size is not None else int(client.connection_pool.max_connections)
+        self.cancel_safe = False  # admit awaits Redis: a cancelled caller may lose a lease Redis took
+        self._gate = asyncio.Semaphore(self.pool_size)
         self._admit = client.register_script(_ADMIT_LUA)
         self._settle = client.register_script(_SETTLE_LUA)
 
     @classmethod
     def from_url(
-        cls, url: str, limits: Mapping[str, TenantLimits], *, timeout_s: float, **kwargs: Any
+        cls,
+        url: str,
+        limits: Mapping[str, TenantLimits],
+        *,
+        timeout_s: float,
+        connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S,
+        pool_size: int = DEFAULT_POOL_SIZE,
+        **kwargs: Any,
     ) -> RedisQuotaStore:
-        """A store over a new connection pool to ``url`` with ``timeout_s`` for connecting and each call
-        (no connection is made until the first call)."""
-        client = aioredis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
-        return cls(client, limits, **kwargs)
+        """A store over a new bounded blocking pool of ``pool_size`` connections to ``url``: ``timeout_s``
+        for one command on an open connection, ``connect_timeout_s`` for opening one, no redis-py retries
+        (see the module docstring). Connections open in :meth:`start`, or on first use without it."""
+        pool = aioredis.BlockingConnectionPool.from_url(
+            url,
+            max_connections=pool_size,
+            timeout=None,  # the gate bounds the wait, by the caller's deadline
+            socket_timeout=timeout_s,
+            socket_connect_timeout=connect_timeout_s,
+            retry=Retry(NoBackoff(), 0),
+            # off: with it on ("auto", redis-py 8's default for RESP3) the pool skips its check of a
+            # pooled connection for a pending EOF, so every connection a Redis restart closed failed
+            # its next command ("Connection closed by server") instead of being reopened; and each
+            # connect spent a round trip on CLIENT MAINT_NOTIFICATIONS, which open-source Redis lacks
+            maint_notifications_config=MaintNotificationsConfig(enabled=False),
+        )
+        return cls(aioredis.Redis.from_pool(pool), limits, pool_size=pool_size, **kwargs)
+
+    async def start(self) -> None:
+        """Warm up: open all ``pool_size`` connections and load both scripts, so the first burst finds
+        them ready. A Redis that cannot be reached now is logged and counted (``on_error``, operation
+        ``start``); the connections then open on first use, where ``failure_mode`` applies."""
+        pool = self.client.connection_pool
+        opened = await asyncio.gather(
+            # redis-py's get_connection is untyped (a deprecation decorator wraps it)
+            *(pool.get_connection() for _ in range(self.pool_size)),  # type: ignore[no-untyped-call]
+            return_exceptions=True,
+        )
+        failures = [c for c in opened if isinstance(c, Exception)]
+        for c in opened:
+            if not isinstance(c, BaseException):
+                await pool.release(c)
+        try:
+            if failures:
+                raise failures[0]
+            async with self._gate:
+                await self.client.script_load(_ADMIT_LUA)
+                await self.client.script_load(_SETTLE_LUA)
+        except (RedisError, OSError, TimeoutError) as exc:
+            self._failed("start", exc)
+            return
+        log.info("quota backend redis: %d connections open, scripts loaded", self.pool_size)
+
+    @contextlib.asynccontextmanager
+    async def _connection(self, deadline: float | None) -> AsyncIterator[None]:
+        """Hold one of the ``pool_size`` connection slots; wait for one at most until ``deadline``
+        (``time.monotonic()`` s; None: as long as it takes).
+
+        Raises:
+            _NoConnectionInTime: none freed by the deadline.
+        """
+        gate = self._gate
+        if deadline is None:
+            await gate.acquire()
+        elif gate.locked():
+            try:
+                async with asyncio.timeout(max(0.0, deadline - time.monotonic())):
+                    await gate.acquire()
+            except TimeoutError:
+                raise _NoConnectionInTime from None
+        else:
+            await gate.acquire()  # free now: returns without waiting
+        try:
+            yield
+        finally:
+            gate.release()
 
     def _keys(self, tenant: str) -> list[str]:
         """The tenant's state, inflight, rpm and tpm keys."""
         base = f"{self.key_prefix}:{{{tenant}}}"
         return [f"{base}:state", f"{base}:inflight", f"{base}:rpm", f"{base}:tpm"]
 
-    def update_limits(self, limits: Mapping[str, TenantLimits]) -> None:
-        """Use ``limits`` from the next call on (state in Redis is kept and checked against new quotas)."""
+    def update_limits(self, limits: Mapping[str, TenantLimits], *, lease_ttl_s: float | None = None) -> None:
+        """Use ``limits`` (and ``lease_ttl_s`` when given) from the next call on (state in Redis is kept and
+        checked against new quotas)."""
         self.limits = dict(limits)
+        if lease_ttl_s is not None:
+            self.lease_ttl_s = lease_ttl_s
 
     def _failed(self, operation: str, exc: BaseException) -> None:
         log.warning("quota backend redis: %s failed: %s", operation, exc)
         if self.on_error is not None:
             self.on_error("redis", operation)
 
-    async def admit(self, tenant: str, tokens: int) -> Admitted | Refused:
-        """Admit one request of ``tokens`` (see :meth:`inferlb.policy.quota.QuotaBook.try_admit`)."""
+    async def admit(self, tenant: str, tokens: int, *, deadline: float | None = None) -> Admitted | Refused:
+        """Admit one request of ``tokens`` (see :meth:`inferlb.policy.quota.QuotaBook.try_admit`).
+
+        Args:
+            deadline: ``time.monotonic()`` seconds by which a connection must be free; past it the
+                request is refused 503 :attr:`~inferlb.policy.quota.Limit.QUOTA_BACKEND_BUSY` (not a Redis
+                failure). None: wait as long as it takes.
+        """
         now = self.wall_clock()
         day = utc_day(now)
         lim = self.limits.get(tenant)
@@ -316,7 +456,17 @@ class RedisQuotaStore:
             int(WINDOW_TTL_S * 1000),
         ]
         try:
-            ok, limit_raw, second_raw, detail_raw = await self._admit(keys=self._keys(tenant), args=args)
+            async with self._connection(deadline):
+                ok, limit_raw, second_raw, detail_raw = await self._admit(keys=self._keys(tenant), args=args)
+        except _NoConnectionInTime:
+            # the gateway's own pool was busy the whole budget: not a Redis failure, so never admit unchecked
+            return Refused(
+                tenant=tenant,
+                limit=Limit.QUOTA_BACKEND_BUSY,
+                retry_after_s=BACKEND_RETRY_AFTER_S,
+                message="The gateway is too busy to check your quota right now (every connection to its "
+                "quota store stayed in use). Please try again shortly.",
+            )
         except (RedisError, OSError, TimeoutError) as exc:
             self._failed("admit", exc)
             if self.failure_mode == "open":
@@ -362,14 +512,16 @@ class RedisQuotaStore:
             int(WINDOW_TTL_S * 1000),
         ]
         try:
-            return int(await self._settle(keys=[state, inflight, tpm], args=args)) == 1
+            async with self._connection(None):  # a settlement waits its turn: it must not be dropped
+                return int(await self._settle(keys=[state, inflight, tpm], args=args)) == 1
         except (RedisError, OSError, TimeoutError) as exc:
             self._failed("settle", exc)
             return False
 
     async def in_flight(self, tenant: str) -> int:
         """Unexpired concurrency leases of ``tenant`` (for tests and status)."""
-        return int(await self.client.zcount(self._keys(tenant)[1], self.wall_clock(), "+inf"))
+        async with self._connection(None):
+            return int(await self.client.zcount(self._keys(tenant)[1], self.wall_clock(), "+inf"))
 
     async def aclose(self) -> None:
         """Close the connection pool."""

@@ -191,10 +191,25 @@ class ExtProcConfig(_Frozen):
     redis_url: str = "redis://127.0.0.1:6379/0"
     #: Prefix of every Redis key inferlb writes.
     redis_key_prefix: Annotated[str, Field(min_length=1, max_length=64)] = "inferlb:quota"
-    #: Timeout of one Redis call (ms); a slower call counts as Redis being unreachable.
+    #: Timeout of one Redis command on an open connection (ms); a slower command counts as Redis failing.
+    #: Opening a connection has its own timeout (``redis_connect_timeout_ms``) and waiting for a free one
+    #: is bounded by the request's budget instead (:mod:`inferlb.adapters.quota_redis`).
     redis_timeout_ms: Annotated[int, Field(strict=True, ge=1, le=10_000)] = 100
+    #: Timeout of opening one Redis connection, TCP connect and handshake (ms); slower counts as Redis
+    #: unreachable. Connections open at start-up (all ``redis_pool_size``) and again only after one broke.
+    redis_connect_timeout_ms: Annotated[int, Field(strict=True, ge=1, le=60_000)] = 1_000
+    #: Redis connections per ext_proc process, all opened at start-up; at most this many quota calls run at
+    #: once, the others wait for a free connection (within 90% of ``message_timeout_ms`` from the body's
+    #: arrival, then 503 ``quota_backend_busy``, never admitted unchecked).
+    redis_pool_size: Annotated[int, Field(strict=True, ge=1, le=1_024)] = 16
     #: When Redis is unreachable: ``open`` admits the request unchecked, ``closed`` answers 503.
     redis_failure_mode: Literal["open", "closed"] = "open"
+    #: Lifetime of a concurrency lease that is never released (ms): its ext_proc replica died holding it
+    #: (Redis), or its stream's end went unseen. After it the slot counts no more. None: the route timeout
+    #: (``gateway.request_timeout_ms``) + 60 s, or 1 h when the route timeout is off
+    #: (:func:`inferlb.policy.quota.lease_ttl_s`). Must exceed the route timeout, or a running request
+    #: could lose its slot.
+    lease_ttl_ms: Annotated[int, Field(strict=True, ge=1_000, le=7 * 86_400_000)] | None = None
     #: A request header carrying the client's session id (e.g. ``x-session-id``): its value, when sent,
     #: makes the session affinity key instead of the request's ``user`` field
     #: (:mod:`inferlb.policy.affinity`).
@@ -677,6 +692,18 @@ class Config(_Frozen):
                 taken[str(hp)] = field
         if problems:
             raise ValueError("; ".join(problems))
+        return self
+
+    @model_validator(mode="after")
+    def _check_lease_outlives_the_route_timeout(self) -> Self:
+        ttl, timeout = self.ext_proc.lease_ttl_ms, self.gateway.request_timeout_ms
+        if ttl is not None and (timeout == 0 or ttl <= timeout):
+            route = "off (0)" if timeout == 0 else f"{timeout} ms"
+            raise ValueError(
+                f"ext_proc.lease_ttl_ms: {ttl} ms does not outlive the route timeout "
+                f"(gateway.request_timeout_ms {route}): a running request's concurrency lease would expire "
+                "and its slot be given away; raise it or leave it unset (route timeout + 60 s)"
+            )
         return self
 
     @model_validator(mode="after")

@@ -24,8 +24,10 @@ minute. Other consequences worth knowing:
   (no retry time is given for it);
 - a clock that goes backwards is treated as standing still: ``now`` counts as the newest second written.
 
-Admission reserves prompt tokens + the largest completion the request may produce (its ``max_tokens`` x
-``n``, or the model's ``default_max_tokens``) in the sub-window of its admission second
+Admission reserves prompt tokens + the largest completion the request may produce (the largest output cap
+the body carries, :attr:`inferlb.request.parsing.InferenceRequest.largest_output_tokens`: for chat the larger
+of ``max_completion_tokens`` and ``max_tokens``; else the model's ``default_max_tokens``; x ``n`` x prompts)
+in the sub-window of its admission second
 (:attr:`Admitted.second`). :meth:`QuotaBook.settle` (through :meth:`QuotaBook.reconcile`) replaces that
 reservation with the real usage in the same sub-window while it is still inside the window: unused tokens
 are freed, an overrun is a debt that delays later admissions. Once the sub-window has left the window, a
@@ -35,7 +37,11 @@ Two further limits are not rates but counts:
 
 - ``max_concurrent_requests``: every admitted request holds a *lease* (an id) until
   :meth:`QuotaBook.settle` returns it, at the end of its response or when the stream is aborted; settling
-  the same lease twice releases it once.
+  the same lease twice releases it once. A lease also carries a time to live (``lease_ttl_s``, the route
+  timeout plus :data:`LEASE_MARGIN_S` by default, :func:`lease_ttl_s`): one never returned (a stream whose
+  end went unseen, a replica that died holding it in Redis) stops counting once it expires, so a lost lease
+  cannot take a tenant's slot for good. The TTL outlives the longest request, so a live request's lease
+  never expires under it.
 - ``daily_token_budget``: prompt + completion tokens per UTC calendar day (day = ``floor(wall / 86400)``).
   Admission adds the reservation to the day's total and refuses when it would pass the budget, so the
   admitted total of a day never exceeds it; settling replaces the reservation with the real usage. A
@@ -68,6 +74,9 @@ class Limit(StrEnum):
     DAILY_TOKEN_BUDGET = "daily_token_budget"
     #: The shared quota state (Redis) could not be reached and the store fails closed (503, not 429).
     QUOTA_BACKEND_UNAVAILABLE = "quota_backend_unavailable"
+    #: No connection to the shared quota state freed within the request's budget: the gateway is
+    #: overloaded, Redis has not failed (503 whatever ``redis_failure_mode`` says; never admitted unchecked).
+    QUOTA_BACKEND_BUSY = "quota_backend_busy"
 
 
 #: Seconds in a UTC day: the daily budget's day is ``floor(wall_clock_s / SECONDS_PER_DAY)``.
@@ -81,6 +90,24 @@ WINDOW_S: Final = 60
 SUB_WINDOWS: Final = WINDOW_S + 1
 #: ``SlidingWindow.newest`` of a window that holds nothing (below any clock reading).
 NO_SECOND: Final = -(1 << 62)
+#: A concurrency lease outlives the longest request (Envoy's route timeout) by this much (s), so a lease is
+#: only ever dropped by expiry when it was lost (its release never ran), not while its request runs.
+LEASE_MARGIN_S: Final = 60.0
+#: Lease lifetime when Envoy's route timeout is disabled (``gateway.request_timeout_ms: 0``), in s: one hour,
+#: far above any generation a route timeout would otherwise allow (the default route timeout is 300 s).
+UNBOUNDED_LEASE_S: Final = 3600.0
+
+
+def lease_ttl_s(config: Config) -> float:
+    """Lifetime of a concurrency lease (s): ``ext_proc.lease_ttl_ms`` when set, else the route timeout
+    (``gateway.request_timeout_ms``) plus :data:`LEASE_MARGIN_S`, or :data:`UNBOUNDED_LEASE_S` when the route
+    timeout is off."""
+    if config.ext_proc.lease_ttl_ms is not None:
+        return config.ext_proc.lease_ttl_ms / 1000.0
+    timeout_ms = config.gateway.request_timeout_ms
+    if timeout_ms == 0:
+        return UNBOUNDED_LEASE_S
+    return timeout_ms / 1000.0 + LEASE_MARGIN_S
 
 
 def utc_day(wall_s: float) -> int:
@@ -279,16 +306,25 @@ class SlidingWindow:
 
 
 class _TenantState:
-    __slots__ = ("day", "day_tokens", "inflight", "limits", "requests", "tokens")
+    __slots__ = ("day", "day_tokens", "inflight", "limits", "next_expiry", "requests", "tokens")
 
     def __init__(self, limits: TenantLimits) -> None:
         self.limits = limits
         rpm, tpm = limits.requests_per_minute, limits.tokens_per_minute
         self.requests = SlidingWindow(rpm) if rpm is not None else None
         self.tokens = SlidingWindow(tpm) if tpm is not None else None
-        self.inflight: set[str] = set()
+        self.inflight: dict[str, float] = {}  # lease id -> its expiry (monotonic s)
+        self.next_expiry = math.inf  # the earliest expiry in ``inflight`` (inf when empty)
         self.day = -1
         self.day_tokens = 0  # tokens admitted (reservations, then real usage once settled) on ``day``
+
+    def expire_leases(self, now: float) -> None:
+        """Drop the leases whose expiry is at or before ``now`` (as Redis's ``ZREMRANGEBYSCORE -inf now``);
+        O(1) until the earliest one is due."""
+        if now < self.next_expiry:
+            return
+        self.inflight = {lease: exp for lease, exp in self.inflight.items() if exp > now}
+        self.next_expiry = min(self.inflight.values(), default=math.inf)
 
 
 def limits_from_config(config: Config) -> dict[str, TenantLimits]:
@@ -311,13 +347,18 @@ class QuotaBook:
         limits: tenant name -> :class:`TenantLimits`.
         now: the current time (seconds, any monotonic origin); unused, kept for the callers' signature
             (windows start empty whenever they start).
+        lease_ttl_s: how long a concurrency lease counts when it is never settled (s, on the clock of
+            ``now``); :data:`UNBOUNDED_LEASE_S` by default. The services pass :func:`lease_ttl_s`.
     """
 
-    def __init__(self, limits: Mapping[str, TenantLimits], now: float) -> None:
+    def __init__(
+        self, limits: Mapping[str, TenantLimits], now: float, *, lease_ttl_s: float = UNBOUNDED_LEASE_S
+    ) -> None:
         self._tenants: dict[str, _TenantState] = {}
         # a plain counter, not itertools.count: a book is copied in tests (itertools objects lose copy
         # support in Python 3.14 and warn from 3.12)
         self._leases_issued = 0
+        self.lease_ttl_s = lease_ttl_s
         self.update_limits(limits, now)
 
     def update_limits(self, limits: Mapping[str, TenantLimits], now: float) -> None:
@@ -344,7 +385,7 @@ class QuotaBook:
                 if state.tokens is not None and prev.tokens is not None:
                     prev.tokens.quota = state.tokens.quota
                     state.tokens = prev.tokens
-                state.inflight = prev.inflight
+                state.inflight, state.next_expiry = prev.inflight, prev.next_expiry
                 state.day, state.day_tokens = prev.day, prev.day_tokens
             fresh[name] = state
         self._tenants = fresh
@@ -361,7 +402,8 @@ class QuotaBook:
         Args:
             now: monotonic seconds, for the per-minute windows.
             wall: wall-clock seconds since the epoch, for the UTC day of the daily budget.
-            lease: the id to hold the concurrency slot under (a fresh one when None).
+            lease: the id to hold the concurrency slot under (a fresh one when None); it expires
+                ``lease_ttl_s`` after ``now`` unless settled first.
         """
         state = self._tenants.get(tenant)
         day = utc_day(wall)
@@ -372,8 +414,10 @@ class QuotaBook:
         if budget is not None and tokens > budget:
             return too_large(tenant, tokens, Limit.DAILY_TOKEN_BUDGET, budget)
         max_inflight = lim.max_concurrent_requests
-        if max_inflight is not None and len(state.inflight) >= max_inflight:
-            return too_many_in_flight(tenant, max_inflight, len(state.inflight))
+        if max_inflight is not None:
+            state.expire_leases(now)
+            if len(state.inflight) >= max_inflight:
+                return too_many_in_flight(tenant, max_inflight, len(state.inflight))
         if budget is not None:
             if state.day != day:
                 state.day, state.day_tokens = day, 0
@@ -423,7 +467,9 @@ class QuotaBook:
             self._leases_issued += 1
         lease_id = lease if lease is not None else f"l{self._leases_issued}"
         if max_inflight is not None:
-            state.inflight.add(lease_id)
+            expiry = now + self.lease_ttl_s
+            state.inflight[lease_id] = expiry
+            state.next_expiry = min(state.next_expiry, expiry)
         return Admitted(tenant=tenant, tokens=tokens, lease=lease_id, day=day, second=second)
 
     def settle(self, admitted: Admitted, used: int, now: float) -> bool:
@@ -432,26 +478,31 @@ class QuotaBook:
         daily total.
 
         Returns:
-            True when this call settled it; False when the lease was already settled (a second call
-            changes nothing), or the tenant no longer exists. Leases of tenants without a concurrency
-            limit are not tracked, so the caller must call this once (``ResponseMeter.finish`` does that).
+            True when this call settled it; False when the lease was already settled or has expired (a
+            second call changes nothing), or the tenant no longer exists. Leases of tenants without a
+            concurrency limit are not tracked, so the caller must call this once (``ResponseMeter.finish``
+            does that).
         """
         state = self._tenants.get(admitted.tenant)
         if state is None:
             return False
-        if state.limits.max_concurrent_requests is not None:
-            if admitted.lease not in state.inflight:
-                return False
-            state.inflight.discard(admitted.lease)
+        tracked = state.limits.max_concurrent_requests is not None
+        if tracked and state.inflight.pop(admitted.lease, None) is None:
+            return False
         self.reconcile(admitted.tenant, admitted.tokens, used, now, second=admitted.second)
         if state.limits.daily_token_budget is not None and state.day == admitted.day:
             state.day_tokens = max(0, state.day_tokens + used - admitted.tokens)
         return True
 
-    def in_flight(self, tenant: str) -> int:
-        """Requests of ``tenant`` holding a concurrency slot now (0 when it has no concurrency limit)."""
+    def in_flight(self, tenant: str, now: float | None = None) -> int:
+        """Requests of ``tenant`` holding a concurrency slot (0 when it has no concurrency limit); with
+        ``now``, the leases expired by then are dropped first."""
         state = self._tenants.get(tenant)
-        return 0 if state is None else len(state.inflight)
+        if state is None:
+            return 0
+        if now is not None:
+            state.expire_leases(now)
+        return len(state.inflight)
 
     def day_tokens(self, tenant: str, wall: float) -> int:
         """Tokens counted against ``tenant``'s daily budget on the UTC day of ``wall`` (0 when none)."""
@@ -495,16 +546,27 @@ class QuotaStore(Protocol):
     """Where quota state lives: in this process (:class:`MemoryQuotaStore`) or shared by several ext_proc
     replicas (:class:`inferlb.adapters.quota_redis.RedisQuotaStore`). Same semantics as :class:`QuotaBook`."""
 
-    async def admit(self, tenant: str, tokens: int) -> Admitted | Refused:
-        """Admit one request reserving ``tokens`` (see :meth:`QuotaBook.try_admit`)."""
+    #: True when :meth:`admit` never suspends (in-process), so a cancelled caller cannot be cut off between
+    #: the store taking a lease and the caller receiving it; False when it awaits I/O (Redis), where the
+    #: caller must see such a call through (``ext_proc.servicer`` does).
+    cancel_safe: bool
+
+    async def start(self) -> None:
+        """Get ready to serve before the first request: open connections (nothing in-process)."""
+        ...
+
+    async def admit(self, tenant: str, tokens: int, *, deadline: float | None = None) -> Admitted | Refused:
+        """Admit one request reserving ``tokens`` (see :meth:`QuotaBook.try_admit`); ``deadline``
+        (``time.monotonic()`` seconds) bounds how long it may wait for the store's own resources (a free
+        connection), None: no bound of its own."""
         ...
 
     async def settle(self, admitted: Admitted, used: int) -> bool:
         """Release the lease; settle the reservation with ``used`` tokens (see :meth:`QuotaBook.settle`)."""
         ...
 
-    def update_limits(self, limits: Mapping[str, TenantLimits]) -> None:
-        """Apply the limits of a new config."""
+    def update_limits(self, limits: Mapping[str, TenantLimits], *, lease_ttl_s: float | None = None) -> None:
+        """Apply the limits (and, when given, the lease lifetime in s) of a new config."""
         ...
 
     async def aclose(self) -> None:
@@ -517,8 +579,9 @@ class MemoryQuotaStore:
 
     Args:
         limits: tenant name -> limits.
-        clock: monotonic seconds, for the per-minute windows.
+        clock: monotonic seconds, for the per-minute windows and the lease expiry.
         wall_clock: epoch seconds, for the UTC day of the daily budget.
+        lease_ttl_s: lifetime of a concurrency lease never settled (s; see :func:`lease_ttl_s`).
     """
 
     def __init__(
@@ -527,21 +590,29 @@ class MemoryQuotaStore:
         *,
         clock: Callable[[], float] = time.monotonic,
         wall_clock: Callable[[], float] = time.time,
+        lease_ttl_s: float = UNBOUNDED_LEASE_S,
     ) -> None:
         self.clock = clock
         self.wall_clock = wall_clock
-        self.book = QuotaBook(limits, clock())
+        self.book = QuotaBook(limits, clock(), lease_ttl_s=lease_ttl_s)
+        self.cancel_safe = True  # admit has no await inside
 
-    async def admit(self, tenant: str, tokens: int) -> Admitted | Refused:
-        """See :meth:`QuotaBook.try_admit` (atomic: no await inside)."""
+    async def start(self) -> None:
+        """Nothing to open."""
+
+    async def admit(self, tenant: str, tokens: int, *, deadline: float | None = None) -> Admitted | Refused:
+        """See :meth:`QuotaBook.try_admit` (atomic: no await inside, so nothing to wait for and
+        ``deadline`` is unused)."""
         return self.book.try_admit(tenant, tokens, self.clock(), wall=self.wall_clock())
 
     async def settle(self, admitted: Admitted, used: int) -> bool:
         """See :meth:`QuotaBook.settle`."""
         return self.book.settle(admitted, used, self.clock())
 
-    def update_limits(self, limits: Mapping[str, TenantLimits]) -> None:
-        """See :meth:`QuotaBook.update_limits`."""
+    def update_limits(self, limits: Mapping[str, TenantLimits], *, lease_ttl_s: float | None = None) -> None:
+        """See :meth:`QuotaBook.update_limits`; a new ``lease_ttl_s`` applies to leases taken from now on."""
+        if lease_ttl_s is not None:
+            self.book.lease_ttl_s = lease_ttl_s
         self.book.update_limits(limits, self.clock())
 
     async def aclose(self) -> None:

@@ -133,8 +133,15 @@ class InferenceRequest:
         texts: prompts/inputs given as text (completions, embeddings), one per prompt.
         token_array_lengths: lengths of prompts/inputs given as token arrays, one per prompt (tokens).
         tools_json: compact JSON of the ``tools``/``functions`` definitions, or None.
-        max_output_tokens: ``max_completion_tokens`` if set, else ``max_tokens``, else None (tokens, per
-            choice). Always None for embeddings.
+        max_output_tokens: the cap the model server applies (tokens, per choice): ``max_completion_tokens``
+            if set, else ``max_tokens`` (chat, as OpenAI and vLLM read them), ``max_tokens`` (completions),
+            ``max_output_tokens`` (responses), else None. Always None for embeddings.
+        largest_output_tokens: the largest of every output cap the body carries for its endpoint (tokens,
+            per choice): for chat the larger of ``max_completion_tokens`` and ``max_tokens`` (a server may
+            honour either: vLLM takes ``max_completion_tokens``, servers that predate it ``max_tokens``),
+            otherwise :attr:`max_output_tokens`. What admission reserves; None when no cap is set. A cap
+            field of another endpoint's API is ignored, as the model servers ignore it (OpenAI API
+            reference; vLLM's request models).
         n: completions per prompt (``max(n, best_of)`` for legacy completions), >= 1.
         prompt_count: number of prompts the endpoint generates for (a list of prompts in legacy
             completions yields ``n`` choices per prompt), >= 1.
@@ -157,6 +164,7 @@ class InferenceRequest:
     token_array_lengths: tuple[int, ...] = ()
     tools_json: str | None = None
     max_output_tokens: int | None = None
+    largest_output_tokens: int | None = None
     n: int = 1
     prompt_count: int = 1
     stream: bool = False
@@ -168,14 +176,15 @@ class InferenceRequest:
     unknown_parts: tuple[str, ...] = ()
 
     def output_token_cap(self, default_max_tokens: int) -> int:
-        """Most completion tokens this request may produce: cap x ``n`` x prompts (tokens).
+        """Most completion tokens this request may produce: the largest cap x ``n`` x prompts (tokens).
 
-        Uses ``default_max_tokens`` (the model's config value) when the request set no cap; 0 for
-        embeddings. This is what quota admission reserves on top of the prompt.
+        The cap is :attr:`largest_output_tokens` (the largest output cap the body carries), else
+        ``default_max_tokens`` (the model's config value) when the request set none; 0 for embeddings.
+        This is what quota admission reserves on top of the prompt.
         """
         if not self.kind.generates_tokens:
             return 0
-        cap = self.max_output_tokens if self.max_output_tokens is not None else default_max_tokens
+        cap = self.largest_output_tokens if self.largest_output_tokens is not None else default_max_tokens
         return cap * self.n * self.prompt_count
 
 
@@ -259,16 +268,16 @@ def parse_request(kind: EndpointKind, body: bytes) -> InferenceRequest:
         unknown: list[str] = []
         messages = _parse_messages(data.get("messages"), unknown)
         # both are checked (each must be >= 1, as OpenAI and vLLM require); the newer one wins
-        max_out = _optional_int(data, "max_completion_tokens", minimum=1)
+        max_completion = _optional_int(data, "max_completion_tokens", minimum=1)
         max_tokens = _optional_int(data, "max_tokens", minimum=1)
-        if max_out is None:
-            max_out = max_tokens
+        caps = [c for c in (max_completion, max_tokens) if c is not None]
         return InferenceRequest(
             kind=kind,
             model=model,
             messages=messages,
             tools_json=_tools_json(data),
-            max_output_tokens=max_out,
+            max_output_tokens=max_completion if max_completion is not None else max_tokens,
+            largest_output_tokens=max(caps) if caps else None,
             n=n,
             stream=stream,
             include_usage=include_usage,
@@ -284,13 +293,15 @@ def parse_request(kind: EndpointKind, body: bytes) -> InferenceRequest:
         best_of = _optional_int(data, "best_of", minimum=1, maximum=MAX_N)
         if best_of is not None:
             n = max(n, best_of)
+        max_tokens = _optional_int(data, "max_tokens", minimum=1)
         return InferenceRequest(
             kind=kind,
             model=model,
             texts=texts,
             token_array_lengths=arrays,
             prompts=prompts,
-            max_output_tokens=_optional_int(data, "max_tokens", minimum=1),
+            max_output_tokens=max_tokens,
+            largest_output_tokens=max_tokens,
             n=n,
             prompt_count=len(prompts),
             stream=stream,
@@ -550,12 +561,14 @@ def _parse_responses(
         raise _bad(f"'input' must be a string or an array of input items, got {_type_name(value)}.", "input")
     if data.get("stream_options") is not None and not stream:
         raise _bad("'stream_options' is only allowed when 'stream' is true.", "stream_options")
+    max_output = _optional_int(data, "max_output_tokens", minimum=1)
     return InferenceRequest(
         kind=EndpointKind.RESPONSES,
         model=model,
         messages=tuple(messages),
         tools_json=_tools_json(data),
-        max_output_tokens=_optional_int(data, "max_output_tokens", minimum=1),
+        max_output_tokens=max_output,
+        largest_output_tokens=max_output,
         stream=stream,
         user=user,
         unknown_parts=tuple(unknown),

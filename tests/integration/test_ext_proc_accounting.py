@@ -258,6 +258,23 @@ async def test_concurrent_burst_never_admits_more_than_the_quota(harness: Harnes
         call.cancel()
 
 
+async def test_reservation_takes_the_largest_output_cap(harness: Harness) -> None:
+    hx = harness
+    # max_completion_tokens is what vLLM applies, but a server may honour max_tokens: reserve the larger
+    call, r = await admit(hx, "sk-metered-1", chat(max_completion_tokens=1, max_tokens=500))
+    assert r.HasField("request_body")
+    set_headers = r.request_body.response.header_mutation.set_headers
+    prompt = int({o.header.key: o.header.raw_value.decode() for o in set_headers}["x-inferlb-prompt-tokens"])
+    assert tokens_left(hx) == TPM - prompt - 500
+    call.cancel()
+    # a cap above the whole tokens-per-minute quota can never fit, whichever cap field carries it
+    call, r = await admit(hx, "sk-metered-1", chat(max_completion_tokens=1, max_tokens=10_000))
+    assert r.immediate_response.status.code == 429
+    assert all(o.header.key != "retry-after" for o in r.immediate_response.headers.set_headers)
+    assert "can never be admitted" in json.loads(r.immediate_response.body)["error"]["message"]
+    call.cancel()
+
+
 async def test_daily_budget_refuses_past_the_budget(harness: Harness) -> None:
     hx = harness
     calls = []

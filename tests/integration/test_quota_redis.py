@@ -7,12 +7,10 @@ down."""
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
-import os
-import shutil
 import signal
 import socket
-import subprocess
 import sys
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -31,7 +29,9 @@ from hypothesis import strategies as st
 
 from ext_proc import handlers
 from ext_proc.metrics import ExtProcMetrics
-from inferlb.adapters.quota_redis import WINDOW_TTL_S, RedisQuotaStore
+from ext_proc.stores import make_quota_store
+from inferlb.adapters.quota_redis import _ADMIT_LUA, _SETTLE_LUA, WINDOW_TTL_S, RedisQuotaStore
+from inferlb.config.schema import Config, parse_config
 from inferlb.policy.quota import (
     SECONDS_PER_DAY,
     SUB_WINDOWS,
@@ -41,9 +41,10 @@ from inferlb.policy.quota import (
     Refused,
     TenantLimits,
 )
+from tests.conftest import redis_or_skip
 
-REDIS_BIN = shutil.which("redis-server") or "/usr/bin/redis-server"
 WALL = 20_000 * SECONDS_PER_DAY + 3600.25  # a fixed wall clock: nothing leaves the window during a test
+_ADMIT_SHA, _SETTLE_SHA = (hashlib.sha1(lua.encode()).hexdigest() for lua in (_ADMIT_LUA, _SETTLE_LUA))
 
 
 def free_port() -> int:
@@ -53,34 +54,9 @@ def free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def redis_url() -> Iterator[str]:
-    if not os.path.exists(REDIS_BIN):
-        if os.environ.get("CI"):
-            pytest.fail("redis-server is not installed but CI is set: .ci/run must install it")
-        pytest.skip("redis-server is not installed (apt-get install redis-server)")
-    port = free_port()
-    proc = subprocess.Popen(
-        [REDIS_BIN, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    try:
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                with socket.create_connection(("127.0.0.1", port), timeout=0.2) as s:
-                    s.sendall(b"PING\r\n")
-                    if s.recv(16).startswith(b"+PONG"):
-                        break
-            except OSError:
-                pass
-            if time.monotonic() > deadline or proc.poll() is not None:
-                raise RuntimeError("redis-server did not start")
-            time.sleep(0.05)
-        yield f"redis://127.0.0.1:{port}/0"
-    finally:
-        proc.terminate()
-        proc.wait(timeout=10)
+def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    with redis_or_skip(tmp_path_factory.mktemp("redis")) as server:
+        yield server.url
 
 
 @pytest.fixture
@@ -364,6 +340,167 @@ async def test_unreachable_redis_fails_as_configured_and_counts(mode: str) -> No
         assert isinstance(await store.admit("free", 10**6), Admitted)
     finally:
         await store.aclose()
+
+
+# -- the gateway's own connection pool is not Redis failing -------------------------------------------
+def burst_config(redis_url: str, prefix: str, mode: str) -> Config:
+    """One tenant at 50 requests/min on the shared store, every other Redis setting at its default
+    (``redis_timeout_ms`` 100, ``redis_connect_timeout_ms`` 1000, ``redis_pool_size`` 16)."""
+    return parse_config(
+        {
+            "models": [{"name": "llama"}],
+            "tenants": [{"name": "burst", "api_keys": ["sk-burst-001"], "requests_per_minute": 50}],
+            "ext_proc": {
+                "quota_backend": "redis",
+                "redis_url": redis_url,
+                "redis_key_prefix": prefix,
+                "redis_failure_mode": mode,
+            },
+        }
+    )
+
+
+@pytest.mark.parametrize("warm", [False, True], ids=["cold-pool", "warmed-up"])
+@pytest.mark.parametrize("mode", ["open", "closed"])
+async def test_a_burst_of_300_over_two_replicas_admits_exactly_the_quota(
+    redis_url: str, prefix: str, mode: str, warm: bool
+) -> None:
+    # two replicas' stores as ext_proc builds them; 300 admissions at once, half on each. Cold, the old
+    # pool opened a connection per admission: past 100 per process redis-py failed "Too many
+    # connections" at once, and connections slower than the 100 ms call timeout failed "Timeout
+    # connecting to server"; each failure was admitted unchecked (open) or answered 503 (closed)
+    config = burst_config(redis_url, prefix, mode)
+    metrics = [ExtProcMetrics(), ExtProcMetrics()]
+    stores = [make_quota_store(config, m) for m in metrics]
+    try:
+        for store in stores:
+            assert isinstance(store, RedisQuotaStore)
+            kwargs = store.client.connection_pool.connection_kwargs
+            assert (kwargs["socket_timeout"], kwargs["socket_connect_timeout"]) == (0.1, 1.0)
+            if warm:
+                await store.start()
+        deadline = time.monotonic() + 4.5  # the servicer's budget at the default message_timeout
+        results = await asyncio.gather(
+            *(stores[i % 2].admit("burst", 20, deadline=deadline) for i in range(300))
+        )
+    finally:
+        for store in stores:
+            await store.aclose()
+    admitted = [r for r in results if isinstance(r, Admitted)]
+    assert len(admitted) == 50 and not any(r.degraded for r in admitted)
+    assert {r.limit for r in results if isinstance(r, Refused)} == {Limit.REQUESTS_PER_MINUTE}
+    for m in metrics:
+        assert m.registry.get_sample_value(
+            "inferlb_quota_backend_errors_total", {"backend": "redis", "operation": "admit"}
+        ) in (None, 0.0)
+
+
+async def test_start_opens_the_whole_pool_and_loads_the_scripts(redis_url: str, prefix: str) -> None:
+    probe = aioredis.Redis.from_url(redis_url)
+    store = make_quota_store(burst_config(redis_url, prefix, "open"), ExtProcMetrics())
+    try:
+        before = int((await probe.info("clients"))["connected_clients"])
+        await store.start()
+        assert int((await probe.info("clients"))["connected_clients"]) == before + 16
+        assert await probe.script_exists(_ADMIT_SHA, _SETTLE_SHA) == [True, True]
+    finally:
+        await store.aclose()
+        await probe.aclose()
+
+
+@pytest.mark.parametrize("mode", ["open", "closed"])
+async def test_no_free_connection_within_the_budget_is_503_busy_not_a_redis_failure(
+    redis_url: str, prefix: str, mode: str
+) -> None:
+    metrics = ExtProcMetrics()
+    store = RedisQuotaStore.from_url(
+        redis_url,
+        {"t": TenantLimits(requests_per_minute=100)},
+        timeout_s=2.0,
+        pool_size=1,
+        key_prefix=prefix,
+        failure_mode=mode,  # type: ignore[arg-type]
+        on_error=metrics.quota_backend_error,
+    )
+    await store.start()
+
+    async def hold_the_only_connection() -> None:
+        async with store._connection(None):
+            await store.client.blpop([f"{prefix}:nothing"], timeout=0.6)
+
+    holder = asyncio.create_task(hold_the_only_connection())
+    try:
+        await asyncio.sleep(0.05)
+        started = time.monotonic()
+        r = await store.admit("t", 1, deadline=started + 0.1)
+        waited = time.monotonic() - started
+        assert isinstance(r, Refused) and r.limit is Limit.QUOTA_BACKEND_BUSY, r
+        assert 0.09 <= waited < 0.5
+        reply = handlers.quota_refusal(r)
+        assert reply.status == 503 and ("retry-after", "1") in reply.headers
+        assert json.loads(reply.body)["error"]["code"] == "quota_backend_busy"
+        # a wait that fits the budget is just a wait: admitted, checked
+        r = await store.admit("t", 1, deadline=time.monotonic() + 5.0)
+        assert isinstance(r, Admitted) and not r.degraded
+        assert holder.done()
+        # the wait was the gateway's, not Redis failing: nothing counted as a backend error
+        assert metrics.registry.get_sample_value(
+            "inferlb_quota_backend_errors_total", {"backend": "redis", "operation": "admit"}
+        ) is None
+    finally:
+        await holder
+        await store.aclose()
+
+
+# -- persistence: the quota state survives a Redis restart -------------------------------------------
+@pytest.mark.parametrize("appendfsync", ["everysec", "always"])
+async def test_quota_state_survives_a_redis_restart_with_the_append_only_file(
+    tmp_path: Path, appendfsync: str
+) -> None:
+    server = redis_or_skip(tmp_path, appendonly=True, appendfsync=appendfsync).start()
+    metrics = ExtProcMetrics()
+    store = RedisQuotaStore.from_url(
+        server.url,
+        {"t": TenantLimits(requests_per_minute=5)},
+        timeout_s=2.0,
+        failure_mode="open",
+        on_error=metrics.quota_backend_error,
+    )
+    try:
+        await store.start()
+        for _ in range(5):
+            assert isinstance(await store.admit("t", 1), Admitted)
+        assert isinstance(await store.admit("t", 1), Refused)
+        await asyncio.to_thread(server.restart)  # SIGTERM, then the same port and directory
+        # the same minute: the five admissions came back from the AOF; the pooled connections that
+        # the restart broke are reopened, not reported as Redis failing (which would admit unchecked)
+        r = await store.admit("t", 1)
+        assert isinstance(r, Refused) and r.limit is Limit.REQUESTS_PER_MINUTE, r
+        limits = {"t": TenantLimits(requests_per_minute=5)}
+        fresh = RedisQuotaStore.from_url(server.url, limits, timeout_s=2.0)
+        assert isinstance(await fresh.admit("t", 1), Refused)
+        await fresh.aclose()
+        assert metrics.registry.get_sample_value(
+            "inferlb_quota_backend_errors_total", {"backend": "redis", "operation": "admit"}
+        ) is None
+    finally:
+        await store.aclose()
+        server.stop()
+
+
+async def test_without_the_append_only_file_a_restart_forgets_the_quota(tmp_path: Path) -> None:
+    # why production needs appendonly: the same restart on a Redis without persistence
+    server = redis_or_skip(tmp_path, appendonly=False).start()
+    store = RedisQuotaStore.from_url(server.url, {"t": TenantLimits(requests_per_minute=5)}, timeout_s=2.0)
+    try:
+        for _ in range(5):
+            assert isinstance(await store.admit("t", 1), Admitted)
+        await asyncio.to_thread(server.restart)
+        r = await store.admit("t", 1)
+        assert isinstance(r, Admitted) and not r.degraded  # a fresh minute: the quota was lost
+    finally:
+        await store.aclose()
+        server.stop()
 
 
 # -- two `python -m ext_proc` replicas sharing one Redis ------------------------------------------

@@ -150,7 +150,8 @@ _MESSAGES = [{"role": "user", "content": "hi"}]
     [
         ({"max_tokens": 100}, _CHAT, SHORT),
         ({"max_tokens": 101}, _CHAT, LONG),
-        ({"max_completion_tokens": 500, "max_tokens": 10}, _CHAT, LONG),  # the newer field wins
+        ({"max_completion_tokens": 500, "max_tokens": 10}, _CHAT, LONG),  # the larger cap counts
+        ({"max_completion_tokens": 10, "max_tokens": 500}, _CHAT, LONG),
         ({}, _CHAT, LONG),  # no cap: the model default (200)
         ({"max_tokens": 60, "n": 2}, _CHAT, LONG),  # 120 tokens in all
         ({"max_tokens": 50, "n": 2}, _CHAT, SHORT),

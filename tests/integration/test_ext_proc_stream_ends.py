@@ -1,0 +1,269 @@
+"""Concurrency leases over the real grpc ext_proc servicer: a repeated or late request body message is
+ignored (never answered 400, never admitted twice), a lease is released on every way a stream ends
+(response end, client abort, gRPC cancel while a Redis admission is in flight, an error), and a lease
+that is never released expires after its TTL, in the in-process and the Redis store."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+import redis.asyncio as aioredis
+from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
+
+from ext_proc.servicer import ExternalProcessor, ExtProcState, add_to_server
+from inferlb.adapters.quota_redis import RedisQuotaStore
+from inferlb.config.schema import parse_config
+from inferlb.errors import ConfigError
+from inferlb.policy.quota import MemoryQuotaStore, lease_ttl_s, limits_from_config
+from inferlb.request.usage import ResponseMeter
+from tests.conftest import redis_or_skip, wait_until
+from tests.integration.test_ext_proc_accounting import chat, req_body, req_headers, resp_body, resp_headers
+
+KEY = "sk-narrow-01"
+CONFIG: dict[str, Any] = {
+    "ext_proc": {"account_responses": True},
+    "models": [{"name": "llama", "default_max_tokens": 100}],
+    "tenants": [{"name": "narrow", "api_keys": [KEY], "max_concurrent_requests": 2}],
+}
+JSON_USAGE = b'{"usage": {"prompt_tokens": 1, "completion_tokens": 1}}'
+
+
+class Client:
+    """The real servicer on a free loopback port and a stub to it; ``clock`` moves the in-process store's
+    monotonic clock (frozen unless a test moves it)."""
+
+    def __init__(self, stub: ep_grpc.ExternalProcessorStub, servicer: ExternalProcessor, state: ExtProcState):
+        self.stub, self.servicer, self.state = stub, servicer, state
+        self.clock = [1000.0]
+
+    async def send(self, call: Any, msg: ep.ProcessingRequest) -> ep.ProcessingResponse:
+        await call.write(msg)
+        resp = await asyncio.wait_for(call.read(), timeout=10)
+        assert resp is not grpc.aio.EOF
+        return resp
+
+    async def in_flight(self) -> int:
+        quotas = self.state.quotas
+        if isinstance(quotas, MemoryQuotaStore):
+            return quotas.book.in_flight("narrow", self.clock[0])
+        assert isinstance(quotas, RedisQuotaStore)
+        return await quotas.in_flight("narrow")
+
+    async def settled_to(self, expected: int) -> None:
+        """Wait (bounded) until the tenant holds ``expected`` leases."""
+        for _ in range(250):
+            await self.servicer.drain()
+            if await self.in_flight() == expected:
+                return
+            await asyncio.sleep(0.02)
+        raise AssertionError(f"in flight {await self.in_flight()}, expected {expected}")
+
+
+@contextlib.asynccontextmanager
+async def serving(config: dict[str, Any], quotas: Any = None) -> AsyncIterator[Client]:
+    clock = [1000.0]
+    state = ExtProcState(parse_config(config), clock=lambda: clock[0], quotas=quotas)
+    server = grpc.aio.server()
+    servicer = add_to_server(server, state)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            client = Client(ep_grpc.ExternalProcessorStub(channel), servicer, state)
+            client.clock = clock
+            yield client
+    finally:
+        await server.stop(None)
+        await servicer.drain()
+
+
+async def finish_response(c: Client, call: Any) -> None:
+    await c.send(call, resp_headers(200, "application/json"))
+    await c.send(call, resp_body(JSON_USAGE, eos=True))
+
+
+@pytest.mark.parametrize("repeat", ["empty", "same"])
+async def test_a_repeated_end_of_stream_body_is_ignored_and_never_admitted_twice(
+    repeat: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING, logger="ext_proc")
+    async with serving(CONFIG) as c:
+        # every request sends its body message twice; with max_concurrent_requests 2 each is admitted
+        # (the duplicate used to take a second lease that nothing released, so every second request
+        # was refused; an empty duplicate was answered 400 "the request body is empty")
+        for _ in range(6):
+            call = c.stub.Process()
+            await c.send(call, req_headers(KEY))
+            first = await c.send(call, req_body(chat()))
+            assert first.HasField("request_body"), first
+            again = req_body(b"") if repeat == "empty" else req_body(chat())
+            for _ in range(2):
+                late = await c.send(call, again)
+                assert late.HasField("request_body") and not late.HasField("immediate_response"), late
+                assert not late.request_body.response.HasField("header_mutation")
+            assert await c.in_flight() == 1
+            await finish_response(c, call)
+            call.cancel()
+            await c.settled_to(0)
+    late_logs = [r for r in caplog.records if "ignoring a request body message" in r.getMessage()]
+    assert len(late_logs) == 6  # once per stream, though each stream sent two late messages
+
+
+async def test_leases_are_released_on_every_way_a_stream_ends(monkeypatch: pytest.MonkeyPatch) -> None:
+    async with serving(CONFIG) as c:
+
+        async def admitted() -> Any:
+            call = c.stub.Process()
+            await c.send(call, req_headers(KEY))
+            r = await c.send(call, req_body(chat()))
+            assert r.HasField("request_body"), r
+            return call
+
+        # normal end: the response body's end_of_stream
+        call = await admitted()
+        await finish_response(c, call)
+        assert await c.in_flight() == 0
+        call.cancel()
+        # the client went away before the response: Envoy resets the ext_proc stream
+        call = await admitted()
+        call.cancel()
+        await c.settled_to(0)
+        # Envoy half-closes the stream (EOF) after the request phases
+        call = await admitted()
+        await call.done_writing()
+        assert await asyncio.wait_for(call.read(), timeout=10) is grpc.aio.EOF
+        await c.settled_to(0)
+        # an error while metering the response: answered 500, the lease released
+        call = await admitted()
+        await c.send(call, resp_headers(200, "application/json"))
+
+        def broken(self: ResponseMeter, chunk: bytes, *, end_of_stream: bool) -> bytes:
+            raise RuntimeError("meter failed")
+
+        monkeypatch.setattr(ResponseMeter, "on_body", broken)
+        r = await c.send(call, resp_body(JSON_USAGE, eos=True))
+        assert r.immediate_response.status.code == 500
+        await c.settled_to(0)
+        call.cancel()
+
+
+async def test_a_lease_never_released_expires_after_its_ttl() -> None:
+    cfg = {**CONFIG, "gateway": {"request_timeout_ms": 10_000}}  # lease TTL 10 s + 60 s margin
+    async with serving(cfg) as c:
+        assert isinstance(c.state.quotas, MemoryQuotaStore)
+        assert c.state.quotas.book.lease_ttl_s == 70.0
+        held = []
+        for _ in range(2):
+            call = c.stub.Process()
+            await c.send(call, req_headers(KEY))
+            assert (await c.send(call, req_body(chat()))).HasField("request_body")
+            held.append(call)
+        # both streams stay open and silent (their ends are never seen): the third is refused...
+        call = c.stub.Process()
+        await c.send(call, req_headers(KEY))
+        assert (await c.send(call, req_body(chat()))).immediate_response.status.code == 429
+        call.cancel()
+        c.clock[0] += 69.0
+        call = c.stub.Process()
+        await c.send(call, req_headers(KEY))
+        assert (await c.send(call, req_body(chat()))).immediate_response.status.code == 429
+        call.cancel()
+        # ...until their leases expire
+        c.clock[0] += 1.0
+        call = c.stub.Process()
+        await c.send(call, req_headers(KEY))
+        assert (await c.send(call, req_body(chat()))).HasField("request_body")
+        assert await c.in_flight() == 1
+        for h in (*held, call):
+            h.cancel()
+
+
+def test_lease_ttl_is_configurable_and_outlives_the_route_timeout() -> None:
+    assert lease_ttl_s(parse_config(CONFIG)) == 300 + 60  # the default route timeout + the margin
+    assert lease_ttl_s(parse_config({**CONFIG, "gateway": {"request_timeout_ms": 0}})) == 3600
+    assert lease_ttl_s(parse_config({**CONFIG, "ext_proc": {"lease_ttl_ms": 400_000}})) == 400
+    with pytest.raises(ConfigError, match="lease_ttl_ms"):
+        parse_config({**CONFIG, "ext_proc": {"lease_ttl_ms": 200_000}})  # below the 300 s route timeout
+    state = ExtProcState(parse_config(CONFIG))
+    state.apply_config(parse_config({**CONFIG, "ext_proc": {"lease_ttl_ms": 500_000}}))
+    assert isinstance(state.quotas, MemoryQuotaStore) and state.quotas.book.lease_ttl_s == 500
+
+
+# -- the Redis store ------------------------------------------------------------------------------
+@pytest.fixture
+async def redis_url(tmp_path: Path) -> AsyncIterator[str]:
+    with redis_or_skip(tmp_path) as server:
+        yield server.url
+
+
+async def test_a_stream_cancelled_while_redis_admits_does_not_leak_its_lease(redis_url: str) -> None:
+    config = parse_config(CONFIG)
+    store = RedisQuotaStore.from_url(redis_url, limits_from_config(config), timeout_s=5.0, key_prefix="cut")
+    await store.start()
+    blocker = aioredis.Redis.from_url(redis_url)
+    async with serving(CONFIG, quotas=store) as c:
+        call = c.stub.Process()
+        await c.send(call, req_headers(KEY))
+        # Redis runs one script at a time: a 0.5 s busy script holds our admission's script back...
+        busy = asyncio.create_task(
+            blocker.eval(
+                "local t = redis.call('TIME'); local stop = t[1] * 1e6 + t[2] + 500000 "
+                "repeat t = redis.call('TIME') until t[1] * 1e6 + t[2] >= stop return 1",
+                0,
+            )
+        )
+        await asyncio.sleep(0.1)
+        await call.write(req_body(chat()))
+        await asyncio.sleep(0.15)
+        # ...and Envoy gives up on the stream meanwhile (client gone, message_timeout). Redis still runs
+        # the admission once the busy script ends and takes the lease; its answer finds no stream
+        call.cancel()
+        assert await busy == 1
+        await wait_until(lambda: not c.servicer._settling, "the cut admission to be seen through")
+        await c.settled_to(0)
+        # and the tenant still gets both of its slots
+        calls = []
+        for _ in range(2):
+            call = c.stub.Process()
+            await c.send(call, req_headers(KEY))
+            assert (await c.send(call, req_body(chat()))).HasField("request_body")
+            calls.append(call)
+        for h in calls:
+            h.cancel()
+        await c.settled_to(0)
+    await blocker.aclose()
+    await store.aclose()
+
+
+async def test_a_redis_lease_never_released_expires_after_its_ttl(redis_url: str) -> None:
+    wall = [1_000_000.0]
+    config = parse_config(CONFIG)
+    store = RedisQuotaStore.from_url(
+        redis_url, limits_from_config(config), timeout_s=2.0, lease_ttl_s=70.0, wall_clock=lambda: wall[0]
+    )
+    async with serving(CONFIG, quotas=store) as c:
+        held = []
+        for _ in range(2):
+            call = c.stub.Process()
+            await c.send(call, req_headers(KEY))
+            assert (await c.send(call, req_body(chat()))).HasField("request_body")
+            held.append(call)
+        call = c.stub.Process()
+        await c.send(call, req_headers(KEY))
+        assert (await c.send(call, req_body(chat()))).immediate_response.status.code == 429
+        call.cancel()
+        wall[0] += 70.0
+        call = c.stub.Process()
+        await c.send(call, req_headers(KEY))
+        assert (await c.send(call, req_body(chat()))).HasField("request_body")
+        for h in (*held, call):
+            h.cancel()
+    await store.aclose()

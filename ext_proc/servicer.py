@@ -515,6 +515,13 @@ class ExternalProcessor(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc
                 if immediate or phase == "request_body":
                     ex.decided = True
                 await write(out)
+                if phase == "response_trailers" or (phase == "response_body" and
+                req.response_body.end_of_stream):
+                    # the exchange's last message (trailers are never sent with the gateway's processing
+                    # mode): end the stream now instead of reading again. Envoy resets the stream after its
+                    # last message, and a read in flight when that reset lands leaks its native batch in
+                    # grpcio aio (grpc/grpc#43360: ~50 bytes of RSS per request, measured here)
+                    return
                 if immediate:
                     if ex.admitted is not None and not ex.settled:
                         # refused after admission (an internal error): nothing went upstream

@@ -1,9 +1,11 @@
 """The xDS server's lifecycle: load the config, publish its snapshot, serve ADS, follow the config file.
 
-The file is polled (``poll_interval_s``, 0.5 s by default) by content hash: a change is re-validated and,
-when good, published as a new snapshot, which every connected Envoy receives without a restart. A bad file
-(or one Envoy could not take) is logged with the field named and the last good snapshot keeps serving
-(shared/STYLE.md, item 5: fail fast at start-up, degrade at run time).
+The file is polled (``poll_interval_s``, 0.5 s by default) by content hash: a change that reads the same on
+two consecutive polls (:class:`inferlb.config.reload.StableContent`: a file being written in place is not
+taken half-done) is re-validated and, when good, published as a new snapshot, which every connected Envoy
+receives without a restart. A bad file (or one Envoy could not take, or one that empties the running
+config's models, endpoints or tenants without ``allow_empty``) is logged with the field named and the last
+good snapshot keeps serving (shared/STYLE.md, item 5: fail fast at start-up, degrade at run time).
 
 Three inputs feed the snapshot, each applied on top of the last good config file: the file itself, the
 fleet API (:mod:`xds_server.fleet_state`: register, drain, deregister, weight pins) and telemetry weights
@@ -36,6 +38,7 @@ from inferlb.config.checks import (
     resolve_endpoint_hosts,
     system_resolve,
 )
+from inferlb.config.reload import StableContent, check_not_emptied
 from inferlb.config.schema import Config, EndpointConfig, HostPort, parse_config
 from inferlb.errors import ConfigError
 from xds_server.ads import AggregatedDiscoveryServicer, add_ads_to_server
@@ -137,6 +140,7 @@ class XdsServer:
         resolve: HostResolver = system_resolve,
     ) -> None:
         self.config_path = Path(config_path)
+        self._stable = StableContent()
         self.cache = cache or SnapshotCache()
         self.metrics = XdsMetrics(self)
         self.servicer = AggregatedDiscoveryServicer(self.cache, on_push=self.metrics.observe_push)
@@ -189,6 +193,7 @@ class XdsServer:
             raise ConfigError(str(self.config_path), [("", f"cannot read: {exc.strerror or exc}")]) from None
         loaded = await self._accept_file(data)
         config = loaded.config
+        self._stable = StableContent(taken=loaded.digest)
         # the first snapshot goes out at once: Envoy must not wait a debounce to start
         self._publish_now(time.monotonic(), raise_errors=True)
         self.coalescer = PushCoalescer(
@@ -255,7 +260,9 @@ class XdsServer:
         digest = hashlib.sha256(data).hexdigest()
         source = str(self.config_path)
         config = parse_config_bytes(data, source)
-        # the checks ext_proc runs too (tokenizers, host names), so both serve this file or neither does
+        # the checks ext_proc runs too (no emptied section, tokenizers, host names), so both serve this file
+        # or neither does
+        check_not_emptied(self.config, config, source)
         checked = await check_config(config, source, resolve=self._resolve)
         fleet = self.fleet.forget_hidden(config)
         effective = effective_config(config, fleet, source)
@@ -270,11 +277,12 @@ class XdsServer:
         return ConfigLoaded(config=config, digest=digest)
 
     async def reload_if_changed(self) -> ConfigLoaded | None:
-        """Check the config file once; when its bytes changed and it is good, make it current and push.
+        """Check the config file once; when its bytes changed, read the same on the previous check too
+        (:class:`~inferlb.config.reload.StableContent`) and are good, make it current and push.
 
         Returns:
-            what was accepted, or None when the file is unchanged, unreadable or refused (all logged;
-            the last good snapshot keeps serving).
+            what was accepted, or None when the file is unchanged, changed but not yet stable, unreadable
+            or refused (logged; the last good snapshot keeps serving).
         """
         try:
             data = await asyncio.to_thread(self.config_path.read_bytes)
@@ -282,13 +290,14 @@ class XdsServer:
             # an editor replacing the file can make it vanish for a moment: keep serving, retry next poll
             log.warning("config %s unreadable, keeping the last good config: %s", self.config_path, exc)
             return None
-        digest = hashlib.sha256(data).hexdigest()
-        if digest == self._digest:
+        # taken only once two polls in a row read the same bytes: never a file caught mid-write; a refused
+        # content is reported once, not every poll
+        self._stable, take = self._stable.observe(hashlib.sha256(data).hexdigest())
+        if not take:
             return None
         try:
             loaded = await self._accept_file(data)
         except ConfigError as exc:
-            self._digest = digest  # report a bad file once, not every poll
             self.reload_errors += 1
             log.error("config change refused, the last good config keeps serving: %s", exc)
             return None

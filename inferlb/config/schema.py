@@ -13,6 +13,7 @@ Shape (see README "Config reference" and ``examples/local.yaml``)::
     endpoints:  [{address, model, version, gpu, region, zone, simulated}]
     tenants:    [{name, api_keys, priority, requests_per_minute, tokens_per_minute,
                   max_concurrent_requests, daily_token_budget}]
+    allow_empty: [models | endpoints | tenants]   # sections a run-time change may empty on purpose
 
 Everything is frozen after validation; a new file gives a new :class:`Config`. Errors are raised as
 :class:`inferlb.errors.ConfigError`, each naming the dotted field path and the source file.
@@ -87,6 +88,10 @@ class HostPort(_Frozen):
         except ValueError:
             return False
         return True
+
+
+#: The config sections a run-time change may empty only when the file says so (``allow_empty``).
+EmptiableSection = Literal["models", "endpoints", "tenants"]
 
 
 class Priority(StrEnum):
@@ -616,6 +621,11 @@ class Config(_Frozen):
     tenants: tuple[TenantConfig, ...] = ()
     weights: WeightsConfig = WeightsConfig()
     telemetry: TelemetryConfig = TelemetryConfig()
+    #: Sections this file may leave empty although the running config has entries there: a changed file
+    #: with no models, no endpoints or no tenants where the running one has some is refused at run time
+    #: unless it names the section here (a file cut short mid-write reads as valid YAML with the sections
+    #: after the cut missing; see :mod:`inferlb.config.reload`). Not checked at start-up.
+    allow_empty: tuple[EmptiableSection, ...] = ()
 
     @field_validator("gpu_profiles", mode="before")
     @classmethod

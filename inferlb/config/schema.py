@@ -4,7 +4,7 @@ Shape (see README "Config reference" and ``examples/local.yaml``)::
 
     gateway:    {listen, admin, max_request_body_bytes, ...}   # the Envoy side
     xds:        {listen, push_debounce_ms, push_max_delay_ms, api_listen, api_token, drain_period_ms,
-                 node_groups}
+                 node_groups, state_file}
     ext_proc:   {listen, message_timeout_ms, failure_mode_allow, account_responses, quota_backend, ...}
     gpu_profiles: {H100: {relative_capacity: 3.4, ...}, ...}
     models:     [{name, aliases, context_length, versions: [{name, traffic_percent}],
@@ -158,6 +158,11 @@ class XdsConfig(_Frozen):
     #: their own snapshot, with each model's ``cluster.failover`` priorities relative to it; other Envoys
     #: get the default snapshot (relative to ``gateway.region``/``gateway.zone``).
     node_groups: dict[str, NodeGroup] = {}
+    #: Where the fleet API's changes (registrations, drains with their wall-clock end, deregistrations,
+    #: weight pins) are stored so that a restart keeps them (a JSON file replaced atomically on every
+    #: change, see xds_server/fleet_store.py); a relative path is relative to the config file's directory.
+    #: None: the changes live in memory only and a restart forgets them. Read at start-up only.
+    state_file: Annotated[str, Field(min_length=1, max_length=4096)] | None = None
 
 
 class ExtProcConfig(_Frozen):

@@ -5,8 +5,9 @@ Routes (JSON in and out; errors are OpenAI-style ``{"error": {"message", "type",
 - ``GET /healthz``: 200 ``ok`` (no auth).
 - ``GET /metrics``: Prometheus text exposition (no auth, as scrapers expect).
 - ``GET /v1/endpoints``: the served fleet: every endpoint with its source (``config``/``api``), weight pin
-  and drain state (``draining``, ``drain_ends_at`` ISO 8601 UTC, ``removed_in_ms``), and ``state_file``
-  (where changes are stored, null: nowhere).
+  and drain state (``draining``, ``drain_ends_at`` ISO 8601 UTC, ``removed_in_ms``); ``deregistered``: the
+  config-file endpoints the API removed (registering one brings it back); ``state_file``: where changes are
+  stored (null: nowhere).
 - ``POST /v1/endpoints``: register an endpoint (the config file's endpoint shape); 201. Registering an
   address again replaces the endpoint and cancels its drain and weight pin.
 - ``POST /v1/endpoints/{key}/drain``: send it as DRAINING, remove it after ``drain_ms`` (body, optional;
@@ -237,7 +238,9 @@ class HttpApi:
                 }
             )
         state = None if srv.state_path is None else str(srv.state_path)
-        return web.json_response({"endpoints": rows, "state_file": state})
+        return web.json_response(
+            {"endpoints": rows, "deregistered": sorted(fleet.hidden), "state_file": state}
+        )
 
     async def _register(self, request: web.Request) -> web.Response:
         data = await self._json_body(request)

@@ -104,6 +104,7 @@ async def test_fleet_changes_survive_kill_9(tmp_path: Path) -> None:
             assert (await _api(s, "DELETE", f"{api}/{ep[7]}"))[0] == 200
             _, before = await _api(s, "GET", api)
         assert before["state_file"] == str(state)
+        assert before["deregistered"] == [ep[7]]
         # each change is one INFO line: who, what, which endpoint
         for what in (f"register endpoint={new['address']}", f"weight endpoint={ep[1]} weight=250",
                      f"drain endpoint={ep[5]} drain_ms=600000", f"deregister endpoint={ep[7]}"):  # fmt: skip
@@ -133,6 +134,7 @@ async def test_fleet_changes_survive_kill_9(tmp_path: Path) -> None:
         async with aiohttp.ClientSession() as s:
             _, after = await _api(s, "GET", api)
         assert _stable_rows(after) == _stable_rows(before)
+        assert after["deregistered"] == before["deregistered"]
         row = next(e for e in after["endpoints"] if e["key"] == ep[5])
         assert row["drain_ends_at"] == drained["drain_ends_at"]  # the wall-clock end, not restarted
         assert 0 < row["removed_in_ms"] <= drained["removed_in_ms"]

@@ -6,10 +6,11 @@ Prometheus metrics on ``http://ext_proc.metrics_listen/metrics`` (``--metrics-li
 picks a free one, logged as ``ext_proc metrics on HOST:PORT``). Quota state lives where
 ``ext_proc.quota_backend`` says (``memory`` or ``redis``; a change needs a restart). It
 logs ``ext_proc ready on HOST:PORT`` once it accepts streams, polls the config file every
-``--poll-interval`` seconds (0.5) by content hash and applies a changed file; a bad file is logged with the
-field named and the last good config keeps serving (a file must also pass
-:func:`inferlb.config.checks.check_config`, as xds_server's does, so the two never serve different
-files). The event loop is uvloop's when uvloop is installed
+``--poll-interval`` seconds (0.5) by content hash and applies a changed file once two consecutive polls read
+the same bytes; a bad file is logged with the field named and the last good config keeps serving (a file
+must also pass :func:`inferlb.config.checks.check_config` and must not empty the running config's models,
+endpoints or tenants unless its ``allow_empty`` says so (:mod:`inferlb.config.reload`), as xds_server's
+must, so the two never serve different files). The event loop is uvloop's when uvloop is installed
 (``--event-loop auto``, the default; ``asyncio`` forces the standard loop): it cut the server's work per
 request by ~7% (bench/extproc_cpu.py --unique, callgrind: 3.55 M -> 3.30 M instructions).
 SIGINT/SIGTERM stop it cleanly (in-flight streams get a grace period). Exit status: 0 after a clean stop,
@@ -31,6 +32,7 @@ from ext_proc.reload import ConfigPoller
 from ext_proc.servicer import MAX_CONFIGURABLE_BODY_BYTES, ExtProcState, add_to_server, make_server
 from ext_proc.stores import make_quota_store, start_metrics_server
 from inferlb.config.checks import check_config
+from inferlb.config.reload import check_not_emptied
 from inferlb.config.schema import Config, HostPort
 from inferlb.errors import ConfigError
 
@@ -114,7 +116,9 @@ async def _watch_config(poller: ConfigPoller, state: ExtProcState, listen: str, 
         if config is None:
             continue
         try:
-            # the checks xds_server runs too (tokenizers, host names), so both serve this file or neither
+            # the checks xds_server runs too (no emptied section, tokenizers, host names), so both serve
+            # this file or neither
+            check_not_emptied(state.gateway.config, config, str(poller.path))
             await check_config(config, str(poller.path))
         except ConfigError as err:
             _log_config_error(err, "config reload refused, still serving the last good config")

@@ -13,7 +13,9 @@ Layers, each importing only the ones before it (as envoyproxy/go-control-plane's
   :mod:`xds_server.config_source`: the per-type services' variant of the resources (EDS and RDS not
   over ADS).
 - :mod:`xds_server.cache`: immutable versioned snapshots, their consistency check, the snapshot cache.
-- :mod:`xds_server.fleet_state`: fleet API changes (register, drain, deregister, weight pins) as pure values.
+- :mod:`xds_server.fleet_state`: fleet API changes (register, drain, undrain, deregister, weight pins) as
+  pure values, and their JSON document; :mod:`xds_server.fleet_store`: that document in the state file
+  (atomic replace, one server per file by lock, a bad file refused naming it).
 - :mod:`xds_server.sotw` / :mod:`xds_server.delta`: the state-of-the-world and Delta protocol state of one
   stream (no I/O).
 - :mod:`xds_server.coalesce`: push coalescing (debounce with a staleness bound).

@@ -5,10 +5,15 @@ Routes (JSON in and out; errors are OpenAI-style ``{"error": {"message", "type",
 - ``GET /healthz``: 200 ``ok`` (no auth).
 - ``GET /metrics``: Prometheus text exposition (no auth, as scrapers expect).
 - ``GET /v1/endpoints``: the served fleet: every endpoint with its source (``config``/``api``), weight pin
-  and drain state.
-- ``POST /v1/endpoints``: register an endpoint (the config file's endpoint shape); 201.
+  and drain state (``draining``, ``drain_ends_at`` ISO 8601 UTC, ``removed_in_ms``); ``deregistered``: the
+  config-file endpoints the API removed (registering one brings it back); ``state_file``: where changes are
+  stored (null: nowhere).
+- ``POST /v1/endpoints``: register an endpoint (the config file's endpoint shape); 201. Registering an
+  address again replaces the endpoint and cancels its drain and weight pin.
 - ``POST /v1/endpoints/{key}/drain``: send it as DRAINING, remove it after ``drain_ms`` (body, optional;
-  ``xds.drain_period_ms`` by default); 202.
+  ``xds.drain_period_ms`` by default); 202. Draining it again keeps the earlier end.
+- ``DELETE /v1/endpoints/{key}/drain``: cancel a drain that has not ended (served again as before); 200 with
+  ``was_draining``. An endpoint whose drain ended is gone (404): register it again.
 - ``DELETE /v1/endpoints/{key}``: remove it now; 200.
 - ``PUT /v1/endpoints/{key}/weight``: ``{"weight": N}`` pins Envoy's weight (N >= 1), ``{"weight": null}``
   clears the pin; 200.
@@ -20,6 +25,10 @@ Every ``/v1`` route needs ``Authorization: Bearer <token>`` (compared in constan
 configured, every ``/v1`` route answers 503 so an unconfigured server is never open. ``{key}`` is the
 endpoint's ``host:port`` as written in the config (:func:`xds_server.resources.endpoints.endpoint_key`).
 
+Each change is answered only once it is stored (when the server has a state file) and logged as one INFO
+line naming who (the peer address and its ``User-Agent``), what and the endpoint. A change the server
+cannot store answers 500 ``fleet_state_not_stored`` and changes nothing.
+
 The server is known by what the routes need of it (:class:`FleetApiServer`), not by its class:
 :class:`xds_server.server.XdsServer` imports this module, not the other way round.
 """
@@ -30,6 +39,7 @@ import hmac
 import json
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
+from pathlib import Path
 from typing import Any, Protocol
 
 from aiohttp import web
@@ -37,6 +47,7 @@ from aiohttp import web
 from inferlb.config.schema import Config, EndpointConfig
 from inferlb.errors import ConfigError, RequestError
 from xds_server.fleet_state import FleetState, UnknownEndpointError, parse_endpoint
+from xds_server.fleet_store import StateFileError
 from xds_server.metrics import HasMetrics, render_metrics
 from xds_server.resources.endpoints import endpoint_key
 
@@ -59,21 +70,50 @@ class FleetApiServer(HasMetrics, Protocol):
     @property
     def effective(self) -> Config | None: ...
     @property
+    def state_path(self) -> Path | None: ...
+    @property
     def fleet(self) -> FleetState: ...
     @property
     def telemetry_weights(self) -> Mapping[str, int]: ...
     @property
     def servicer(self) -> ClientList: ...
-    async def register_endpoint(self, endpoint: EndpointConfig) -> None: ...
-    def drain_endpoint(self, key: str, drain_ms: int | None = None) -> float: ...
-    def deregister_endpoint(self, key: str) -> None: ...
-    def override_weight(self, key: str, weight: int | None) -> None: ...
-    def override_weights(self, weights: Mapping[str, int | None]) -> None: ...
+    async def register_endpoint(self, endpoint: EndpointConfig, *, actor: str = "-") -> None: ...
+    async def drain_endpoint(self, key: str, drain_ms: int | None = None, *, actor: str = "-") -> float: ...
+    async def undrain_endpoint(self, key: str, *, actor: str = "-") -> bool: ...
+    async def deregister_endpoint(self, key: str, *, actor: str = "-") -> None: ...
+    async def override_weight(self, key: str, weight: int | None, *, actor: str = "-") -> None: ...
+    async def override_weights(self, weights: Mapping[str, int | None], *, actor: str = "-") -> None: ...
 
 
 def _error(status: int, message: str, code: str, param: str | None = None) -> web.Response:
     err = RequestError(status, message, type="invalid_request_error", code=code, param=param)
     return web.json_response(err.to_openai_json(), status=status)
+
+
+def _not_stored(exc: StateFileError) -> web.Response:
+    return web.json_response(
+        RequestError(
+            500, f"{exc}; nothing changed", type="server_error", code="fleet_state_not_stored"
+        ).to_openai_json(),
+        status=500,
+    )
+
+
+#: Characters of a client's ``User-Agent`` kept in the change log line.
+AGENT_CHARS = 80
+
+
+def actor(request: web.Request) -> str:
+    """Who made a change, for its log line: the peer address and its ``User-Agent`` (quoted, cut to
+    :data:`AGENT_CHARS`): ``127.0.0.1 agent='curl/8.5.0'``."""
+    agent = request.headers.get("User-Agent", "-")[:AGENT_CHARS]
+    return f"{request.remote or '-'} agent={agent!r}"
+
+
+def utc_iso(t: float) -> str:
+    """Unix seconds as an ISO 8601 UTC time with milliseconds (``2026-11-29T20:41:07.123Z``)."""
+    ms = round(t * 1000)
+    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(ms // 1000)) + f".{ms % 1000:03d}Z"
 
 
 def _config_error(exc: ConfigError) -> web.Response:
@@ -103,6 +143,7 @@ class HttpApi:
         app.router.add_get("/v1/endpoints", self._list_endpoints)
         app.router.add_post("/v1/endpoints", self._register)
         app.router.add_post("/v1/endpoints/{key}/drain", self._drain)
+        app.router.add_delete("/v1/endpoints/{key}/drain", self._undrain)
         app.router.add_delete("/v1/endpoints/{key}", self._deregister)
         app.router.add_put("/v1/endpoints/{key}/weight", self._weight)
         app.router.add_put("/v1/weights", self._weights)
@@ -174,7 +215,7 @@ class HttpApi:
         srv = self._server
         assert srv.effective is not None
         fleet = srv.fleet
-        now = time.monotonic()
+        now = time.time()
         rows = []
         for e in srv.effective.endpoints:
             key = endpoint_key(e)
@@ -192,18 +233,24 @@ class HttpApi:
                     "weight_override": fleet.weight_overrides.get(key),
                     "telemetry_weight": srv.telemetry_weights.get(key),
                     "draining": until is not None,
+                    "drain_ends_at": None if until is None else utc_iso(until),
                     "removed_in_ms": None if until is None else max(0, round((until - now) * 1000)),
                 }
             )
-        return web.json_response({"endpoints": rows})
+        state = None if srv.state_path is None else str(srv.state_path)
+        return web.json_response(
+            {"endpoints": rows, "deregistered": sorted(fleet.hidden), "state_file": state}
+        )
 
     async def _register(self, request: web.Request) -> web.Response:
         data = await self._json_body(request)
         try:
             endpoint = parse_endpoint(data)
-            await self._server.register_endpoint(endpoint)
+            await self._server.register_endpoint(endpoint, actor=actor(request))
         except ConfigError as exc:
             return _config_error(exc)
+        except StateFileError as exc:
+            return _not_stored(exc)
         return web.json_response({"endpoint": endpoint_key(endpoint)}, status=201)
 
     async def _drain(self, request: web.Request) -> web.Response:
@@ -215,18 +262,36 @@ class HttpApi:
         ):
             return _error(400, "drain_ms must be a non-negative integer (ms)", "invalid_drain_ms", "drain_ms")
         try:
-            remove_at = self._server.drain_endpoint(key, drain_ms)
+            remove_at = await self._server.drain_endpoint(key, drain_ms, actor=actor(request))
         except UnknownEndpointError as exc:
             return _error(404, str(exc), "unknown_endpoint")
-        left = max(0, round((remove_at - time.monotonic()) * 1000))
-        return web.json_response({"endpoint": key, "draining": True, "removed_in_ms": left}, status=202)
+        except StateFileError as exc:
+            return _not_stored(exc)
+        left = max(0, round((remove_at - time.time()) * 1000))
+        return web.json_response(
+            {"endpoint": key, "draining": True, "drain_ends_at": utc_iso(remove_at), "removed_in_ms": left},
+            status=202,
+        )
+
+    async def _undrain(self, request: web.Request) -> web.Response:
+        key = request.match_info["key"]
+        try:
+            was = await self._server.undrain_endpoint(key, actor=actor(request))
+        except UnknownEndpointError as exc:
+            hint = "an endpoint whose drain ended was removed: register it again"
+            return _error(404, f"{exc} ({hint})", "unknown_endpoint")
+        except StateFileError as exc:
+            return _not_stored(exc)
+        return web.json_response({"endpoint": key, "draining": False, "was_draining": was})
 
     async def _deregister(self, request: web.Request) -> web.Response:
         key = request.match_info["key"]
         try:
-            self._server.deregister_endpoint(key)
+            await self._server.deregister_endpoint(key, actor=actor(request))
         except UnknownEndpointError as exc:
             return _error(404, str(exc), "unknown_endpoint")
+        except StateFileError as exc:
+            return _not_stored(exc)
         return web.json_response({"endpoint": key, "removed": True})
 
     async def _weight(self, request: web.Request) -> web.Response:
@@ -238,9 +303,11 @@ class HttpApi:
         if weight is not None and (type(weight) is not int or weight < 1):
             return _error(400, "weight must be an integer >= 1 (Envoy rejects 0)", "invalid_weight", "weight")
         try:
-            self._server.override_weight(key, weight)
+            await self._server.override_weight(key, weight, actor=actor(request))
         except UnknownEndpointError as exc:
             return _error(404, str(exc), "unknown_endpoint")
+        except StateFileError as exc:
+            return _not_stored(exc)
         return web.json_response({"endpoint": key, "weight_override": weight})
 
     async def _weights(self, request: web.Request) -> web.Response:
@@ -253,9 +320,11 @@ class HttpApi:
                 400, 'expected {"weights": {"host:port": N >= 1 or null, ...}}', "invalid_weight", "weights"
             )
         try:
-            self._server.override_weights(weights)
+            await self._server.override_weights(weights, actor=actor(request))
         except UnknownEndpointError as exc:
             return _error(404, str(exc), "unknown_endpoint")
+        except StateFileError as exc:
+            return _not_stored(exc)
         return web.json_response({"updated": len(weights)})
 
     async def _clients(self, _request: web.Request) -> web.Response:

@@ -1,15 +1,24 @@
 """The xDS server's lifecycle: load the config, publish its snapshot, serve ADS, follow the config file.
 
-The file is polled (``poll_interval_s``, 0.5 s by default) by content hash: a change is re-validated and,
-when good, published as a new snapshot, which every connected Envoy receives without a restart. A bad file
-(or one Envoy could not take) is logged with the field named and the last good snapshot keeps serving
-(fail fast at start-up, degrade at run time, as uvicorn does).
+The file is polled (``poll_interval_s``, 0.5 s by default) by content hash: a change that reads the same on
+two consecutive polls (:class:`inferlb.config.reload.StableContent`: a file being written in place is not
+taken half-done) is re-validated and, when good, published as a new snapshot, which every connected Envoy
+receives without a restart. A bad file (or one Envoy could not take, or one that empties the running
+config's models, endpoints or tenants without ``allow_empty``) is logged with the field named and the last
+good snapshot keeps serving (fail fast at start-up, degrade at run time, as uvicorn does).
 
 Three inputs feed the snapshot, each applied on top of the last good config file: the file itself, the
 fleet API (:mod:`xds_server.fleet_state`: register, drain, deregister, weight pins) and telemetry weights
 (:meth:`XdsServer.set_telemetry_weights`). Every change goes through one :class:`PushCoalescer`, so a
 burst of changes within ``xds.push_debounce_ms`` is one push, never later than ``xds.push_max_delay_ms``
 after its first change.
+
+Fleet API changes are durable when a state file is configured (``xds.state_file`` or ``state_file``;
+:mod:`xds_server.fleet_store`): each change is written to it (atomically, fsync'ed) before it is applied and
+answered, and logged as one INFO line (``fleet api: who=... what=... endpoint=...``); at start the stored
+state is restored on top of the config file: drains whose wall-clock end passed while the server was down
+end at once, the others keep their end. Changes are serialized by one lock (a config reload, a drain's end
+and API calls never interleave), so the stored state is always the served one.
 """
 
 from __future__ import annotations
@@ -36,6 +45,7 @@ from inferlb.config.checks import (
     resolve_endpoint_hosts,
     system_resolve,
 )
+from inferlb.config.reload import StableContent, check_not_emptied
 from inferlb.config.schema import Config, EndpointConfig, HostPort, parse_config
 from inferlb.errors import ConfigError
 from xds_server.ads import AggregatedDiscoveryServicer, add_ads_to_server
@@ -49,11 +59,12 @@ from xds_server.fleet_state import (
     effective_overrides,
     known_keys,
 )
-from xds_server.http_api import HttpApi
+from xds_server.fleet_store import FleetStateFile, StateFileError
+from xds_server.http_api import HttpApi, utc_iso
 from xds_server.metrics import XdsMetrics
 from xds_server.per_type import add_per_type_services
 from xds_server.resources.build import build_resources
-from xds_server.resources.endpoints import LbEndpointCache
+from xds_server.resources.endpoints import LbEndpointCache, endpoint_key
 
 log = logging.getLogger("xds_server")
 
@@ -61,6 +72,8 @@ log = logging.getLogger("xds_server")
 DEFAULT_POLL_INTERVAL_S = 0.5
 #: Streams get this long to finish on shutdown before they are cancelled (s).
 DEFAULT_GRACE_S = 2.0
+#: The drain timer looks at the wall clock at least this often (s), so a clock step is noticed.
+DRAIN_RECHECK_S = 1.0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -111,6 +124,9 @@ class XdsServer:
             :meth:`set_telemetry_weights`); routes under ``/v1/`` get the same bearer-token check.
         resolve: how endpoint host names become IPs (:func:`system_resolve` by default); they are
             resolved at load and registration, and again every ``xds.resolve_interval_ms``.
+        state_file: where fleet API changes are stored, overriding ``xds.state_file`` (``__main__``'s
+            ``--state-file``); None: the config's (a relative path there is relative to the config file's
+            directory), or nowhere when it sets none.
 
     Attributes:
         cache, servicer: the snapshot cache and the ADS servicer (its ``stats`` and ``clients``).
@@ -118,6 +134,7 @@ class XdsServer:
         config: the last good config file (None before :meth:`start`); fleet changes apply on top.
         effective: what is served: ``config`` with the fleet API's endpoint changes (None before start).
         fleet: the fleet API's changes (:class:`~xds_server.fleet_state.FleetState`).
+        state_path: the state file in use (None: changes are not stored), set by :meth:`start`.
         resolved_hosts: ``{host name: IP}`` of the endpoints written with a host name.
         port: the bound ADS port (0 before :meth:`start`); ``api_port``: the HTTP API's (0 when off).
         reload_errors: how many times a changed file was refused; ``publish_errors``: failed publishes.
@@ -135,8 +152,14 @@ class XdsServer:
         api_token: str | None = None,
         api_routes: Sequence[web.RouteDef] = (),
         resolve: HostResolver = system_resolve,
+        state_file: str | Path | None = None,
     ) -> None:
         self.config_path = Path(config_path)
+        self.state_path: Path | None = None
+        self._state_file = Path(state_file) if state_file is not None else None
+        self._store: FleetStateFile | None = None
+        self._fleet_lock = asyncio.Lock()
+        self._stable = StableContent()
         self.cache = cache or SnapshotCache()
         self.metrics = XdsMetrics(self)
         self.servicer = AggregatedDiscoveryServicer(self.cache, on_push=self.metrics.observe_push)
@@ -179,7 +202,10 @@ class XdsServer:
         ``xds.api_listen`` is set), start following the file.
 
         Raises:
-            ConfigError: the config file is missing or invalid (start-up fails fast).
+            ConfigError: the config file is missing or invalid, or the stored fleet changes do not fit it
+                (start-up fails fast; the source names the state file too).
+            StateFileError: the state file is in use by another server, unreadable, corrupt or cannot be
+                written.
             SnapshotInconsistentError: the config yields resources Envoy would reject.
             RuntimeError: a listen address cannot be bound.
         """
@@ -187,8 +213,13 @@ class XdsServer:
             data = await asyncio.to_thread(self.config_path.read_bytes)
         except OSError as exc:
             raise ConfigError(str(self.config_path), [("", f"cannot read: {exc.strerror or exc}")]) from None
-        loaded = await self._accept_file(data)
-        config = loaded.config
+        try:
+            config = await self._restore_and_accept(data)
+        except BaseException:
+            if self._store is not None:
+                self._store.close()
+                self._store = None
+            raise
         # the first snapshot goes out at once: Envoy must not wait a debounce to start
         self._publish_now(time.monotonic(), raise_errors=True)
         self.coalescer = PushCoalescer(
@@ -243,22 +274,92 @@ class XdsServer:
         if self._server is not None:
             await self._server.stop(grace_s)
             self._server = None
+        if self._store is not None:
+            self._store.close()
+            self._store = None
 
     async def wait_for_termination(self) -> None:
         """Wait until the gRPC server stops."""
         if self._server is not None:
             await self._server.wait_for_termination()
 
-    # -- the config file ------------------------------------------------------------------------------
-    async def _accept_file(self, data: bytes) -> ConfigLoaded:
-        """Validate a file's bytes with the current fleet changes on top; on success make it current."""
-        digest = hashlib.sha256(data).hexdigest()
+    # -- the state file -------------------------------------------------------------------------------
+    def _state_path_for(self, config: Config) -> Path | None:
+        if self._state_file is not None:
+            return self._state_file
+        if config.xds.state_file is None:
+            return None
+        path = Path(config.xds.state_file)
+        return path if path.is_absolute() else self.config_path.parent / path
+
+    async def _restore_and_accept(self, data: bytes) -> Config:
+        """Start-up: lock and read the state file (when one is configured), end the drains whose time
+        passed, then accept the config file with the restored changes on top and store the result."""
         source = str(self.config_path)
         config = parse_config_bytes(data, source)
-        # the checks ext_proc runs too (tokenizers, host names), so both serve this file or neither does
+        path = self._state_path_for(config)
+        fleet_source = source
+        if path is not None:
+            store = FleetStateFile(path)
+            store.lock()
+            self._store, self.state_path = store, path
+            restored = await asyncio.to_thread(store.load)
+            if restored is None:
+                log.info("fleet state file %s does not exist yet: starting with no fleet API changes", path)
+                restored = FleetState()
+            now = time.time()
+            ended = sorted(k for k, until in restored.draining.items() if until <= now)
+            self.fleet = restored.expire(now)
+            if ended:
+                log.info("fleet state: drains that ended while the server was down, removing %s", ended)
+            fleet_source = f"{source} with the fleet API changes stored in {path}"
+        else:
+            log.info("no xds.state_file: fleet API changes are kept in memory only (a restart forgets them)")
+        await self._accept_file(data, config=config, fleet_source=fleet_source)
+        if self._store is not None:
+            await asyncio.to_thread(self._store.save, self.fleet)  # fails fast when it cannot be written
+            f = self.fleet
+            log.info(
+                "fleet state restored from %s: %d registered, %d draining, %d deregistered, %d weight pins",
+                self.state_path, len(f.registered), len(f.draining), len(f.hidden), len(f.weight_overrides),
+            )  # fmt: skip
+        self._stable = StableContent(taken=self._digest)
+        return config
+
+    async def _store_fleet(self, fleet: FleetState) -> None:
+        """Write ``fleet`` to the state file (when there is one; the caller holds the fleet lock).
+
+        Raises:
+            StateFileError: it cannot be written.
+        """
+        if self._store is not None:
+            await asyncio.to_thread(self._store.save, fleet)
+
+    async def _store_derived(self, fleet: FleetState) -> None:
+        """Store a state derived from the stored one and the config or the clock (a reload's
+        reconciliation, a drain's end): a restart derives it again, so a failed write is logged, not
+        raised."""
+        try:
+            await self._store_fleet(fleet)
+        except StateFileError as exc:
+            log.error("%s (the next change retries)", exc)
+
+    # -- the config file ------------------------------------------------------------------------------
+    async def _accept_file(
+        self, data: bytes, *, config: Config | None = None, fleet_source: str | None = None
+    ) -> ConfigLoaded:
+        """Validate a file's bytes (``config``: already parsed from them) with the current fleet changes on
+        top; on success make it current. ``fleet_source`` names the combination in errors."""
+        digest = hashlib.sha256(data).hexdigest()
+        source = str(self.config_path)
+        if config is None:
+            config = parse_config_bytes(data, source)
+        # the checks ext_proc runs too (no emptied section, tokenizers, host names), so both serve this file
+        # or neither does
+        check_not_emptied(self.config, config, source)
         checked = await check_config(config, source, resolve=self._resolve)
-        fleet = self.fleet.forget_hidden(config)
-        effective = effective_config(config, fleet, source)
+        fleet = self.fleet.reconcile(config)
+        effective = effective_config(config, fleet, fleet_source or source)
         # endpoints registered through the fleet API are not in the file: resolve those too
         resolved: Mapping[str, str] = await resolve_endpoint_hosts(
             effective, source, self._resolve, known=checked.resolved_hosts
@@ -270,11 +371,12 @@ class XdsServer:
         return ConfigLoaded(config=config, digest=digest)
 
     async def reload_if_changed(self) -> ConfigLoaded | None:
-        """Check the config file once; when its bytes changed and it is good, make it current and push.
+        """Check the config file once; when its bytes changed, read the same on the previous check too
+        (:class:`~inferlb.config.reload.StableContent`) and are good, make it current and push.
 
         Returns:
-            what was accepted, or None when the file is unchanged, unreadable or refused (all logged;
-            the last good snapshot keeps serving).
+            what was accepted, or None when the file is unchanged, changed but not yet stable, unreadable
+            or refused (logged; the last good snapshot keeps serving).
         """
         try:
             data = await asyncio.to_thread(self.config_path.read_bytes)
@@ -282,16 +384,23 @@ class XdsServer:
             # an editor replacing the file can make it vanish for a moment: keep serving, retry next poll
             log.warning("config %s unreadable, keeping the last good config: %s", self.config_path, exc)
             return None
-        digest = hashlib.sha256(data).hexdigest()
-        if digest == self._digest:
+        # taken only once two polls in a row read the same bytes: never a file caught mid-write; a refused
+        # content is reported once, not every poll
+        self._stable, take = self._stable.observe(hashlib.sha256(data).hexdigest())
+        if not take:
             return None
-        try:
-            loaded = await self._accept_file(data)
-        except ConfigError as exc:
-            self._digest = digest  # report a bad file once, not every poll
-            self.reload_errors += 1
-            log.error("config change refused, the last good config keeps serving: %s", exc)
-            return None
+        async with self._fleet_lock:
+            before = self.fleet
+            try:
+                loaded = await self._accept_file(data)
+            except ConfigError as exc:
+                self.reload_errors += 1
+                log.error("config change refused, the last good config keeps serving: %s", exc)
+                return None
+            if self.fleet != before:
+                await self._store_derived(self.fleet)
+        if self._state_path_for(loaded.config) != self.state_path:
+            log.warning("xds.state_file changed: takes effect on restart (still: %s)", self.state_path)
         if (
             self._bind is None
             and self._started_listen is not None
@@ -444,68 +553,119 @@ class XdsServer:
         self._drain_wake.set()
         self._changed()
 
-    async def register_endpoint(self, endpoint: EndpointConfig) -> None:
-        """Add an endpoint (or replace the one at its address) and push.
+    async def _commit(self, fleet: FleetState, actor: str, what: str) -> None:
+        """Store, apply and log one fleet API change (the caller holds the fleet lock and has validated
+        it): stored first, so a change is applied only once it is durable.
+
+        Raises:
+            StateFileError: it cannot be stored; nothing changes.
+        """
+        await self._store_fleet(fleet)
+        self._apply_fleet(fleet)
+        stored = "stored" if self.state_path is not None else "not stored (no xds.state_file)"
+        log.info("fleet api: who=%s what=%s %s", actor, what, stored)
+
+    async def register_endpoint(self, endpoint: EndpointConfig, *, actor: str = "-") -> None:
+        """Add an endpoint (or replace the one at its address, cancelling its drain and weight pin), store
+        and push. ``actor``: who asked, for the log line.
 
         Raises:
             ConfigError: the fleet with it is invalid (unknown model, version or GPU type, an address
                 already taken by another socket, a host name that does not resolve); nothing changes.
+            StateFileError: it cannot be stored; nothing changes.
         """
-        assert self.config is not None
-        fleet = self.fleet.register(endpoint)
-        effective = effective_config(self.config, fleet, "<fleet api>")
-        resolved = await resolve_endpoint_hosts(effective, "<fleet api>", self._resolve)
-        self.resolved_hosts = resolved
-        self._apply_fleet(fleet)
+        async with self._fleet_lock:
+            assert self.config is not None
+            fleet = self.fleet.register(endpoint)
+            effective = effective_config(self.config, fleet, "<fleet api>")
+            resolved = await resolve_endpoint_hosts(effective, "<fleet api>", self._resolve)
+            what = (
+                f"register endpoint={endpoint_key(endpoint)} model={endpoint.model} "
+                f"version={endpoint.version or '-'} gpu={endpoint.gpu} name={endpoint.display_name}"
+            )
+            previous, self.resolved_hosts = self.resolved_hosts, resolved
+            try:
+                await self._commit(fleet, actor, what)
+            except StateFileError:
+                self.resolved_hosts = previous
+                raise
 
-    def drain_endpoint(self, key: str, drain_ms: int | None = None) -> float:
+    async def drain_endpoint(self, key: str, drain_ms: int | None = None, *, actor: str = "-") -> float:
         """Send an endpoint as DRAINING now and remove it after ``drain_ms`` (``xds.drain_period_ms`` by
-        default). Returns the monotonic time of its removal.
+        default); draining it again keeps the earlier end. Returns its removal time (Unix s, wall clock:
+        a restart keeps it).
 
         Raises:
             UnknownEndpointError: no such endpoint.
+            StateFileError: it cannot be stored; nothing changes.
         """
-        assert self.config is not None
-        self._require_known(key)
-        period = self.config.xds.drain_period_ms if drain_ms is None else drain_ms
-        remove_at = time.monotonic() + period / 1000
-        fleet = self.fleet.drain(key, remove_at)
-        self._apply_fleet(fleet)
-        return fleet.draining[key]
+        async with self._fleet_lock:
+            assert self.config is not None
+            self._require_known(key)
+            period = self.config.xds.drain_period_ms if drain_ms is None else drain_ms
+            fleet = self.fleet.drain(key, time.time() + period / 1000)
+            until = fleet.draining[key]
+            await self._commit(fleet, actor, f"drain endpoint={key} drain_ms={period} until={utc_iso(until)}")
+        return until
 
-    def deregister_endpoint(self, key: str) -> None:
+    async def undrain_endpoint(self, key: str, *, actor: str = "-") -> bool:
+        """Cancel the drain of an endpoint still draining: it is served again as before. Returns whether
+        it was draining (False: nothing changed, nothing logged).
+
+        Raises:
+            UnknownEndpointError: no such endpoint (one whose drain already ended was removed: register
+                it again).
+            StateFileError: it cannot be stored; nothing changes.
+        """
+        async with self._fleet_lock:
+            self._require_known(key)
+            if key not in self.fleet.draining:
+                return False
+            await self._commit(self.fleet.undrain(key), actor, f"undrain endpoint={key}")
+        return True
+
+    async def deregister_endpoint(self, key: str, *, actor: str = "-") -> None:
         """Remove an endpoint now (no drain).
 
         Raises:
             UnknownEndpointError: no such endpoint.
+            StateFileError: it cannot be stored; nothing changes.
         """
-        self._require_known(key)
-        self._apply_fleet(self.fleet.deregister(key))
+        async with self._fleet_lock:
+            self._require_known(key)
+            await self._commit(self.fleet.deregister(key), actor, f"deregister endpoint={key}")
 
-    def override_weight(self, key: str, weight: int | None) -> None:
+    async def override_weight(self, key: str, weight: int | None, *, actor: str = "-") -> None:
         """Pin an endpoint's Envoy weight (>= 1), or clear the pin with None.
 
         Raises:
             UnknownEndpointError: no such endpoint.
             ValueError: weight below 1.
+            StateFileError: it cannot be stored; nothing changes.
         """
-        self._require_known(key)
-        self._apply_fleet(self.fleet.override_weight(key, weight))
+        async with self._fleet_lock:
+            self._require_known(key)
+            fleet = self.fleet.override_weight(key, weight)
+            await self._commit(fleet, actor, f"weight endpoint={key} weight={_weight_text(weight)}")
 
-    def override_weights(self, weights: Mapping[str, int | None]) -> None:
-        """Pin (or with None clear) the Envoy weights of many endpoints in one change (one push).
+    async def override_weights(self, weights: Mapping[str, int | None], *, actor: str = "-") -> None:
+        """Pin (or with None clear) the Envoy weights of many endpoints in one change (one push, one
+        write, one log line).
 
         Raises:
             UnknownEndpointError: one of the keys names no endpoint (nothing changes).
             ValueError: a weight below 1 (nothing changes).
+            StateFileError: it cannot be stored; nothing changes.
         """
-        known = self._known()
-        fleet = self.fleet
-        for key, weight in weights.items():
-            if key not in known:
-                raise UnknownEndpointError(key)
-            fleet = fleet.override_weight(key, weight)
-        self._apply_fleet(fleet)
+        async with self._fleet_lock:
+            known = self._known()
+            fleet = self.fleet
+            for key, weight in weights.items():
+                if key not in known:
+                    raise UnknownEndpointError(key)
+                fleet = fleet.override_weight(key, weight)
+            pins = ",".join(f"{k}={_weight_text(w)}" for k, w in weights.items())
+            await self._commit(fleet, actor, f"weights endpoints={pins or '-'}")
 
     async def _expire_drains(self) -> None:
         while True:
@@ -514,13 +674,20 @@ class XdsServer:
             if due is None:
                 await self._drain_wake.wait()
                 continue
-            delay = due - time.monotonic()
+            delay = due - time.time()
             if delay > 0:
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._drain_wake.wait(), delay)
+                    await asyncio.wait_for(self._drain_wake.wait(), min(delay, DRAIN_RECHECK_S))
                 continue
-            expired = self.fleet.expire(time.monotonic())
-            log.info(
-                "drain period over, removing %s", sorted(set(self.fleet.draining) - set(expired.draining))
-            )
-            self._apply_fleet(expired)
+            async with self._fleet_lock:
+                expired = self.fleet.expire(time.time())
+                gone = sorted(set(self.fleet.draining) - set(expired.draining))
+                if not gone:
+                    continue
+                log.info("drain period over, removing %s", gone)
+                await self._store_derived(expired)
+                self._apply_fleet(expired)
+
+
+def _weight_text(weight: int | None) -> str:
+    return "null" if weight is None else str(weight)

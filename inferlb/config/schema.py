@@ -4,7 +4,7 @@ Shape (see README "Config reference" and ``examples/local.yaml``)::
 
     gateway:    {listen, admin, max_request_body_bytes, ...}   # the Envoy side
     xds:        {listen, push_debounce_ms, push_max_delay_ms, api_listen, api_token, drain_period_ms,
-                 node_groups}
+                 node_groups, state_file}
     ext_proc:   {listen, message_timeout_ms, failure_mode_allow, account_responses, quota_backend, ...}
     gpu_profiles: {H100: {relative_capacity: 3.4, ...}, ...}
     models:     [{name, aliases, context_length, versions: [{name, traffic_percent}],
@@ -13,6 +13,7 @@ Shape (see README "Config reference" and ``examples/local.yaml``)::
     endpoints:  [{address, model, version, gpu, region, zone, simulated}]
     tenants:    [{name, api_keys, priority, requests_per_minute, tokens_per_minute,
                   max_concurrent_requests, daily_token_budget}]
+    allow_empty: [models | endpoints | tenants]   # sections a run-time change may empty on purpose
 
 Everything is frozen after validation; a new file gives a new :class:`Config`. Errors are raised as
 :class:`inferlb.errors.ConfigError`, each naming the dotted field path and the source file.
@@ -89,6 +90,10 @@ class HostPort(_Frozen):
         return True
 
 
+#: The config sections a run-time change may empty only when the file says so (``allow_empty``).
+EmptiableSection = Literal["models", "endpoints", "tenants"]
+
+
 class Priority(StrEnum):
     """Tenant priority. ``high`` rides Envoy's HIGH routing priority (its own circuit-breaker budget);
     ``default`` and ``low`` ride DEFAULT, and ``low`` is shed first under saturation."""
@@ -153,6 +158,11 @@ class XdsConfig(_Frozen):
     #: their own snapshot, with each model's ``cluster.failover`` priorities relative to it; other Envoys
     #: get the default snapshot (relative to ``gateway.region``/``gateway.zone``).
     node_groups: dict[str, NodeGroup] = {}
+    #: Where the fleet API's changes (registrations, drains with their wall-clock end, deregistrations,
+    #: weight pins) are stored so that a restart keeps them (a JSON file replaced atomically on every
+    #: change, see xds_server/fleet_store.py); a relative path is relative to the config file's directory.
+    #: None: the changes live in memory only and a restart forgets them. Read at start-up only.
+    state_file: Annotated[str, Field(min_length=1, max_length=4096)] | None = None
 
 
 class ExtProcConfig(_Frozen):
@@ -631,6 +641,11 @@ class Config(_Frozen):
     tenants: tuple[TenantConfig, ...] = ()
     weights: WeightsConfig = WeightsConfig()
     telemetry: TelemetryConfig = TelemetryConfig()
+    #: Sections this file may leave empty although the running config has entries there: a changed file
+    #: with no models, no endpoints or no tenants where the running one has some is refused at run time
+    #: unless it names the section here (a file cut short mid-write reads as valid YAML with the sections
+    #: after the cut missing; see :mod:`inferlb.config.reload`). Not checked at start-up.
+    allow_empty: tuple[EmptiableSection, ...] = ()
 
     @field_validator("gpu_profiles", mode="before")
     @classmethod

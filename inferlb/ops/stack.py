@@ -6,6 +6,11 @@ as one process per address (``ext_proc.listen`` and each of ``ext_proc.extra_lis
 endpoint of Envoy's ext_proc cluster. Envoy gets a bootstrap rendered from the same config
 (:func:`xds_server.bootstrap.render_bootstrap`) and takes everything else (listeners, routes, clusters,
 endpoints) from the xDS server.
+
+The xDS server stores the fleet API's changes where the config's ``xds.state_file`` says; when it says
+nothing and the stack runs in a work directory of the caller's (``inferlb up --workdir DIR``), in
+``DIR/xds-fleet-state.json`` (:data:`STATE_FILE_NAME`), so the next ``inferlb up --workdir DIR`` serves the
+fleet as the API left it. A temporary work directory is removed on a clean stop, so it gets no state file.
 """
 
 from __future__ import annotations
@@ -37,6 +42,8 @@ from xds_server.bootstrap import render_bootstrap
 #: The Python module each service of the stack runs as (``python -m MODULE --config FILE``);
 #: docker-compose.yml runs the same modules (a test keeps the two in step).
 SERVICE_MODULES = {"gpusim": "simulation.gpusim", "xds_server": "xds_server", "ext_proc": "ext_proc"}
+#: The xDS server's fleet state file in a caller's work directory (when ``xds.state_file`` is unset).
+STATE_FILE_NAME = "xds-fleet-state.json"
 
 
 class StackError(InferlbError):
@@ -197,7 +204,8 @@ class Stack:
     """The four services of the local stack as child processes, started in dependency order.
 
     Use as a context manager or call :meth:`start` / :meth:`stop`. ``workdir`` receives the rendered
-    Envoy bootstrap and one log file per child (``<name>.log``).
+    Envoy bootstrap, one log file per child (``<name>.log``) and, when the caller gave it and the config
+    names no ``xds.state_file``, the xDS server's fleet state (:data:`STATE_FILE_NAME`).
     """
 
     def __init__(
@@ -330,9 +338,10 @@ class Stack:
         serves."""
         cfg = self.config.ext_proc
         out = [
-            (self._python_child("xds_server", SERVICE_MODULES["xds_server"]), self.config.xds.listen),
+            (self._python_child("xds_server", SERVICE_MODULES["xds_server"], *self._state_args()),
+             self.config.xds.listen),
             (self._python_child("ext_proc", SERVICE_MODULES["ext_proc"]), cfg.listen),
-        ]
+        ]  # fmt: skip
         for i, (listen, metrics) in enumerate(
             zip(cfg.extra_listen, cfg.extra_metrics_addresses(), strict=True), start=2
         ):
@@ -342,6 +351,18 @@ class Stack:
             )
             out.append((child, listen))
         return out
+
+    @property
+    def state_file(self) -> Path | None:
+        """Where the xDS server stores fleet API changes when this stack passes it one (the caller's work
+        directory and no ``xds.state_file``), else None (the config's own, or none)."""
+        if self._own_tmp or self.config.xds.state_file is not None:
+            return None
+        return self.workdir / STATE_FILE_NAME
+
+    def _state_args(self) -> list[str]:
+        path = self.state_file
+        return [] if path is None else ["--state-file", str(path)]
 
     def sockets(self) -> list[tuple[str, HostPort]]:
         """(config field, address) of every socket the stack's processes listen on."""

@@ -72,6 +72,38 @@ def test_drain_then_expiry_removes(config: Config) -> None:
     assert done.next_expiry() is None
 
 
+def test_undrain_cancels_a_drain_and_registering_again_does_too(config: Config) -> None:
+    key = endpoint_key(config.endpoints[1])
+    state = FleetState().override_weight(key, 9).drain(key, remove_at=10.0)
+    back = state.undrain(key)
+    assert key not in back.draining and back.next_expiry() is None
+    assert back.weight_overrides[key] == 9  # only the drain is cancelled
+    assert back.expire(1e12) == back  # nothing left to remove
+    assert FleetState().undrain(key) == FleetState()
+    again = state.register(config.endpoints[1])
+    assert key not in again.draining and key not in again.weight_overrides
+    # drained, undrained, drained again: a new drain with its own end
+    assert back.drain(key, remove_at=50.0).draining[key] == 50.0
+
+
+def test_reconcile_keeps_changes_of_served_endpoints_and_forgets_the_rest(config: Config) -> None:
+    kept, dropped = endpoint_key(config.endpoints[0]), endpoint_key(config.endpoints[1])
+    hidden = endpoint_key(config.endpoints[2])
+    state = (
+        FleetState().register(NEW).drain(kept, 10.0).override_weight(kept, 3).drain(dropped, 20.0)
+        .override_weight(dropped, 4).deregister(hidden).drain("127.0.0.1:9100", 30.0)
+    )  # fmt: skip
+    assert state.reconcile(config) == state
+    smaller = config.model_copy(update={"endpoints": config.endpoints[:1] + config.endpoints[3:]})
+    out = state.reconcile(smaller)
+    assert dict(out.draining) == {kept: 10.0, "127.0.0.1:9100": 30.0}  # a registered one stays served
+    assert dict(out.weight_overrides) == {kept: 3}
+    assert out.hidden == frozenset()
+    assert list(out.registered) == ["127.0.0.1:9100"]
+    # the dropped address added to the file again comes back plain
+    assert effective_overrides(out.reconcile(config), {}).get(dropped) is None
+
+
 def test_weight_precedence_pin_then_telemetry() -> None:
     state = FleetState().override_weight("a:1", 7)
     out = effective_overrides(state, {"a:1": 300, "b:2": 40})

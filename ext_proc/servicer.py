@@ -515,8 +515,10 @@ class ExternalProcessor(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc
                 if immediate or phase == "request_body":
                     ex.decided = True
                 await write(out)
-                if phase == "response_trailers" or (phase == "response_body" and
-                req.response_body.end_of_stream):
+                last = phase == "response_trailers" or (
+                    phase == "response_body" and req.response_body.end_of_stream
+                )
+                if last:
                     # the exchange's last message (trailers are never sent with the gateway's processing
                     # mode): end the stream now instead of reading again. Envoy resets the stream after its
                     # last message, and a read in flight when that reset lands leaks its native batch in

@@ -363,3 +363,26 @@ async def test_response_headers_pick_the_body_mode(
     await hx.send(call, resp_body(sse(USAGE, "[DONE]") if stream else body, eos=True))
     call.cancel()
     assert tokens_left(hx) == TPM - 18
+
+
+@pytest.mark.parametrize("end", ["body", "trailers"])
+async def test_the_stream_ends_with_its_last_message_without_waiting_for_the_client(
+    harness: Harness, end: str
+) -> None:
+    """After answering the last message (the response body's end_of_stream, or trailers) the servicer
+    closes the stream itself with OK, so no read is in flight when Envoy resets it (a read cancelled by
+    the reset leaks native memory in grpcio aio, grpc/grpc#43360). Until then it keeps reading."""
+    hx = harness
+    call, _ = await admit(hx, "sk-metered-1", chat(stream=True))
+    await hx.send(call, resp_headers())
+    await hx.send(call, resp_body(sse(delta("hi"))))  # not the last: the stream stays open
+    if end == "body":
+        await hx.send(call, resp_body(sse(USAGE, "[DONE]"), eos=True))
+    else:
+        await hx.send(call, resp_body(sse(USAGE, "[DONE]")))
+        await call.write(ep.ProcessingRequest(response_trailers=ep.HttpTrailers()))
+        assert (await asyncio.wait_for(call.read(), timeout=10)).HasField("response_trailers")
+    # no done_writing, no cancel: the server ends the call
+    assert await asyncio.wait_for(call.read(), timeout=10) is grpc.aio.EOF
+    assert await asyncio.wait_for(call.code(), timeout=10) == grpc.StatusCode.OK
+    assert tokens_left(hx) == TPM - 18

@@ -343,16 +343,20 @@ class HealthCheck(_Frozen):
     """Envoy active HTTP health checking of a model's endpoints (``GET path`` must answer 200).
 
     An endpoint failing ``unhealthy_threshold`` checks in a row is taken out of balancing until it passes
-    ``healthy_threshold`` in a row; Envoy checks every ``interval_ms`` (with ``interval_jitter_ms`` added).
+    ``healthy_threshold`` in a row; Envoy checks every ``interval_ms`` (with up to ``interval_jitter_ms``
+    added), the next check starting that long after the previous one answered or timed out. With the
+    defaults a server whose ``/health`` answers 503 is out after ~1-2 s and one that hangs (no answer:
+    each check times out after ``timeout_ms``) after ~3 s, whatever traffic it gets; a recovered one is
+    back after two passing checks (~2 s). One check per second per endpoint per Envoy.
     """
 
     #: The model server's health path (vLLM, SGLang, TGI and gpusim serve ``/health``).
     path: Annotated[str, Field(pattern=r"^/")] = "/health"
-    interval_ms: Annotated[int, Field(strict=True, ge=100, le=600_000)] = 5_000
-    interval_jitter_ms: Annotated[int, Field(strict=True, ge=0, le=600_000)] = 500
+    interval_ms: Annotated[int, Field(strict=True, ge=100, le=600_000)] = 1_000
+    interval_jitter_ms: Annotated[int, Field(strict=True, ge=0, le=600_000)] = 100
     timeout_ms: Annotated[int, Field(strict=True, ge=10, le=60_000)] = 1_000
     unhealthy_threshold: Annotated[int, Field(strict=True, ge=1, le=100)] = 2
-    healthy_threshold: Annotated[int, Field(strict=True, ge=1, le=100)] = 1
+    healthy_threshold: Annotated[int, Field(strict=True, ge=1, le=100)] = 2
     #: Check interval while the cluster has had no traffic (ms): Envoy's ``no_traffic_interval``, whose
     #: default (60 s) would make an idle model's recovered GPU wait a minute to come back.
     no_traffic_interval_ms: Annotated[int, Field(strict=True, ge=100, le=600_000)] = 5_000
@@ -440,8 +444,16 @@ class ClusterPolicy(_Frozen):
     circuit_breaker_high: CircuitBreaker = CircuitBreaker(
         max_connections=8192, max_pending_requests=2048, max_requests=8192, max_retries=32
     )
-    #: Active HTTP health checks against each endpoint; None (default): outlier detection only.
-    health_check: HealthCheck | None = None
+    #: Active HTTP health checks against each endpoint (on by default: outlier detection alone never
+    #: ejects a server that hangs, since it sees no errors); ``null`` turns them off (outlier detection
+    #: only).
+    health_check: HealthCheck | None = HealthCheck()
+    #: Envoy ``common_lb_config.update_merge_window`` (ms): health, weight and metadata changes within this
+    #: window are applied together at its end. Envoy's default (1 s) keeps a host that outlier detection or
+    #: a health check just took out in the balancer for up to that long (a burst of errors each time a
+    #: failing GPU returns from ejection); 0 (default) applies every change at once, at the cost of one
+    #: load-balancer rebuild per change (raise it for clusters of thousands of endpoints).
+    update_merge_window_ms: Annotated[int, Field(strict=True, ge=0, le=60_000)] = 0
     #: Envoy ``slow_start_config``: a new endpoint's share ramps up over this window (ms); 0 = off.
     #: Needs ``least_request`` or ``round_robin``.
     slow_start_window_ms: Annotated[int, Field(strict=True, ge=0, le=3_600_000)] = 0

@@ -410,9 +410,9 @@ def test_health_check_slow_start_and_failure_percentage() -> None:
     assert slow.slow_start_window.ToMilliseconds() == 30_000 and slow.aggression.default_value == 2.0
     assert cluster.outlier_detection.enforcing_failure_percentage.value == 100
     assert cluster.outlier_detection.failure_percentage_threshold.value == 60
-    # the defaults: no active health check, no slow start, failure percentage not enforced (but sent)
+    # the defaults: no slow start, failure percentage not enforced (but sent); health checks are on
+    # (tests/unit/test_xds_resources_resilience.py)
     default, _ = _qwen(_fleet_doc())
-    assert list(default.health_checks) == []
     assert not default.least_request_lb_config.HasField("slow_start_config")
     assert default.outlier_detection.HasField("enforcing_failure_percentage")
     # slow start with a hashing policy is refused, field named

@@ -105,10 +105,31 @@ class GatewayConfig(_Frozen):
     admin: HostPort = HostPort(host="127.0.0.1", port=9901)
     #: Request bodies above this get 413 from Envoy's buffer limit, before ext_proc sees them (bytes).
     max_request_body_bytes: Annotated[int, Field(strict=True, ge=1024, le=64 * 1024 * 1024)] = 4 * 1024 * 1024
-    #: Envoy route timeout for one inference request (ms); 0 disables it (long generations).
-    request_timeout_ms: Annotated[int, Field(strict=True, ge=0)] = 300_000
-    #: Retries Envoy makes on connect-failure/refused-stream/reset/503 to another host (previous_hosts).
+    #: Envoy route ``timeout`` (``RouteAction.timeout``, ms): one request's whole response, every retry
+    #: included. 0 (default) disables it: a stream is bounded by the time to its first byte and between its
+    #: chunks (``stream_*``), not by its length, and a non-streamed answer by ``per_try_timeout_ms``.
+    request_timeout_ms: Annotated[int, Field(strict=True, ge=0)] = 0
+    #: Non-streamed requests: Envoy ``RetryPolicy.per_try_timeout`` (ms), each attempt's time until the
+    #: model server's response headers. A non-streamed answer's headers come with the whole generation
+    #: (queueing included), so this must exceed the longest one; an attempt past it is reset and retried on
+    #: another GPU. 0: none (the attempt may wait as long as ``request_timeout_ms``).
+    per_try_timeout_ms: Annotated[int, Field(strict=True, ge=0, le=86_400_000)] = 300_000
+    #: Streamed requests (``"stream": true``; ext_proc sets ``x-inferlb-stream``): Envoy
+    #: ``RetryPolicy.per_try_idle_timeout`` (ms), the longest silence of the model server within one
+    #: attempt: from the request to the first byte (its response headers, sent when it accepts the
+    #: stream), from there to the first token (queueing and prefill), and between two chunks. Before the
+    #: first byte the attempt is retried on another GPU (a hung server costs a new stream this long, not an
+    #: error); after it Envoy cannot retry, and a stream that stops is cut after this long instead of being
+    #: held. Never the stream's length. 0: none.
+    stream_idle_timeout_ms: Annotated[int, Field(strict=True, ge=0, le=86_400_000)] = 60_000
+    #: Retries Envoy makes to another host (``previous_hosts``) on connect failure, refused stream, reset, a
+    #: per-try timeout, or a ``retry_status_codes`` answer, while nothing of the response has reached the
+    #: client.
     num_retries: Annotated[int, Field(strict=True, ge=0, le=10)] = 2
+    #: HTTP statuses retried on another host (Envoy ``retriable-status-codes``): a model server's 503 (failed
+    #: GPU, full queue) is retried when it is the first thing it answers, i.e. before any response byte
+    #: reached the client. Empty: no status is retried.
+    retry_status_codes: tuple[Annotated[int, Field(strict=True, ge=500, le=599)], ...] = (503,)
     #: ``retry-after`` (s) on Envoy's 503 when a model cluster's circuit breaker for the request's routing
     #: priority is full (response flag UO): DEFAULT traffic is shed this way before HIGH.
     overflow_retry_after_s: Annotated[int, Field(strict=True, ge=1, le=3600)] = 1

@@ -489,7 +489,8 @@ def admit(
 
     Returns:
         :class:`ContinueRequest` setting ``x-inferlb-model``, ``-version``, ``-tenant``, ``-priority``,
-        ``-prompt-tokens`` (and ``-length-class`` for a length-aware model) with ``clear_route_cache``;
+        ``-prompt-tokens`` (``-stream: true`` for a streamed request, ``-length-class`` for a length-aware
+        model) with ``clear_route_cache``;
         or a 429 ``rate_limit_error``/``rate_limit_exceeded`` :class:`ImmediateReply` with ``retry-after``
         (none when the request can never fit the quota).
     """
@@ -553,6 +554,9 @@ def route(
         headers = (*headers, (h.PREFIX_KEY, keys.prefix))
     if keys.session is not None:
         headers = (*headers, (h.SESSION_KEY, keys.session))
+    if prepared.request.stream:
+        # streamed answers get their own route: a per-try bound on the silence, not on the whole answer
+        headers = (*headers, (h.STREAM, "true"))
     length_aware = prepared.model.cluster.length_aware
     if length_aware is not None:
         # the whole output cap (x n x prompts, as admission reserves): n choices share one GPU's batch

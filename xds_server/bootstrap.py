@@ -98,7 +98,8 @@ def render_bootstrap(
     Returns:
         a dict with ``node``, ``admin``, ``static_resources`` (the ``inferlb_xds`` HTTP/2 cluster, STATIC for
         an IP, LOGICAL_DNS for a host name) and ``dynamic_resources`` (ADS over gRPC, v3, node sent on
-        the first message only, LDS and CDS from ADS; or for ``xds`` LDS and CDS on their own streams).
+        the first message only, reconnect backoff :func:`reconnect_policy`, LDS and CDS from ADS; or for
+        ``xds`` LDS and CDS on their own streams).
     """
     if mode not in _API_TYPE:
         raise ValueError(f"ADS mode must be one of {list(ADS_MODES)}, got {mode!r}")
@@ -137,34 +138,58 @@ def render_bootstrap(
                 }
             ]
         },
-        "dynamic_resources": _per_type_dynamic_resources() if mode == "xds" else _ads_dynamic_resources(mode),
+        "dynamic_resources": (
+            _per_type_dynamic_resources(config) if mode == "xds" else _ads_dynamic_resources(mode, config)
+        ),
     }
 
 
-def _api_source(api_type: str) -> dict[str, Any]:
+def _duration(ms: int) -> str:
+    """``ms`` as a protobuf JSON duration (``"0.250s"``)."""
+    return f"{ms / 1000:.3f}s"
+
+
+def reconnect_policy(config: Config) -> dict[str, Any]:
+    """The ``retry_policy`` of the xDS ``envoy_grpc`` service (``GrpcService.EnvoyGrpc.retry_policy``, "only
+    supported for xDS gRPC streams": the backoff of re-establishing the stream): ``retry_back_off`` with
+    ``base_interval`` ``xds.reconnect_base_ms`` and ``max_interval`` ``xds.reconnect_max_ms``. Without it
+    Envoy waits from 1 s doubling to 10 s (jittered) between attempts, so after an xDS server restart an
+    Envoy could stay away for ~18 s; with the defaults (250 ms to 1 s) it is back within about a second
+    of the server's return."""
+    return {
+        "retry_back_off": {
+            "base_interval": _duration(config.xds.reconnect_base_ms),
+            "max_interval": _duration(config.xds.reconnect_max_ms),
+        }
+    }
+
+
+def _api_source(api_type: str, config: Config) -> dict[str, Any]:
     return {
         "api_type": api_type,
         "transport_api_version": "V3",
         "set_node_on_first_message_only": True,
-        "grpc_services": [{"envoy_grpc": {"cluster_name": XDS_CLUSTER}}],
+        "grpc_services": [
+            {"envoy_grpc": {"cluster_name": XDS_CLUSTER, "retry_policy": reconnect_policy(config)}}
+        ],
     }
 
 
-def _ads_dynamic_resources(mode: AdsMode) -> dict[str, Any]:
+def _ads_dynamic_resources(mode: AdsMode, config: Config) -> dict[str, Any]:
     return {
-        "ads_config": _api_source(_API_TYPE[mode]),
+        "ads_config": _api_source(_API_TYPE[mode], config),
         # fresh dicts each: a shared object would come out of yaml.safe_dump as an anchor/alias
         "lds_config": {"ads": {}, "resource_api_version": "V3"},
         "cds_config": {"ads": {}, "resource_api_version": "V3"},
     }
 
 
-def _per_type_dynamic_resources() -> dict[str, Any]:
+def _per_type_dynamic_resources(config: Config) -> dict[str, Any]:
     # the same ApiConfigSource xds_server.config_source puts in the clusters' eds_config and the listener's
     # rds.config_source, so every stream goes to the inferlb_xds cluster
     return {
-        "lds_config": {"api_config_source": _api_source("GRPC"), "resource_api_version": "V3"},
-        "cds_config": {"api_config_source": _api_source("GRPC"), "resource_api_version": "V3"},
+        "lds_config": {"api_config_source": _api_source("GRPC", config), "resource_api_version": "V3"},
+        "cds_config": {"api_config_source": _api_source("GRPC", config), "resource_api_version": "V3"},
     }
 
 

@@ -29,18 +29,25 @@ _HCM_TYPE: Final = (
 )
 
 
-def per_type_source(api_type: int = config_source_pb2.ApiConfigSource.GRPC) -> config_source_pb2.ConfigSource:
+def per_type_source(
+    api_type: int = config_source_pb2.ApiConfigSource.GRPC, *, reconnect_ms: tuple[int, int] | None = None
+) -> config_source_pb2.ConfigSource:
     """A ConfigSource naming this server's per-type discovery service over gRPC (state of the world by
-    default), through the bootstrap's ``inferlb_xds`` cluster, node sent on the first message only."""
+    default), through the bootstrap's ``inferlb_xds`` cluster, node sent on the first message only.
+
+    ``reconnect_ms`` = ``(base, max)``: the stream's reconnect backoff (``EnvoyGrpc.retry_policy
+    .retry_back_off``, as :func:`xds_server.bootstrap.reconnect_policy` sets for the bootstrap's streams);
+    None: Envoy's default (1 s to 10 s)."""
+    envoy_grpc = grpc_service_pb2.GrpcService.EnvoyGrpc(cluster_name=XDS_CLUSTER)
+    if reconnect_ms is not None:
+        base_ms, max_ms = reconnect_ms
+        envoy_grpc.retry_policy.retry_back_off.base_interval.FromMilliseconds(base_ms)
+        envoy_grpc.retry_policy.retry_back_off.max_interval.FromMilliseconds(max_ms)
     return config_source_pb2.ConfigSource(
         api_config_source=config_source_pb2.ApiConfigSource(
             api_type=api_type,
             transport_api_version=config_source_pb2.ApiVersion.V3,
-            grpc_services=[
-                grpc_service_pb2.GrpcService(
-                    envoy_grpc=grpc_service_pb2.GrpcService.EnvoyGrpc(cluster_name=XDS_CLUSTER)
-                )
-            ],
+            grpc_services=[grpc_service_pb2.GrpcService(envoy_grpc=envoy_grpc)],
             set_node_on_first_message_only=True,
         ),
         resource_api_version=config_source_pb2.ApiVersion.V3,
@@ -80,10 +87,16 @@ def _listener(
 class ConfigSourceRewriter:
     """Rewrites a group's resources for the per-type discovery services, reusing the rewritten proto of
     every input proto seen in the previous call (builders hand back the very same object for an unchanged
-    resource, and the snapshot then reuses its serialization). Not thread-safe; one per node group."""
+    resource, and the snapshot then reuses its serialization). Not thread-safe; one per node group.
 
-    def __init__(self) -> None:
-        self._source = per_type_source()
+    Args:
+        reconnect_ms: ``(xds.reconnect_base_ms, xds.reconnect_max_ms)``, the EDS and RDS streams' reconnect
+            backoff (:func:`per_type_source`); None: Envoy's default.
+    """
+
+    def __init__(self, reconnect_ms: tuple[int, int] | None = None) -> None:
+        self.reconnect_ms = reconnect_ms
+        self._source = per_type_source(reconnect_ms=reconnect_ms)
         self._memo: dict[int, tuple[Message, Message]] = {}
 
     def apply(self, resources: XdsResources) -> XdsResources:

@@ -475,9 +475,9 @@ class XdsServer:
                 # model_copy shares the endpoint objects, so the memo keys (object ids) stay valid
                 gateway = eff.gateway.model_copy(update={"region": g.region, "zone": g.zone})
                 groups[name] = (eff.model_copy(update={"gateway": gateway}), LbEndpointCache())
-            self._per_type_sources = {
-                g: self._per_type_sources.get(g) or ConfigSourceRewriter() for g in groups
-            }
+            reconnect = (eff.xds.reconnect_base_ms, eff.xds.reconnect_max_ms)
+            kept = {g: r for g, r in self._per_type_sources.items() if r.reconnect_ms == reconnect}
+            self._per_type_sources = {g: kept.get(g) or ConfigSourceRewriter(reconnect) for g in groups}
             self._groups, self._groups_owner = groups, eff
         return self._groups
 

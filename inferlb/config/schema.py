@@ -110,10 +110,31 @@ class GatewayConfig(_Frozen):
     admin: HostPort = HostPort(host="127.0.0.1", port=9901)
     #: Request bodies above this get 413 from Envoy's buffer limit, before ext_proc sees them (bytes).
     max_request_body_bytes: Annotated[int, Field(strict=True, ge=1024, le=64 * 1024 * 1024)] = 4 * 1024 * 1024
-    #: Envoy route timeout for one inference request (ms); 0 disables it (long generations).
-    request_timeout_ms: Annotated[int, Field(strict=True, ge=0)] = 300_000
-    #: Retries Envoy makes on connect-failure/refused-stream/reset/503 to another host (previous_hosts).
+    #: Envoy route ``timeout`` (``RouteAction.timeout``, ms): one request's whole response, every retry
+    #: included. 0 (default) disables it: a stream is bounded by the time to its first byte and between its
+    #: chunks (``stream_*``), not by its length, and a non-streamed answer by ``per_try_timeout_ms``.
+    request_timeout_ms: Annotated[int, Field(strict=True, ge=0)] = 0
+    #: Non-streamed requests: Envoy ``RetryPolicy.per_try_timeout`` (ms), each attempt's time until the
+    #: model server's response headers. A non-streamed answer's headers come with the whole generation
+    #: (queueing included), so this must exceed the longest one; an attempt past it is reset and retried on
+    #: another GPU. 0: none (the attempt may wait as long as ``request_timeout_ms``).
+    per_try_timeout_ms: Annotated[int, Field(strict=True, ge=0, le=86_400_000)] = 300_000
+    #: Streamed requests (``"stream": true``; ext_proc sets ``x-inferlb-stream``): Envoy
+    #: ``RetryPolicy.per_try_idle_timeout`` (ms), the longest silence of the model server within one
+    #: attempt: from the request to the first byte (its response headers, sent when it accepts the
+    #: stream), from there to the first token (queueing and prefill), and between two chunks. Before the
+    #: first byte the attempt is retried on another GPU (a hung server costs a new stream this long, not an
+    #: error); after it Envoy cannot retry, and a stream that stops is cut after this long instead of being
+    #: held. Never the stream's length. 0: none.
+    stream_idle_timeout_ms: Annotated[int, Field(strict=True, ge=0, le=86_400_000)] = 60_000
+    #: Retries Envoy makes to another host (``previous_hosts``) on connect failure, refused stream, reset, a
+    #: per-try timeout, or a ``retry_status_codes`` answer, while nothing of the response has reached the
+    #: client.
     num_retries: Annotated[int, Field(strict=True, ge=0, le=10)] = 2
+    #: HTTP statuses retried on another host (Envoy ``retriable-status-codes``): a model server's 503 (failed
+    #: GPU, full queue) is retried when it is the first thing it answers, i.e. before any response byte
+    #: reached the client. Empty: no status is retried.
+    retry_status_codes: tuple[Annotated[int, Field(strict=True, ge=500, le=599)], ...] = (503,)
     #: ``retry-after`` (s) on Envoy's 503 when a model cluster's circuit breaker for the request's routing
     #: priority is full (response flag UO): DEFAULT traffic is shed this way before HIGH.
     overflow_retry_after_s: Annotated[int, Field(strict=True, ge=1, le=3600)] = 1
@@ -154,6 +175,12 @@ class XdsConfig(_Frozen):
     #: How often endpoint host names are resolved again (ms); a changed address is pushed like any other
     #: change, a name that stops resolving keeps its last address (logged). 0: only at load/registration.
     resolve_interval_ms: Annotated[int, Field(strict=True, ge=0, le=86_400_000)] = 30_000
+    #: Envoy's backoff when its xDS stream to this server breaks (bootstrap ``EnvoyGrpc.retry_policy
+    #: .retry_back_off``, ms): the first reconnect after ``reconnect_base_ms``, doubling (jittered) up to
+    #: ``reconnect_max_ms``. Envoy's default (1 s doubling to 10 s) left a restarted server's Envoys away for
+    #: ~18 s; these resync within about a second of its return. Raise both for very large fleets.
+    reconnect_base_ms: Annotated[int, Field(strict=True, ge=10, le=60_000)] = 250
+    reconnect_max_ms: Annotated[int, Field(strict=True, ge=10, le=600_000)] = 1_000
     #: Snapshots per node group: Envoys whose ``node.cluster`` is a key here run in that locality and get
     #: their own snapshot, with each model's ``cluster.failover`` priorities relative to it; other Envoys
     #: get the default snapshot (relative to ``gateway.region``/``gateway.zone``).
@@ -163,6 +190,15 @@ class XdsConfig(_Frozen):
     #: change, see xds_server/fleet_store.py); a relative path is relative to the config file's directory.
     #: None: the changes live in memory only and a restart forgets them. Read at start-up only.
     state_file: Annotated[str, Field(min_length=1, max_length=4096)] | None = None
+
+    @model_validator(mode="after")
+    def _check_reconnect(self) -> Self:
+        if self.reconnect_max_ms < self.reconnect_base_ms:
+            raise ValueError(
+                f"reconnect_max_ms: {self.reconnect_max_ms} is below reconnect_base_ms "
+                f"({self.reconnect_base_ms}); Envoy needs max >= base"
+            )
+        return self
 
 
 class ExtProcConfig(_Frozen):
@@ -368,16 +404,20 @@ class HealthCheck(_Frozen):
     """Envoy active HTTP health checking of a model's endpoints (``GET path`` must answer 200).
 
     An endpoint failing ``unhealthy_threshold`` checks in a row is taken out of balancing until it passes
-    ``healthy_threshold`` in a row; Envoy checks every ``interval_ms`` (with ``interval_jitter_ms`` added).
+    ``healthy_threshold`` in a row; Envoy checks every ``interval_ms`` (with up to ``interval_jitter_ms``
+    added), the next check starting that long after the previous one answered or timed out. With the
+    defaults a server whose ``/health`` answers 503 is out after ~1-2 s and one that hangs (no answer:
+    each check times out after ``timeout_ms``) after ~3 s, whatever traffic it gets; a recovered one is
+    back after two passing checks (~2 s). One check per second per endpoint per Envoy.
     """
 
     #: The model server's health path (vLLM, SGLang, TGI and gpusim serve ``/health``).
     path: Annotated[str, Field(pattern=r"^/")] = "/health"
-    interval_ms: Annotated[int, Field(strict=True, ge=100, le=600_000)] = 5_000
-    interval_jitter_ms: Annotated[int, Field(strict=True, ge=0, le=600_000)] = 500
+    interval_ms: Annotated[int, Field(strict=True, ge=100, le=600_000)] = 1_000
+    interval_jitter_ms: Annotated[int, Field(strict=True, ge=0, le=600_000)] = 100
     timeout_ms: Annotated[int, Field(strict=True, ge=10, le=60_000)] = 1_000
     unhealthy_threshold: Annotated[int, Field(strict=True, ge=1, le=100)] = 2
-    healthy_threshold: Annotated[int, Field(strict=True, ge=1, le=100)] = 1
+    healthy_threshold: Annotated[int, Field(strict=True, ge=1, le=100)] = 2
     #: Check interval while the cluster has had no traffic (ms): Envoy's ``no_traffic_interval``, whose
     #: default (60 s) would make an idle model's recovered GPU wait a minute to come back.
     no_traffic_interval_ms: Annotated[int, Field(strict=True, ge=100, le=600_000)] = 5_000
@@ -465,8 +505,16 @@ class ClusterPolicy(_Frozen):
     circuit_breaker_high: CircuitBreaker = CircuitBreaker(
         max_connections=8192, max_pending_requests=2048, max_requests=8192, max_retries=32
     )
-    #: Active HTTP health checks against each endpoint; None (default): outlier detection only.
-    health_check: HealthCheck | None = None
+    #: Active HTTP health checks against each endpoint (on by default: outlier detection alone never
+    #: ejects a server that hangs, since it sees no errors); ``null`` turns them off (outlier detection
+    #: only).
+    health_check: HealthCheck | None = HealthCheck()
+    #: Envoy ``common_lb_config.update_merge_window`` (ms): health, weight and metadata changes within this
+    #: window are applied together at its end. Envoy's default (1 s) keeps a host that outlier detection or
+    #: a health check just took out in the balancer for up to that long (a burst of errors each time a
+    #: failing GPU returns from ejection); 0 (default) applies every change at once, at the cost of one
+    #: load-balancer rebuild per change (raise it for clusters of thousands of endpoints).
+    update_merge_window_ms: Annotated[int, Field(strict=True, ge=0, le=60_000)] = 0
     #: Envoy ``slow_start_config``: a new endpoint's share ramps up over this window (ms); 0 = off.
     #: Needs ``least_request`` or ``round_robin``.
     slow_start_window_ms: Annotated[int, Field(strict=True, ge=0, le=3_600_000)] = 0

@@ -384,12 +384,13 @@ def cmd_xds(args: argparse.Namespace, out: Console) -> int:
     return EXIT_OK
 
 
-SIM_ACTIONS = ("throttle", "slow", "fail", "mute", "unmute", "recover", "telemetry")
+SIM_ACTIONS = ("throttle", "slow", "fail", "hang", "mute", "unmute", "recover", "telemetry")
 
 
 def cmd_sim(args: argparse.Namespace, out: Console) -> int:
-    """``inferlb sim ACTION NAME [--factor X]``: tell a simulated endpoint to throttle, slow down, fail or
-    recover (``POST http://ADDRESS/sim/fault``), or show its simulated GPU telemetry (``GET /sim/telemetry``).
+    """``inferlb sim ACTION NAME [--factor X]``: tell a simulated endpoint to throttle, slow down, fail, hang
+    or recover (``POST http://ADDRESS/sim/fault``), or show its simulated GPU telemetry
+    (``GET /sim/telemetry``).
 
     NAME is an endpoint's display name in the config (its ``name``, else its address). Exit 1 when the
     endpoint cannot be reached or refuses the command, 2 for an unknown name.
@@ -566,7 +567,9 @@ def build_parser() -> argparse.ArgumentParser:
     x.add_argument("--json", action="store_true", help="print the server's JSON")
     x.set_defaults(fn=cmd_xds)
 
-    m = sub.add_parser("sim", help="throttle, slow, fail or recover a simulated GPU, or show its telemetry")
+    m = sub.add_parser(
+        "sim", help="throttle, slow, fail, hang or recover a simulated GPU, or show its telemetry"
+    )
     m.add_argument("action", choices=SIM_ACTIONS)
     m.add_argument("name", help="endpoint name (or address) in the config")
     _config_arg(m, positional=False)

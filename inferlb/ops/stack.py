@@ -149,6 +149,34 @@ def expected_endpoint_counts(config: Config) -> dict[str, int]:
     return counts
 
 
+#: The four resource types an Envoy must have ACKed (short names, as ``GET /v1/clients`` lists them).
+SYNCED_TYPES = ("Cluster", "ClusterLoadAssignment", "Listener", "RouteConfiguration")
+
+
+def synced_nodes(config: Config, token: str, timeout_s: float = 1.0) -> set[str]:
+    """The node ids of the Envoys connected to the xDS server (``GET /v1/clients`` on ``xds.api_listen``)
+    that have ACKed the version last sent of every type in :data:`SYNCED_TYPES`: resynced with this server.
+
+    Raises:
+        OSError / urllib.error.URLError: the API is not reachable (or refused the token).
+        ValueError: the config has no ``xds.api_listen``.
+    """
+    if config.xds.api_listen is None:
+        raise ValueError("xds.api_listen is off: no client list to read")
+    req = urllib.request.Request(
+        f"http://{config.xds.api_listen}/v1/clients", headers={"Authorization": f"Bearer {token}"}
+    )
+    with urllib.request.urlopen(req, timeout=timeout_s) as resp:
+        clients = json.loads(resp.read())["clients"]
+    out: set[str] = set()
+    for c in clients:
+        types = c.get("types", {})
+        acked = [types.get(name) or {} for name in SYNCED_TYPES]
+        if all(t.get("sent_version") and t.get("acked_version") == t.get("sent_version") for t in acked):
+            out.add(str(c.get("node_id")))
+    return out
+
+
 @dataclass
 class Child:
     """One child process of the stack and its log file."""
@@ -227,6 +255,7 @@ class Stack:
         # Envoy's shared-memory base id must differ between Envoys on one host (tests run several).
         self.base_id = base_id if base_id is not None else (os.getpid() % 50_000) * 10 + 1
         self.children: list[Child] = []
+        self._env: dict[str, str] = {}
 
     # -- start-up --------------------------------------------------------------------------------
     def _python_child(self, name: str, module: str, *extra: str) -> Child:
@@ -283,7 +312,7 @@ class Stack:
                 stopped before it is raised.
         """
         say = progress or (lambda _msg: None)
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        env = self._env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         cfg = self.config
         busy = [f"{addr} ({field})" for field, addr in self.sockets() if port_open(addr)]
         if busy:
@@ -379,6 +408,32 @@ class Stack:
             if c.name == name:
                 return c
         raise KeyError(name)
+
+    def restart(self, name: str, *, down_s: float = 0.0, timeout_s: float = 30.0) -> float:
+        """Stop the child ``name`` (SIGTERM, as an operator's restart would), keep it down ``down_s``
+        seconds, start it again with the same command and wait until it listens again (the xDS server and
+        ext_proc on their gRPC address, gpusim on every simulated endpoint). For failure drills: Envoy
+        keeps serving its last config while the xDS server is away.
+
+        Returns:
+            the ``time.monotonic()`` at which it listened again.
+
+        Raises:
+            KeyError: no such child, or Envoy (not restartable in place).
+            StackError: it exited or did not listen within ``timeout_s``.
+        """
+        child = self.child(name)
+        if name == "gpusim":
+            addresses = [e.address for e in self.config.endpoints if e.simulated]
+        else:
+            addresses = [a for c, a in self._control_children() if c.name == name]
+        if not addresses:
+            raise KeyError(f"{name} cannot be restarted (only gpusim, xds_server and ext_proc can)")
+        child.stop()
+        time.sleep(down_s)
+        child.start(self._env or {**os.environ, "PYTHONUNBUFFERED": "1"})
+        self._wait(child, "listening again", lambda: all(port_open(a) for a in addresses), timeout_s)
+        return time.monotonic()
 
     def first_exited(self) -> Child | None:
         """A child that has exited, if any (the stack is then broken)."""

@@ -27,5 +27,8 @@ PREFIX_KEY: Final = "x-inferlb-prefix"
 #: Length class of a request to a length-aware model (``long``/``short``, :mod:`inferlb.policy.length_aware`):
 #: a ``long`` request's route balances it among the model's fast GPUs only.
 LENGTH_CLASS: Final = "x-inferlb-length-class"
+#: ``true`` on a streamed request (``"stream": true``): its route bounds each attempt by the silence before
+#: the first byte and between chunks (``gateway.stream_idle_timeout_ms``) instead of by the whole answer.
+STREAM: Final = "x-inferlb-stream"
 #: Response header set by a (simulated) model server: which endpoint served the request.
 ENDPOINT: Final = "x-inferlb-endpoint"

@@ -9,7 +9,11 @@ A simulated endpoint is told what to do with ``POST /sim/fault`` (:func:`parse_f
   healthy): a noisy neighbour, a degraded link, a bad driver. Only the model server's throughput shows it.
 * ``fail``: ``/health`` and every inference request (chat, completions, embeddings) answer 503; NVML shows
   an idle GPU.
-* ``recover``: back to normal (slowdown 1.0, telemetry on).
+* ``hang``: a wedged server: it still accepts connections and reads requests, but ``/health`` and every
+  inference request never answer, and streams in flight stop between two chunks (the engine keeps its
+  state). What a stuck collective or a deadlocked engine looks like from the network: no error, no
+  reset, nothing. ``recover`` lets the held answers go on; a client that gave up has already left.
+* ``recover``: back to normal (slowdown 1.0, telemetry on, held answers released).
 * ``mute`` / ``unmute``: ``/metrics`` and ``/sim/telemetry`` answer 503 (a broken exporter or agent) while the
   GPU keeps serving in whatever mode it is in; the only command that keeps the mode, so that a throttled GPU
   can go quiet and show that the control plane then falls back to its profile weight.
@@ -38,9 +42,9 @@ from inferlb.errors import RequestError
 from inferlb.policy.telemetry import REASON_SW_THERMAL, GpuTelemetry
 from simulation.gpusim.engine import KV_BYTES_PER_TOKEN, MODEL_WEIGHTS_GIB, EngineStats
 
-FaultAction = Literal["throttle", "slow", "fail", "recover", "mute", "unmute"]
-FaultMode = Literal["healthy", "throttled", "slow", "failed"]
-ACTIONS: tuple[FaultAction, ...] = ("throttle", "slow", "fail", "recover", "mute", "unmute")
+FaultAction = Literal["throttle", "slow", "fail", "hang", "recover", "mute", "unmute"]
+FaultMode = Literal["healthy", "throttled", "slow", "failed", "hung"]
+ACTIONS: tuple[FaultAction, ...] = ("throttle", "slow", "fail", "hang", "recover", "mute", "unmute")
 #: Factor when a throttle or slow command gives none (half speed).
 DEFAULT_FACTOR = 2.0
 MAX_FACTOR = 100.0
@@ -105,8 +109,8 @@ class FaultCommand:
     factor: float = DEFAULT_FACTOR
 
     def apply(self, previous: FaultState | None = None) -> FaultState:
-        """The state the command leads to from ``previous``: throttle, slow and fail replace the mode (they
-        do not stack) and keep a mute; mute and unmute keep the mode; recover resets everything."""
+        """The state the command leads to from ``previous``: throttle, slow, fail and hang replace the mode
+        (they do not stack) and keep a mute; mute and unmute keep the mode; recover resets everything."""
         muted = previous.telemetry_muted if previous is not None else False
         if self.action == "throttle":
             return FaultState(mode="throttled", factor=self.factor, telemetry_muted=muted)
@@ -114,6 +118,8 @@ class FaultCommand:
             return FaultState(mode="slow", factor=self.factor, telemetry_muted=muted)
         if self.action == "fail":
             return FaultState(mode="failed", telemetry_muted=muted)
+        if self.action == "hang":
+            return FaultState(mode="hung", telemetry_muted=muted)
         if self.action in ("mute", "unmute"):
             base = previous or FaultState()
             return FaultState(mode=base.mode, factor=base.factor, telemetry_muted=self.action == "mute")
@@ -121,8 +127,8 @@ class FaultCommand:
 
 
 def parse_fault_command(obj: Any) -> FaultCommand:
-    """Read ``{"action": "throttle"|"slow"|"fail"|"recover", "factor": 2.0}`` (factor optional, default 2.0,
-    used by throttle and slow).
+    """Read ``{"action": "throttle"|"slow"|"fail"|"hang"|"recover"|"mute"|"unmute", "factor": 2.0}``
+    (factor optional, default 2.0, used by throttle and slow).
 
     Raises:
         RequestError: 400 naming the field (``param``) when the body is not an object, the action is unknown,

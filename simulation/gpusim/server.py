@@ -27,8 +27,9 @@ count the gateway reserved.
   "throttle" | "slow" | "fail" | "recover" | "mute" | "unmute", "factor": 2.0}`` answers the new fault state;
   ``GET /sim/fault`` the current one; ``GET /sim/telemetry`` the GPU's NVML-like telemetry
   (:class:`inferlb.policy.telemetry.GpuTelemetry` JSON); while muted, it and ``/metrics`` answer 503.
-  A failed endpoint answers 503 to ``/health`` and to every inference request; ``/metrics`` and ``/sim/*``
-  keep answering.
+  A failed endpoint answers 503 to ``/health`` and to every inference request; a hung one never answers
+  them (it reads each request, then holds it; streams in flight stop before their next chunk) until
+  ``recover``; ``/metrics`` and ``/sim/*`` keep answering.
 
 Every response, errors included, carries ``x-inferlb-endpoint: <display name>`` and ``x-inferlb-gpu: <GPU
 type>``. A client that disconnects (the handler is cancelled: ``handler_cancellation=True``) frees its batch
@@ -144,6 +145,10 @@ class SimulatedEndpoint:
         self.engine = BatchEngine(model=self.timing)
         self.memory_gb = config.gpu_profiles[endpoint.gpu].memory_gb
         self.fault = FaultState()
+        #: set while the endpoint answers; cleared by the ``hang`` fault, set again by any other mode and
+        #: by :meth:`stop` (so no handler outlives the server)
+        self._answering = asyncio.Event()
+        self._answering.set()
         self._util_sample: tuple[float, float] | None = None  # (engine time, busy seconds)
         self._util_percent = 0.0
         self.metrics = EndpointMetrics(model_name=model.name, stats=self._stats_now)
@@ -199,6 +204,7 @@ class SimulatedEndpoint:
         for flight in self._flights.values():
             flight.stopped = True
             flight.progressed.set()
+        self._answering.set()
         if self._runner is not None:
             runner, self._runner = self._runner, None
             await runner.cleanup()
@@ -224,11 +230,16 @@ class SimulatedEndpoint:
         """Put the GPU in the fault ``command`` leads to (replacing any other); returns the new state.
 
         Throttle and slow change the engine's slowdown from its next step on; fail makes ``/health`` and new
-        inference requests answer 503 (requests in flight finish); recover undoes all.
+        inference requests answer 503 (requests in flight finish); hang holds ``/health``, new requests and
+        the next chunk of every stream (the engine runs on); recover undoes all and releases what was held.
         """
         state = command.apply(self.fault)
         self.set_slowdown(state.slowdown)
         self.fault = state
+        if state.mode == "hung":
+            self._answering.clear()
+        else:
+            self._answering.set()
         log.info("%s: fault %s (factor %g)", self.display_name, state.mode, state.factor)
         return state
 
@@ -343,7 +354,13 @@ class SimulatedEndpoint:
             )
             return _error_response(err, extra_headers=dict(exc.headers))
 
+    async def _hold_while_hung(self) -> None:
+        """Return at once unless the endpoint is hung; then only when it recovers (or stops). A client that
+        gives up meanwhile cancels the handler (``handler_cancellation``) and frees its batch slots."""
+        await self._answering.wait()
+
     async def _health(self, _request: web.Request) -> web.Response:
+        await self._hold_while_hung()
         if self.fault.mode == "failed":
             return _error_response(self._failed_error())
         return web.json_response({"status": "ok"})
@@ -481,6 +498,7 @@ class SimulatedEndpoint:
             self.metrics.request_refused("gpu_failed")
             return _error_response(self._failed_error())
         body = await request.read()
+        await self._hold_while_hung()
         try:
             req = parse_request(kind, body)
             admission = self._admit(req)
@@ -553,15 +571,14 @@ class SimulatedEndpoint:
                 return _error_response(RequestError(503, "The server is shutting down.", type="server_error"))
             await flight.progressed.wait()
             flight.progressed.clear()
+        await self._hold_while_hung()
         self._record_finish(flight, req.kind)
         if req.kind is EndpointKind.EMBEDDINGS:
             dimensions = req.dimensions or EMBEDDING_DIMENSIONS
             vectors = [replies.pseudo_embedding(self.model.name, p, dimensions) for p in req.prompts]
             body = replies.embedding_response(req, vectors=vectors, prompt_tokens=prompt_tokens)
         elif req.kind is EndpointKind.RESPONSES:
-            builder = replies.ResponseBuilder(
-                req, request_id=flight.request_id, created_at=int(time.time())
-            )
+            builder = replies.ResponseBuilder(req, request_id=flight.request_id, created_at=int(time.time()))
             body = builder.response(
                 status=replies.CAPPED, input_tokens=prompt_tokens, output_tokens=flight.tokens_per_choice
             )
@@ -591,6 +608,7 @@ class SimulatedEndpoint:
         while True:
             await flight.progressed.wait()
             flight.progressed.clear()
+            await self._hold_while_hung()
             if flight.stopped:
                 return response
             if flight.finished_at is not None:

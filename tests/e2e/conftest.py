@@ -12,16 +12,18 @@ import http.client
 import json
 import random
 import subprocess
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import openai
 import pytest
 
 from inferlb.config.schema import Config
-from inferlb.ops.stack import Stack, find_envoy
+from inferlb.ops.stack import Stack, clusters_json, find_envoy
 from tests.conftest import make_config_doc, write_config
 
 pytestmark = pytest.mark.e2e
@@ -130,3 +132,95 @@ async def spawn_envoy(bootstrap: Path, log: Path) -> asyncio.subprocess.Process:
             find_envoy(), "-c", str(bootstrap), "--base-id", str(random.randint(10_000, 2_000_000)),
             "--concurrency", "1", "-l", "warning", stdout=fh, stderr=subprocess.STDOUT,
         )  # fmt: skip
+
+
+# -- failure drills: a bounded closed-loop load and the simulated GPUs' faults -------------------------------
+
+
+@dataclass
+class Outcome:
+    """One request of :func:`closed_loop`: its status (an exception's class name when the transport failed,
+    ``"cut"`` for a 200 stream that ended without ``[DONE]``), when it started (monotonic s), how long it
+    took, and the endpoint that answered (``x-inferlb-endpoint``; None when no response came)."""
+
+    status: int | str
+    started: float
+    seconds: float
+    endpoint: str | None
+
+    @property
+    def ok(self) -> bool:
+        return self.status == 200
+
+
+def chat_body(model: str, *, max_tokens: int = 8, stream: bool = False) -> dict[str, Any]:
+    """A small chat completion request."""
+    return {
+        "model": model,
+        "messages": [{"role": "user", "content": "hello"}],
+        "max_tokens": max_tokens,
+        "stream": stream,
+    }
+
+
+async def closed_loop(
+    gateway: str,
+    body: dict[str, Any],
+    *,
+    clients: int,
+    duration_s: float,
+    key: str = "sk-demo-a",
+    client_timeout_s: float = 30.0,
+    max_requests: int = 20_000,
+) -> list[Outcome]:
+    """``clients`` clients each sending ``body`` to ``/v1/chat/completions`` one after the other for
+    ``duration_s`` seconds (bounded: at most ``max_requests`` in all, each at most ``client_timeout_s``)."""
+    out: list[Outcome] = []
+    stop = time.monotonic() + duration_s
+    url = f"http://{gateway}/v1/chat/completions"
+    headers = {"Authorization": f"Bearer {key}"}
+    timeout = aiohttp.ClientTimeout(total=client_timeout_s)
+
+    async def client(http: aiohttp.ClientSession) -> None:
+        while time.monotonic() < stop and len(out) < max_requests:
+            t0 = time.monotonic()
+            endpoint: str | None = None
+            status: int | str
+            try:
+                async with http.post(url, json=body, headers=headers, timeout=timeout) as r:
+                    endpoint = r.headers.get("x-inferlb-endpoint")
+                    data = await r.read()
+                    status = r.status
+                    if status == 200 and body.get("stream") and b"[DONE]" not in data:
+                        status = "cut"
+            except (aiohttp.ClientError, TimeoutError) as exc:
+                status = type(exc).__name__
+            out.append(Outcome(status, t0, time.monotonic() - t0, endpoint))
+
+    async with aiohttp.ClientSession() as http:
+        await asyncio.gather(*(client(http) for _ in range(clients)))
+    return out
+
+
+def sim_fault(config: Config, name: str, action: str) -> dict[str, Any]:
+    """``POST /sim/fault`` ``{"action": action}`` to the simulated endpoint ``name``; its new state."""
+    endpoint = next(e for e in config.endpoints if e.display_name == name)
+    reply = http_request(str(endpoint.address), "POST", "/sim/fault", {"action": action}, timeout_s=5)
+    assert reply.status == 200, reply.body
+    state: dict[str, Any] = reply.json()
+    return state
+
+
+def failed_hosts(config: Config, cluster: str) -> set[str]:
+    """The endpoints of ``cluster`` Envoy holds as failing an active health check or outlier-ejected
+    (admin ``/clusters?format=json``), by their address ``host:port``."""
+    out = set()
+    for c in clusters_json(config).get("cluster_statuses", []):
+        if c.get("name") != cluster:
+            continue
+        for h in c.get("host_statuses", []):
+            health = h.get("health_status", {})
+            if health.get("failed_active_health_check") or health.get("failed_outlier_check"):
+                sa = h["address"]["socket_address"]
+                out.add(f"{sa['address']}:{sa['port_value']}")
+    return out

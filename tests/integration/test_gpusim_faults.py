@@ -164,6 +164,63 @@ async def test_a_request_in_flight_when_the_gpu_fails_still_finishes(endpoint: F
     assert status == 200
 
 
+async def test_hang_holds_health_requests_and_streams_until_recovered(endpoint: Fixture) -> None:
+    srv, base, http = endpoint
+    # a stream that is running when the GPU hangs stops between two chunks
+    stream_body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 40,
+                   "stream": True}  # fmt: skip
+    chunks: list[bytes] = []
+    async with http.post(f"{base}/v1/chat/completions", json=stream_body) as streaming:
+        assert streaming.status == 200
+        chunks.append(await streaming.content.readany())
+        status, state = await fault(http, base, {"action": "hang"})
+        assert status == 200 and state["mode"] == "hung"
+        stalled_at = len(b"".join(chunks))
+
+        async def read_to_end() -> None:
+            while chunk := await streaming.content.readany():
+                chunks.append(chunk)
+
+        with pytest.raises(TimeoutError):
+            # 40 tokens take ~0.1 s: the rest would have arrived
+            await asyncio.wait_for(read_to_end(), timeout=0.4)
+        assert b"[DONE]" not in b"".join(chunks)
+        # /health and a new request are read and then held: no answer, no error, no reset
+        health = asyncio.create_task(http.get(f"{base}/health"))
+        held = asyncio.create_task(chat(http, base))
+        done, _ = await asyncio.wait({health, held}, timeout=0.4)
+        assert not done
+        # the control API still answers
+        async with http.get(f"{base}/sim/fault") as r:
+            assert (await r.json())["mode"] == "hung"
+        before = srv.engine.stats()
+        await fault(http, base, {"action": "recover"})
+        status, _, _ = await held
+        assert status == 200
+        async with await health as r:
+            assert r.status == 200
+        rest = await streaming.content.read()
+        assert b"[DONE]" in rest and len(b"".join(chunks)) >= stalled_at
+    assert before.running_requests + before.waiting_requests <= 1
+
+
+async def test_a_client_that_gives_up_on_a_hung_gpu_frees_its_slot(endpoint: Fixture) -> None:
+    srv, base, http = endpoint
+    # 400 tokens at 400 tokens/s: still generating when the client gives up
+    running = asyncio.create_task(chat(http, base, max_tokens=400))
+    await asyncio.sleep(0.05)
+    await fault(http, base, {"action": "hang"})
+    with pytest.raises(TimeoutError):
+        async with asyncio.timeout(0.3):
+            await running
+    await asyncio.sleep(0.1)
+    stats = srv.engine.stats()
+    assert stats.running_requests + stats.waiting_requests == 0
+    await fault(http, base, {"action": "recover"})
+    status, _, _ = await chat(http, base)
+    assert status == 200
+
+
 @pytest.mark.parametrize(
     ("body", "param"),
     [({"action": "explode"}, "action"), ({"action": "throttle", "factor": 0}, "factor"), (["x"], None)],
@@ -216,6 +273,8 @@ async def test_the_sim_cli_drives_a_running_endpoint(
         assert '"thermal_throttled": true' in shown
         assert await asyncio.to_thread(sim, "fail", "a100-t") == 0
         assert srv.fault.mode == "failed"
+        assert await asyncio.to_thread(sim, "hang", "a100-t") == 0
+        assert srv.fault.mode == "hung"
         assert await asyncio.to_thread(sim, "recover", "a100-t") == 0
         assert srv.fault.mode == "healthy" and srv.engine.slowdown == 1.0
         # a named endpoint is also found by its address, as the help says

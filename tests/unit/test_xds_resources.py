@@ -196,6 +196,7 @@ def test_listener_buffer_limit_and_filter_chain(config: Config) -> None:
         headers.SESSION_KEY,
         headers.PREFIX_KEY,
         headers.LENGTH_CLASS,
+        headers.STREAM,
         "x-forwarded-for",  # Envoy's own (use_remote_address) replaces it
     }
 
@@ -240,8 +241,11 @@ def test_routes_per_version_with_high_priority_variant_first(config: Config) -> 
     routes = list(vh.routes)
     model_routes = [rt for rt in routes if rt.route.cluster and not rt.name.startswith("failure_mode:")]
     assert routes[: len(model_routes)] == model_routes  # model routes come first
-    assert len(model_routes) == 2 * 3
-    for high, default in zip(model_routes[::2], model_routes[1::2], strict=True):
+    assert len(model_routes) == 2 * 2 * 3  # (streamed, non-streamed) x (high, default) x 3 versions
+    # each route's streamed twin comes first (tests/unit/test_xds_resources_resilience.py checks them)
+    streamed, whole = model_routes[::2], model_routes[1::2]
+    assert [rt.name for rt in streamed] == [f"{rt.name}{r.STREAM_ROUTE_SUFFIX}" for rt in whole]
+    for high, default in zip(whole[::2], whole[1::2], strict=True):
         assert high.route.cluster == default.route.cluster
         assert high.route.priority == base_pb2.RoutingPriority.HIGH
         assert default.route.priority == base_pb2.RoutingPriority.DEFAULT
@@ -253,7 +257,8 @@ def test_routes_per_version_with_high_priority_variant_first(config: Config) -> 
             assert route.match.prefix == "/"
             assert route.route.timeout.ToMilliseconds() == config.gateway.request_timeout_ms
             rp = route.route.retry_policy
-            assert rp.retry_on == "connect-failure,refused-stream,reset"
+            assert rp.retry_on == "connect-failure,refused-stream,reset,retriable-status-codes"
+            assert list(rp.retriable_status_codes) == [503]
             assert rp.num_retries.value == config.gateway.num_retries
             assert [p.name for p in rp.retry_host_predicate] == ["envoy.retry_host_predicates.previous_hosts"]
             assert rp.host_selection_retry_max_attempts == 3
@@ -410,9 +415,9 @@ def test_health_check_slow_start_and_failure_percentage() -> None:
     assert slow.slow_start_window.ToMilliseconds() == 30_000 and slow.aggression.default_value == 2.0
     assert cluster.outlier_detection.enforcing_failure_percentage.value == 100
     assert cluster.outlier_detection.failure_percentage_threshold.value == 60
-    # the defaults: no active health check, no slow start, failure percentage not enforced (but sent)
+    # the defaults: no slow start, failure percentage not enforced (but sent); health checks are on
+    # (tests/unit/test_xds_resources_resilience.py)
     default, _ = _qwen(_fleet_doc())
-    assert list(default.health_checks) == []
     assert not default.least_request_lb_config.HasField("slow_start_config")
     assert default.outlier_detection.HasField("enforcing_failure_percentage")
     # slow start with a hashing policy is refused, field named

@@ -83,6 +83,7 @@ from xds_server.resources.listener import (
 from xds_server.resources.routes import (
     HOST_SELECTION_RETRY_MAX_ATTEMPTS,
     RETRY_ON,
+    STREAM_ROUTE_SUFFIX,
     UPSTREAM_REMOVED_HEADERS,
     affinity_hash_policy,
     build_route_configuration,
@@ -92,6 +93,7 @@ from xds_server.resources.routes import (
     failure_mode_routes,
     no_route_body,
     path_failure_modes,
+    retry_policy,
 )
 
 __all__ = [
@@ -119,6 +121,7 @@ __all__ = [
     "RETRY_ON",
     "ROUTE_CONFIG_NAME",
     "ROUTE_TYPE",
+    "STREAM_ROUTE_SUFFIX",
     "STRIPPED_REQUEST_HEADERS",
     "UPSTREAM_FAILURE_CODES",
     "UPSTREAM_FAILURE_FLAGS",
@@ -151,4 +154,5 @@ __all__ = [
     "path_failure_modes",
     "processor_timeout_body",
     "processor_unavailable_body",
+    "retry_policy",
 ]

@@ -20,7 +20,7 @@ from envoy.extensions.upstreams.http.v3 import http_protocol_options_pb2
 from envoy.type.v3 import percent_pb2
 from google.protobuf import any_pb2, wrappers_pb2
 
-from inferlb.config.schema import CircuitBreaker, ClusterPolicy, Config
+from inferlb.config.schema import CircuitBreaker, ClusterPolicy, Config, HealthCheck
 from inferlb.policy.affinity import HASH_LB_POLICIES
 from inferlb.policy.length_aware import subset_key
 from xds_server.resources.common import EXT_PROC_CLUSTER, ads_source, duration_ms, pack, socket_address
@@ -75,7 +75,9 @@ def build_model_cluster(name: str, policy: ClusterPolicy) -> cluster_pb2.Cluster
         connect_timeout=duration_ms(policy.connect_timeout_ms),
         lb_policy=_LB_POLICY[policy.lb_policy],
         common_lb_config=cluster_pb2.Cluster.CommonLbConfig(
-            healthy_panic_threshold=percent_pb2.Percent(value=policy.healthy_panic_threshold)
+            healthy_panic_threshold=percent_pb2.Percent(value=policy.healthy_panic_threshold),
+            # Envoy's default window (1 s) delays an ejection or a failed health check by up to that long
+            update_merge_window=duration_ms(policy.update_merge_window_ms),
         ),
         outlier_detection=outlier_detection_pb2.OutlierDetection(
             consecutive_5xx=wrappers_pb2.UInt32Value(value=od.consecutive_5xx),
@@ -134,18 +136,28 @@ def build_model_cluster(name: str, policy: ClusterPolicy) -> cluster_pb2.Cluster
         cluster.lb_subset_config.CopyFrom(length_aware_subsets(policy))
     hc = policy.health_check
     if hc is not None:
-        cluster.health_checks.append(
-            health_check_pb2.HealthCheck(
-                timeout=duration_ms(hc.timeout_ms),
-                interval=duration_ms(hc.interval_ms),
-                interval_jitter=duration_ms(hc.interval_jitter_ms),
-                no_traffic_interval=duration_ms(hc.no_traffic_interval_ms),
-                unhealthy_threshold=wrappers_pb2.UInt32Value(value=hc.unhealthy_threshold),
-                healthy_threshold=wrappers_pb2.UInt32Value(value=hc.healthy_threshold),
-                http_health_check=health_check_pb2.HealthCheck.HttpHealthCheck(path=hc.path),
-            )
-        )
+        cluster.health_checks.append(health_check(hc))
+        # With active health checking Envoy keeps a host that left EDS while it still passes its checks
+        # (service discovery docs, "eventually consistent"): a deregistered or drained-out GPU would keep
+        # its traffic. The fleet API's word wins.
+        cluster.ignore_health_on_host_removal = True
     return cluster
+
+
+def health_check(hc: HealthCheck) -> health_check_pb2.HealthCheck:
+    """The Envoy ``HealthCheck`` of a model cluster: ``GET hc.path`` must answer 200 within ``timeout``
+    (a check that times out fails, so a hung server is found), every ``interval`` plus up to
+    ``interval_jitter``; ``unhealthy_threshold`` failures in a row take the host out, ``healthy_threshold``
+    passes bring it back; ``no_traffic_interval`` while the cluster has had no traffic."""
+    return health_check_pb2.HealthCheck(
+        timeout=duration_ms(hc.timeout_ms),
+        interval=duration_ms(hc.interval_ms),
+        interval_jitter=duration_ms(hc.interval_jitter_ms),
+        no_traffic_interval=duration_ms(hc.no_traffic_interval_ms),
+        unhealthy_threshold=wrappers_pb2.UInt32Value(value=hc.unhealthy_threshold),
+        healthy_threshold=wrappers_pb2.UInt32Value(value=hc.healthy_threshold),
+        http_health_check=health_check_pb2.HealthCheck.HttpHealthCheck(path=hc.path),
+    )
 
 
 def length_aware_subsets(policy: ClusterPolicy) -> cluster_pb2.Cluster.LbSubsetConfig:

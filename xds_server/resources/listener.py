@@ -56,6 +56,7 @@ STRIPPED_REQUEST_HEADERS: Final[tuple[str, ...]] = (
     headers.SESSION_KEY,
     headers.PREFIX_KEY,
     headers.LENGTH_CLASS,
+    headers.STREAM,
 )
 #: Client request headers Envoy replaces with its own: with ``use_remote_address`` Envoy appends the peer
 #: address to ``x-forwarded-for``; removing the client's value first leaves exactly that address, so a

@@ -2,8 +2,11 @@
 over RDS.
 
 Per model version, a HIGH-priority route (``x-inferlb-priority: high``) then a DEFAULT one, both matching
-``x-inferlb-model`` + ``x-inferlb-version``; then one route per OpenAI inference path carrying that path's
-ext_proc failure mode (:func:`failure_mode_routes`); a final catch-all answering 404 with an OpenAI-style
+``x-inferlb-model`` + ``x-inferlb-version``, each preceded by its ``--stream`` twin for streamed requests
+(``x-inferlb-stream: true``: a per-try bound on the silence before the first byte and between chunks,
+:func:`retry_policy`);
+then one route per OpenAI inference path carrying that path's ext_proc failure mode
+(:func:`failure_mode_routes`); a final catch-all answering 404 with an OpenAI-style
 JSON error. Models balanced with ``ring_hash``/``maglev`` get a ``hash_policy`` on the affinity headers
 ext_proc sets (:func:`affinity_hash_policy`). A model with ``cluster.length_aware`` gets two routes more per
 version and confined length class, first (HIGH then DEFAULT), matching ``x-inferlb-length-class: long`` with
@@ -44,11 +47,18 @@ from xds_server.resources.listener import processor_unavailable_body
 #: Headers removed on model routes, after ext_proc has read them: the tenant's API key never reaches a
 #: model server.
 UPSTREAM_REMOVED_HEADERS: Final[tuple[str, ...]] = ("authorization",)
-#: Envoy's retry conditions for inference requests: only failures where the request provably did not reach
-#: a model server (or was reset), so a retry cannot double-generate. 5xx answers are not retried.
-RETRY_ON: Final = "connect-failure,refused-stream,reset"
+#: Envoy's retry conditions for inference requests (``RetryPolicy.retry_on``, router filter docs
+#: "x-envoy-retry-on"): the connection failed (``connect-failure``), the server refused or reset the stream
+#: (``refused-stream``, ``reset``; a per-try timeout resets the attempt, so a hung server is retried too),
+#: or it answered one of ``gateway.retry_status_codes`` (``retriable-status-codes``: 503 from a failed GPU
+#: or a full queue). Envoy retries only while nothing of the response has been sent downstream: a
+#: non-streamed answer is retried whole, a stream only until its 200 headers; a server that fails after
+#: that (a cut stream) cannot be retried, whatever it sends.
+RETRY_ON: Final = "connect-failure,refused-stream,reset,retriable-status-codes"
 #: How often Envoy re-picks a host to avoid ones already tried (``host_selection_retry_max_attempts``).
 HOST_SELECTION_RETRY_MAX_ATTEMPTS: Final = 3
+#: Name suffix of the route of streamed requests (``x-inferlb-stream: true``), placed before its twin.
+STREAM_ROUTE_SUFFIX: Final = "--stream"
 
 
 def no_route_body() -> str:
@@ -88,9 +98,26 @@ def class_match(length_class: ConfinedClass) -> base_pb2.Metadata:
     return base_pb2.Metadata(filter_metadata={ENVOY_LB_NAMESPACE: criteria})
 
 
-def _route_action(
-    config: Config, cluster: str, *, high: bool, hashed: bool = False, confined: ConfinedClass | None = None
-) -> route_components_pb2.RouteAction:
+def retry_policy(config: Config, *, stream: bool) -> route_components_pb2.RetryPolicy:
+    """The ``RetryPolicy`` of a model route: :data:`RETRY_ON` with ``gateway.retry_status_codes``
+    (``retriable_status_codes``), ``gateway.num_retries`` to hosts not tried yet (``previous_hosts``
+    predicate, ``host_selection_retry_max_attempts``), and the per-attempt bounds.
+
+    ``per_try_timeout`` bounds an attempt until the response headers: Envoy ignores it once the response
+    has started downstream. ``per_try_idle_timeout`` bounds the silence of the attempt, from the request on
+    (so the first byte too) and between chunks, and keeps running while the response streams
+    (route_components.proto, ``RetryPolicy``). Either one that fires before the response started is
+    retried like a reset, to another host.
+
+    * Non-streamed (a non-streamed answer's headers come with its last byte): ``per_try_timeout`` =
+      ``gateway.per_try_timeout_ms``, no idle timeout (it would have to exceed the longest generation too).
+    * Streamed (``stream``): ``per_try_idle_timeout`` = ``gateway.stream_idle_timeout_ms`` and no
+      ``per_try_timeout``: on Envoy 1.40 a ``per_try_timeout`` that fires after the stream started (and
+      is ignored) also stops the idle timer of that attempt, so a stream that outlived it and then stalled
+      was held until the client gave up (measured: tests/e2e/test_upstream_hang.py).
+
+    0 leaves a bound unset.
+    """
     gw = config.gateway
     retry = route_components_pb2.RetryPolicy(
         retry_on=RETRY_ON,
@@ -102,7 +129,26 @@ def _route_action(
             )
         ],
         host_selection_retry_max_attempts=HOST_SELECTION_RETRY_MAX_ATTEMPTS,
+        retriable_status_codes=list(gw.retry_status_codes),
     )
+    if stream and gw.stream_idle_timeout_ms:
+        retry.per_try_idle_timeout.CopyFrom(duration_ms(gw.stream_idle_timeout_ms))
+    elif not stream and gw.per_try_timeout_ms:
+        retry.per_try_timeout.CopyFrom(duration_ms(gw.per_try_timeout_ms))
+    return retry
+
+
+def _route_action(
+    config: Config,
+    cluster: str,
+    *,
+    high: bool,
+    hashed: bool = False,
+    confined: ConfinedClass | None = None,
+    stream: bool = False,
+) -> route_components_pb2.RouteAction:
+    gw = config.gateway
+    retry = retry_policy(config, stream=stream)
     return route_components_pb2.RouteAction(
         cluster=cluster,
         # HIGH has its own circuit-breaker thresholds on every cluster, so high-priority tenants keep a
@@ -203,6 +249,31 @@ def failure_mode_routes(config: Config) -> list[route_components_pb2.Route]:
     return out
 
 
+def _stream_and_whole(
+    config: Config,
+    name: str,
+    match: list[route_components_pb2.HeaderMatcher],
+    cluster: str,
+    *,
+    high: bool,
+    hashed: bool = False,
+    confined: ConfinedClass | None = None,
+) -> list[route_components_pb2.Route]:
+    """Two routes of one model version with the same ``match``: ``<name>--stream`` (also requiring
+    ``x-inferlb-stream: true``, with the stream retry policy) then ``<name>`` (non-streamed answers)."""
+    return [
+        route_components_pb2.Route(
+            name=f"{name}{STREAM_ROUTE_SUFFIX}" if stream else name,
+            match=route_components_pb2.RouteMatch(
+                prefix="/", headers=[*match, _exact(headers.STREAM, "true")] if stream else match
+            ),
+            route=_route_action(config, cluster, high=high, hashed=hashed, confined=confined, stream=stream),
+            request_headers_to_remove=list(UPSTREAM_REMOVED_HEADERS),
+        )
+        for stream in (True, False)
+    ]
+
+
 def build_route_configuration(config: Config) -> route_pb2.RouteConfiguration:
     """RouteConfiguration ``inferlb_routes`` (one virtual host ``*``).
 
@@ -210,8 +281,10 @@ def build_route_configuration(config: Config) -> route_pb2.RouteConfiguration:
     ``x-inferlb-priority: high``) precedes the DEFAULT one; a length-aware model's variants for each
     confined length class, longest first (``x-inferlb-length-class: long``, to the fast subset,
     ``<cluster>--long-high`` and ``<cluster>--long``; tiered: ``long-k``, ``<cluster>--long-k-high`` and
-    ``<cluster>--long-k``) precede both; then the per-path failure-mode routes (:func:`failure_mode_routes`);
-    the catch-all 404 comes last.
+    ``<cluster>--long-k``) precede both; each of these comes as a pair, its ``--stream`` twin for
+    streamed requests first (:func:`retry_policy`); then the per-path failure-mode routes
+    (:func:`failure_mode_routes`, which ext_proc never saw: the non-streamed policy); the catch-all 404
+    comes last.
     """
     routes: list[route_components_pb2.Route] = []
     for model in config.models:
@@ -226,32 +299,18 @@ def build_route_configuration(config: Config) -> route_pb2.RouteConfiguration:
                     (f"--{confined.name}-high", [*long, _exact(headers.PRIORITY, "high")], True),
                     (f"--{confined.name}", long, False),
                 ):
-                    routes.append(
-                        route_components_pb2.Route(
-                            name=f"{cluster}{suffix}",
-                            match=route_components_pb2.RouteMatch(prefix="/", headers=match),
-                            route=_route_action(config, cluster, high=high, confined=confined),
-                            request_headers_to_remove=list(UPSTREAM_REMOVED_HEADERS),
-                        )
+                    routes += _stream_and_whole(
+                        config, f"{cluster}{suffix}", match, cluster, high=high, confined=confined
                     )
-            routes.append(
-                route_components_pb2.Route(
-                    name=f"{cluster}--high",
-                    match=route_components_pb2.RouteMatch(
-                        prefix="/", headers=[*base, _exact(headers.PRIORITY, "high")]
-                    ),
-                    route=_route_action(config, cluster, high=True, hashed=hashed),
-                    request_headers_to_remove=list(UPSTREAM_REMOVED_HEADERS),
-                )
+            routes += _stream_and_whole(
+                config,
+                f"{cluster}--high",
+                [*base, _exact(headers.PRIORITY, "high")],
+                cluster,
+                high=True,
+                hashed=hashed,
             )
-            routes.append(
-                route_components_pb2.Route(
-                    name=cluster,
-                    match=route_components_pb2.RouteMatch(prefix="/", headers=base),
-                    route=_route_action(config, cluster, high=False, hashed=hashed),
-                    request_headers_to_remove=list(UPSTREAM_REMOVED_HEADERS),
-                )
-            )
+            routes += _stream_and_whole(config, cluster, base, cluster, high=False, hashed=hashed)
     routes += failure_mode_routes(config)
     routes.append(
         route_components_pb2.Route(

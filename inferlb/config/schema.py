@@ -759,13 +759,21 @@ class Config(_Frozen):
 
     @model_validator(mode="after")
     def _check_lease_outlives_the_route_timeout(self) -> Self:
-        ttl, timeout = self.ext_proc.lease_ttl_ms, self.gateway.request_timeout_ms
-        if ttl is not None and (timeout == 0 or ttl <= timeout):
-            route = "off (0)" if timeout == 0 else f"{timeout} ms"
+        # with no route timeout, a non-streamed request is still bounded by its tries (per-try timeout x
+        # (retries + 1)); a stream is not, so a lease shorter than a long stream frees its slot early
+        gw = self.gateway
+        ttl, timeout = self.ext_proc.lease_ttl_ms, gw.request_timeout_ms
+        bound = timeout or gw.per_try_timeout_ms * (gw.num_retries + 1)
+        if ttl is not None and ttl <= bound:
+            what = (
+                f"the route timeout (gateway.request_timeout_ms {timeout} ms)"
+                if timeout
+                else "a non-streamed request's tries (gateway.per_try_timeout_ms x (num_retries + 1): "
+                f"{bound} ms)"
+            )
             raise ValueError(
-                f"ext_proc.lease_ttl_ms: {ttl} ms does not outlive the route timeout "
-                f"(gateway.request_timeout_ms {route}): a running request's concurrency lease would expire "
-                "and its slot be given away; raise it or leave it unset (route timeout + 60 s)"
+                f"ext_proc.lease_ttl_ms: {ttl} ms does not outlive {what}: a running request's concurrency "
+                "lease would expire and its slot be given away; raise it or leave it unset"
             )
         return self
 

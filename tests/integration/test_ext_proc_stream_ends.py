@@ -194,9 +194,12 @@ def test_lease_ttl_is_configurable_and_outlives_the_route_timeout() -> None:
     assert lease_ttl_s(parse_config({**timed, "ext_proc": {"lease_ttl_ms": 400_000}})) == 400
     with pytest.raises(ConfigError, match="lease_ttl_ms"):
         parse_config({**timed, "ext_proc": {"lease_ttl_ms": 200_000}})  # below the 300 s route timeout
+    # without a route timeout the lease must outlive a non-streamed request's tries: 300 s x 3
+    with pytest.raises(ConfigError, match="per_try_timeout_ms"):
+        parse_config({**CONFIG, "ext_proc": {"lease_ttl_ms": 900_000}})
     state = ExtProcState(parse_config(CONFIG))
-    state.apply_config(parse_config({**CONFIG, "ext_proc": {"lease_ttl_ms": 500_000}}))
-    assert isinstance(state.quotas, MemoryQuotaStore) and state.quotas.book.lease_ttl_s == 500
+    state.apply_config(parse_config({**CONFIG, "ext_proc": {"lease_ttl_ms": 1_000_000}}))
+    assert isinstance(state.quotas, MemoryQuotaStore) and state.quotas.book.lease_ttl_s == 1000
 
 
 # -- the Redis store ------------------------------------------------------------------------------

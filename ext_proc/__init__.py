@@ -5,7 +5,7 @@ quota and model, counts prompt tokens and sets the ``x-inferlb-*`` routing heade
 - :mod:`ext_proc.servicer`: the grpcio aio adapter (ProcessingRequest stream -> handlers -> responses).
 - :mod:`ext_proc.stores`: the quota store (in-process or Redis) and the ``/metrics`` server from the config.
 - :mod:`ext_proc.metrics`: the service's Prometheus registry.
-- :mod:`ext_proc.reload`: the config-file poller.
+- :mod:`ext_proc.poller`: the config-file poller.
 - ``__main__``: the process (``python -m ext_proc --config PATH``).
 
 May import: the core (:mod:`inferlb.errors`, :mod:`inferlb.config`, :mod:`inferlb.request`,

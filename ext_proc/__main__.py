@@ -9,7 +9,7 @@ logs ``ext_proc ready on HOST:PORT`` once it accepts streams, polls the config f
 ``--poll-interval`` seconds (0.5) by content hash and applies a changed file once two consecutive polls read
 the same bytes; a bad file is logged with the field named and the last good config keeps serving (a file
 must also pass :func:`inferlb.config.checks.check_config` and must not empty the running config's models,
-endpoints or tenants unless its ``allow_empty`` says so (:mod:`inferlb.config.reload`), as xds_server's
+endpoints or tenants unless its ``allow_empty`` says so (:mod:`inferlb.config.changes`), as xds_server's
 must, so the two never serve different files). The event loop is uvloop's when uvloop is installed
 (``--event-loop auto``, the default; ``asyncio`` forces the standard loop): it cut the server's work per
 request by ~7% (bench/extproc_cpu.py --unique, callgrind: 3.55 M -> 3.30 M instructions).
@@ -28,11 +28,11 @@ from collections.abc import Coroutine, Sequence
 from typing import Any, Literal
 
 from ext_proc.metrics import ExtProcMetrics
-from ext_proc.reload import ConfigPoller
+from ext_proc.poller import ConfigPoller
 from ext_proc.servicer import MAX_CONFIGURABLE_BODY_BYTES, ExtProcState, add_to_server, make_server
 from ext_proc.stores import make_quota_store, start_metrics_server
+from inferlb.config.changes import check_not_emptied
 from inferlb.config.checks import check_config
-from inferlb.config.reload import check_not_emptied
 from inferlb.config.schema import Config, HostPort
 from inferlb.errors import ConfigError
 

@@ -1,7 +1,7 @@
 """The xDS server's lifecycle: load the config, publish its snapshot, serve ADS, follow the config file.
 
 The file is polled (``poll_interval_s``, 0.5 s by default) by content hash: a change that reads the same on
-two consecutive polls (:class:`inferlb.config.reload.StableContent`: a file being written in place is not
+two consecutive polls (:class:`inferlb.config.changes.StableContent`: a file being written in place is not
 taken half-done) is re-validated and, when good, published as a new snapshot, which every connected Envoy
 receives without a restart. A bad file (or one Envoy could not take, or one that empties the running
 config's models, endpoints or tenants without ``allow_empty``) is logged with the field named and the last
@@ -37,6 +37,7 @@ import grpc
 import yaml
 from aiohttp import web
 
+from inferlb.config.changes import StableContent, check_not_emptied
 from inferlb.config.checks import (
     HostResolver,
     check_config,
@@ -45,7 +46,6 @@ from inferlb.config.checks import (
     resolve_endpoint_hosts,
     system_resolve,
 )
-from inferlb.config.reload import StableContent, check_not_emptied
 from inferlb.config.schema import Config, EndpointConfig, HostPort, parse_config
 from inferlb.errors import ConfigError
 from xds_server.ads import AggregatedDiscoveryServicer, add_ads_to_server
@@ -372,7 +372,7 @@ class XdsServer:
 
     async def reload_if_changed(self) -> ConfigLoaded | None:
         """Check the config file once; when its bytes changed, read the same on the previous check too
-        (:class:`~inferlb.config.reload.StableContent`) and are good, make it current and push.
+        (:class:`~inferlb.config.changes.StableContent`) and are good, make it current and push.
 
         Returns:
             what was accepted, or None when the file is unchanged, changed but not yet stable, unreadable

@@ -5,7 +5,7 @@ runs before taking a file.
   models, endpoints, tenants, weights, telemetry), parsing with field-named errors, the embedded default.
 - :mod:`inferlb.config.checks`: the checks a parsed config must also pass (tokenizers load, endpoint host
   names resolve), shared by ``xds_server``, ``ext_proc`` and ``inferlb validate``.
-- :mod:`inferlb.config.reload`: when a changed file may be taken at run time (stable across two polls, no
+- :mod:`inferlb.config.changes`: when a changed file may be taken at run time (stable across two polls, no
   section emptied unless ``allow_empty`` says so), shared by ``xds_server`` and ``ext_proc``.
 
 May import: :mod:`inferlb.errors`, :mod:`inferlb.request` (tokenizers), pydantic, PyYAML; no server, client

@@ -692,7 +692,7 @@ class Config(_Frozen):
     #: Sections this file may leave empty although the running config has entries there: a changed file
     #: with no models, no endpoints or no tenants where the running one has some is refused at run time
     #: unless it names the section here (a file cut short mid-write reads as valid YAML with the sections
-    #: after the cut missing; see :mod:`inferlb.config.reload`). Not checked at start-up.
+    #: after the cut missing; see :mod:`inferlb.config.changes`). Not checked at start-up.
     allow_empty: tuple[EmptiableSection, ...] = ()
 
     @field_validator("gpu_profiles", mode="before")

@@ -16,7 +16,7 @@ from typing import Any
 import yaml
 from envoy.config.endpoint.v3 import endpoint_pb2
 
-from ext_proc.reload import ConfigPoller
+from ext_proc.poller import ConfigPoller
 from tests.conftest import make_config_doc, write_config
 from tests.integration.test_ads_stream import AdsClient
 from tests.integration.test_ext_proc_grpc import CONFIG, Process, first_status, free_port

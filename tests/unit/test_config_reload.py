@@ -1,4 +1,4 @@
-"""inferlb.config.reload: a changed file is taken only once stable across two polls, and never when it
+"""inferlb.config.changes: a changed file is taken only once stable across two polls, and never when it
 empties the running config's models, endpoints or tenants unless ``allow_empty`` names the section."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import yaml
 from hypothesis import given
 from hypothesis import strategies as st
 
-from inferlb.config.reload import SECTIONS, StableContent, check_not_emptied, emptied_sections
+from inferlb.config.changes import SECTIONS, StableContent, check_not_emptied, emptied_sections
 from inferlb.config.schema import Config, default_config_path, parse_config
 from inferlb.errors import ConfigError
 

@@ -1,9 +1,9 @@
 """Config file polling by content hash: the edge that reads the file, for ``python -m ext_proc``.
 
 A changed file is taken only once two consecutive polls read the same bytes
-(:class:`inferlb.config.reload.StableContent`), so a file caught while it is being written in place is
+(:class:`inferlb.config.changes.StableContent`), so a file caught while it is being written in place is
 not taken half-done; the caller then refuses a file that empties a section of the running config
-(:func:`inferlb.config.reload.check_not_emptied`), as xds_server does.
+(:func:`inferlb.config.changes.check_not_emptied`), as xds_server does.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import yaml
 
-from inferlb.config.reload import StableContent
+from inferlb.config.changes import StableContent
 from inferlb.config.schema import Config, parse_config
 from inferlb.errors import ConfigError
 

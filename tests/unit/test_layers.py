@@ -207,3 +207,17 @@ def test_every_package_docstring_names_its_modules_and_what_it_may_import() -> N
         if here != "inferlb" and not any(w in doc for w in ("May import", "may import", "importing only")):
             missing.append(f"{here}: what it may import")
     assert missing == []
+
+
+#: Module names that several packages share because they hold the same kind of thing in each: the package's
+#: entry and process, its server, its own Prometheus registry.
+SHARED_MODULE_NAMES = {"__init__", "__main__", "server", "metrics"}
+
+
+def test_one_meaning_per_module_name() -> None:
+    """No two modules of the tree share a name unless it means the same thing in each package."""
+    by_name: dict[str, list[str]] = {}
+    for path in project_modules():
+        by_name.setdefault(path.stem, []).append(module_name(path))
+    shared = {name: mods for name, mods in by_name.items() if len(mods) > 1}
+    assert set(shared) <= SHARED_MODULE_NAMES, shared

@@ -19,6 +19,7 @@ Refusals are :class:`ImmediateReply` values carrying the OpenAI JSON error body
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import random
@@ -33,6 +34,7 @@ from inferlb.policy.affinity import HASH_LB_POLICIES, NO_KEYS, affinity_keys
 from inferlb.policy.length_aware import length_class
 from inferlb.policy.quota import Admitted, Limit, QuotaBook, Refused
 from inferlb.policy.routing import RoutingTable, model_not_found, priority_header_value
+from inferlb.policy.shedding import low_priority_limit, sheds
 from inferlb.request import headers as h
 from inferlb.request.parsing import INFERENCE_PATHS, EndpointKind, InferenceRequest, echo, parse_request
 from inferlb.request.rewrite import rewrite_request
@@ -171,6 +173,11 @@ class Gateway:
         account_responses: ``ext_proc.account_responses``: responses are metered, so streams get
             ``stream_options.include_usage`` added when the client did not ask for it.
         allow_other_paths: ``ext_proc.non_inference_paths == "allow"``.
+        low_priority_limits: cluster name -> DEFAULT-priority requests this process may have in flight
+            there before it refuses ``low`` tenants (:func:`inferlb.policy.shedding.low_priority_limit`
+            of the model's ``cluster.low_priority_max_requests_percent``, shared among the ext_proc
+            processes); empty when ``account_responses`` is off (no response end, so no count).
+        overflow_retry_after_s: ``gateway.overflow_retry_after_s``, the ``retry-after`` of a shed request.
     """
 
     config: Config
@@ -184,6 +191,8 @@ class Gateway:
     admit_budget_s: float = 4.5
     account_responses: bool = True
     allow_other_paths: bool = False
+    low_priority_limits: Mapping[str, int] = dataclasses.field(default_factory=lambda: MappingProxyType({}))
+    overflow_retry_after_s: int = 1
 
     @classmethod
     def from_config(
@@ -219,6 +228,16 @@ class Gateway:
             body = json.dumps(objects[m.name]).encode()
             for name in (m.name, *m.aliases):
                 bodies[name] = body
+        processes = 1 + len(config.ext_proc.extra_listen)
+        limits = {
+            m.cluster_name(v.name): low_priority_limit(
+                m.cluster.circuit_breaker_default.max_requests,
+                m.cluster.low_priority_max_requests_percent,
+                processes,
+            )
+            for m in config.models
+            for v in m.versions
+        }
         return cls(
             config=config,
             routing=RoutingTable(config),
@@ -231,6 +250,8 @@ class Gateway:
             admit_budget_s=config.ext_proc.message_timeout_ms / 1000 * ADMIT_BUDGET_FRACTION,
             account_responses=config.ext_proc.account_responses,
             allow_other_paths=config.ext_proc.non_inference_paths == "allow",
+            low_priority_limits=MappingProxyType(limits if config.ext_proc.account_responses else {}),
+            overflow_retry_after_s=config.gateway.overflow_retry_after_s,
         )
 
 
@@ -500,6 +521,36 @@ def admit(
     return route(gateway, prepared, decision, rng=rng)
 
 
+#: Response code details of a ``low`` request refused because its cluster is busy (:func:`shed_low_priority`).
+LOW_PRIORITY_SHED_DETAILS = "inferlb_low_priority_overloaded"
+
+
+def shed_low_priority(
+    gateway: Gateway, prepared: PreparedRequest, cluster: str, in_flight: int
+) -> ImmediateReply | None:
+    """The 503 of a ``low`` tenant's request when ``cluster`` (its model version's) already has
+    ``in_flight`` DEFAULT-priority requests of this process and that reached the cluster's low-priority
+    limit (:attr:`Gateway.low_priority_limits`, :func:`inferlb.policy.shedding.sheds`); None otherwise,
+    and always None for a cluster without a limit (``account_responses`` off).
+
+    The answer is Envoy's own circuit-breaker overflow as the gateway's local-reply mapper shapes it:
+    503 ``server_error``/``overloaded`` with ``retry-after`` = ``gateway.overflow_retry_after_s``, so
+    clients handle both alike.
+    """
+    limit = gateway.low_priority_limits.get(cluster)
+    if limit is None or not sheds(prepared.pending.tenant.priority, in_flight, limit):
+        return None
+    err = RequestError(
+        503,
+        f"The model's servers are busy and low-priority requests are shed first ({in_flight} requests in "
+        f"flight, low-priority limit {limit}); retry after the number of seconds in the retry-after header.",
+        type="server_error",
+        code="overloaded",
+        retry_after_s=gateway.overflow_retry_after_s,
+    )
+    return refusal(err, LOW_PRIORITY_SHED_DETAILS)
+
+
 def quota_refusal(decision: Refused) -> ImmediateReply:
     """The answer to a quota refusal: 429 ``rate_limit_error``/``rate_limit_exceeded`` with ``retry-after``
     (none when the request can never fit), or 503 ``server_error`` with ``retry-after``: code
@@ -525,17 +576,28 @@ def quota_refusal(decision: Refused) -> ImmediateReply:
     return refusal(err, f"inferlb_quota_{reason}")
 
 
+def pick_version(gateway: Gateway, prepared: PreparedRequest, rng: random.Random) -> str:
+    """The version a request goes to: the model's canary split, sticky per session (the session header,
+    else the request's ``user`` field) like affinity, else drawn from ``rng``."""
+    return gateway.routing.pick_version(
+        prepared.model, prepared.pending.session or prepared.request.user, rng
+    )
+
+
 def route(
-    gateway: Gateway, prepared: PreparedRequest, admitted: Admitted, *, rng: random.Random
+    gateway: Gateway,
+    prepared: PreparedRequest,
+    admitted: Admitted,
+    *,
+    rng: random.Random,
+    version: str | None = None,
 ) -> ContinueRequest:
     """The routing headers of an admitted request (and its rewritten body with its new
     ``content-length``, when the gateway renamed an alias to the canonical model name or added
-    ``include_usage``)."""
+    ``include_usage``), to ``version`` (default: :func:`pick_version`)."""
     tenant = prepared.pending.tenant
-    # the canary version is sticky per session (the session header, else the user field), like affinity
-    version = gateway.routing.pick_version(
-        prepared.model, prepared.pending.session or prepared.request.user, rng
-    )
+    if version is None:
+        version = pick_version(gateway, prepared, rng)
     # the keys cost a SHA-256 over the conversation's opening; only ring_hash/maglev routes read them (and
     # every model route strips them before the upstream), so other models skip the work
     if prepared.model.cluster.lb_policy in HASH_LB_POLICIES:

@@ -16,6 +16,9 @@ bounded by the config. A request refused before its tenant or model is known is 
 - ``inferlb_quota_backend_errors_total{backend, operation}``: calls to the shared quota state that failed
   (``operation`` ``admit``, ``settle``, or ``start``: the warm-up at start-up); a wait for a free connection
   is not one;
+- ``inferlb_low_priority_shed_total{tenant, model}``: ``priority: low`` requests refused (503
+  ``overloaded``) because their cluster's DEFAULT-priority requests in flight reached the low-priority
+  limit (:mod:`inferlb.policy.shedding`);
 - ``inferlb_ext_proc_processing_seconds{phase}``: time to answer one ext_proc message.
 """
 
@@ -70,6 +73,12 @@ class ExtProcMetrics:
             "inferlb_quota_backend_errors",
             "Calls to the shared quota state that failed (unreachable, timeout)",
             ("backend", "operation"),
+            registry=r,
+        )
+        self.low_priority_shed = Counter(
+            "inferlb_low_priority_shed",
+            "Low-priority requests refused because their cluster was busy",
+            ("tenant", "model"),
             registry=r,
         )
         self.processing_seconds = Histogram(

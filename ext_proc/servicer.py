@@ -22,6 +22,13 @@ admission the cancellation cut: it runs on, and a lease it took is released at o
 ends (response end, client abort, gRPC cancel, an error) releases its lease; one lost anyway expires
 after ``ext_proc.lease_ttl_ms``.
 
+Low-priority shedding (:mod:`inferlb.policy.shedding`): before quota admission the request's version is
+picked, and a ``default`` or ``low`` tenant's request enters the in-flight count of that version's cluster
+(:attr:`ExtProcState.in_flight`) unless it is ``low`` and the count reached the cluster's limit (then 503
+``overloaded``, :func:`ext_proc.handlers.shed_low_priority`); it leaves the count when its reservation is
+settled, which every way a stream ends does exactly once (a quota refusal or a cancelled admission leaves at
+once).
+
 Envoy resets the stream after the last message it needs; grpc aio turns that into a cancellation of this
 coroutine, which is normal and not logged. A bug in a handler answers 500 with an OpenAI ``server_error``
 body rather than aborting the stream (which Envoy would turn into a bare 500 without a body).
@@ -55,6 +62,7 @@ from inferlb.policy.quota import (
     lease_ttl_s,
     limits_from_config,
 )
+from inferlb.policy.shedding import InFlight, counted
 from inferlb.request import headers as h
 from inferlb.request.usage import ResponseMeter, Usage
 
@@ -123,6 +131,9 @@ class ExtProcState:
         rng: randomness for version choice when a request names no user.
         quotas: the quota store; default an in-process :class:`~inferlb.policy.quota.MemoryQuotaStore`.
         metrics: the metric families; default a fresh :class:`~ext_proc.metrics.ExtProcMetrics`.
+
+    Attributes:
+        in_flight: DEFAULT-priority requests admitted and not ended, per cluster (kept across reloads).
     """
 
     def __init__(
@@ -143,6 +154,7 @@ class ExtProcState:
             else MemoryQuotaStore(limits_from_config(config), clock=clock, lease_ttl_s=lease_ttl_s(config))
         )
         self.metrics = metrics if metrics is not None else ExtProcMetrics()
+        self.in_flight = InFlight()
 
     def apply_config(self, config: Config) -> None:
         """Serve ``config`` from now on; quota state of tenants whose limits did not change is kept.
@@ -414,6 +426,7 @@ class _Exchange:
         "admitted",
         "body_seen",
         "decided",
+        "in_flight",
         "late_body_logged",
         "meter",
         "model",
@@ -435,6 +448,8 @@ class _Exchange:
         self.meter: ResponseMeter | None = None
         self.model = ""
         self.settled = False
+        #: the cluster whose in-flight count this request holds until it is settled, or None
+        self.in_flight: str | None = None
         #: the request body was answered: a body message after it is late (ignored, never re-admitted)
         self.body_seen = False
         self.late_body_logged = False
@@ -629,16 +644,36 @@ class ExternalProcessor(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc
                 tenant,
                 pending.path,
             )
+        version = handlers.pick_version(gateway, prepared, state.rng)
+        cluster = prepared.model.cluster_name(version)
+        held: str | None = None
+        if cluster in gateway.low_priority_limits and counted(pending.tenant.priority):
+            shed = handlers.shed_low_priority(gateway, prepared, cluster, state.in_flight.get(cluster))
+            if shed is not None:
+                state.metrics.low_priority_shed.labels(tenant, prepared.model.name).inc()
+                self._count_reply(shed, tenant=tenant, model=prepared.model.name)
+                return immediate_response(shed)
+            # counted before the quota call, so requests admitted meanwhile see this one
+            state.in_flight.enter(cluster)
+            held = cluster
         deadline = arrived + gateway.admit_budget_s
-        decision = await self._admit(ex, tenant, prepared.reserved_tokens, deadline=deadline)
+        try:
+            decision = await self._admit(ex, tenant, prepared.reserved_tokens, deadline=deadline)
+        except BaseException:
+            if held is not None:
+                state.in_flight.leave(held)
+            raise
         if isinstance(decision, Refused):
+            if held is not None:
+                state.in_flight.leave(held)
             reply = handlers.quota_refusal(decision)
             state.metrics.quota_rejections.labels(tenant, decision.limit.value).inc()
             self._count_reply(reply, tenant=tenant, model=prepared.model.name)
             return immediate_response(reply)
         ex.admitted = decision
+        ex.in_flight = held
         ex.model = prepared.model.name
-        cont = handlers.route(gateway, prepared, decision, rng=state.rng)
+        cont = handlers.route(gateway, prepared, decision, rng=state.rng, version=version)
         if gateway.account_responses and cont.reservation is not None:
             ex.meter = ResponseMeter(cont.reservation, gateway.counters.get(ex.model, gateway.counter))
         else:
@@ -719,6 +754,9 @@ class ExternalProcessor(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc
         if admitted is None or ex.settled:
             return
         ex.settled = True
+        if ex.in_flight is not None:
+            self.state.in_flight.leave(ex.in_flight)
+            ex.in_flight = None
         used = admitted.tokens if usage is None else usage.total_tokens
         metrics = self.state.metrics
         tenant, model = admitted.tenant, ex.model

@@ -6,6 +6,8 @@
 - :mod:`inferlb.policy.length_aware`: length classes and their GPU tiers, static and live.
 - :mod:`inferlb.policy.affinity`: prefix and session affinity keys.
 - :mod:`inferlb.policy.routing`: the routing table (model, alias, version by canary split).
+- :mod:`inferlb.policy.shedding`: ``priority: low`` shed before ``default`` (the per-cluster in-flight
+  count and its limit, a share of the DEFAULT circuit breaker).
 - :mod:`inferlb.policy.quota`: the quota book (sliding windows, concurrency, daily budgets) and its
   in-process store; the Redis store is an adapter (:mod:`inferlb.adapters.quota_redis`).
 

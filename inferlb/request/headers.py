@@ -14,7 +14,8 @@ MODEL: Final = "x-inferlb-model"
 VERSION: Final = "x-inferlb-version"
 #: Tenant name resolved from the API key.
 TENANT: Final = "x-inferlb-tenant"
-#: Tenant priority (``high``/``default``/``low``); ``high`` routes with Envoy priority HIGH.
+#: Tenant priority (``high``/``default``/``low``); ``high`` routes with Envoy priority HIGH (``low`` may be
+#: refused by ext_proc first, under saturation).
 PRIORITY: Final = "x-inferlb-priority"
 #: Prompt tokens counted by ext_proc.
 PROMPT_TOKENS: Final = "x-inferlb-prompt-tokens"

@@ -2,8 +2,10 @@
 
 A high-priority tenant's requests ride Envoy's HIGH routing priority, which has its own circuit-breaker
 budget on every model cluster. The qwen pool here gets a tiny DEFAULT budget: saturating it with
-low-priority streams makes Envoy shed the overflow (response flag UO) as a 503 OpenAI JSON error with
-``retry-after``, while high-priority requests sent at the same time are all served.
+low-priority streams sheds the overflow as a 503 ``overloaded`` OpenAI JSON error with ``retry-after``
+(from ext_proc past the low-priority share of the budget, from Envoy, response flag UO, past the budget),
+while high-priority requests sent at the same time are all served. Low against default:
+tests/e2e/test_low_priority_shedding.py.
 """
 
 from __future__ import annotations

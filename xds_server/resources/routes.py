@@ -155,6 +155,9 @@ def _route_action(
         # budget when DEFAULT traffic saturates the cluster.
         priority=base_pb2.RoutingPriority.HIGH if high else base_pb2.RoutingPriority.DEFAULT,
         timeout=duration_ms(gw.request_timeout_ms),
+        # the client side's stream idle bound (overrides the HCM's stream_idle_timeout): longer than every
+        # silence of an accepted request, all its attempts included
+        idle_timeout=duration_ms(gw.downstream_stream_idle_ms()),
         retry_policy=retry,
         hash_policy=affinity_hash_policy() if hashed else [],
         metadata_match=class_match(confined) if confined is not None else None,

@@ -9,6 +9,7 @@ import pytest
 import yaml
 from envoy.config.listener.v3 import listener_pb2
 from envoy.config.route.v3 import route_components_pb2
+from envoy.extensions.filters.http.router.v3 import router_pb2
 from envoy.extensions.filters.network.http_connection_manager.v3 import http_connection_manager_pb2
 
 from inferlb.config.schema import Config, default_config_path, parse_config
@@ -89,3 +90,37 @@ def test_a_stream_idle_bound_of_zero_is_none() -> None:
     doc = _doc()
     doc["gateway"]["downstream_stream_idle_timeout_ms"] = 0
     assert _route_idle_ms(parse_config(doc)) == {0}
+
+
+def test_every_route_to_a_model_rewrites_host_and_removes_internal_headers() -> None:
+    doc = _doc()
+    doc["ext_proc"].update(fail_open_model="qwen", failure_mode_allow=True)
+    config = parse_config(doc)
+    routes = _model_routes(config)
+    assert routes
+    names = {m.name for m in config.models}
+    for rt in routes:
+        assert rt.route.host_rewrite_literal in names, rt.name
+        assert rt.route.host_rewrite_literal in rt.route.cluster, rt.name
+        removed = set(rt.request_headers_to_remove)
+        assert {"authorization", *r.STRIPPED_REQUEST_HEADERS} <= removed, rt.name
+    fail_open = [rt for rt in routes if rt.name.startswith(r.FAILURE_MODE_ROUTE_PREFIX)]
+    assert fail_open and {rt.route.host_rewrite_literal for rt in fail_open} == {"qwen2.5-7b-instruct"}
+
+
+def test_hashed_routes_keep_only_the_affinity_digests() -> None:
+    doc = _doc()
+    doc["models"][1].setdefault("cluster", {})["lb_policy"] = "ring_hash"
+    config = parse_config(doc)
+    hashed = [rt for rt in _model_routes(config) if rt.route.hash_policy]
+    assert hashed
+    for rt in hashed:
+        kept = set(r.STRIPPED_REQUEST_HEADERS) - set(rt.request_headers_to_remove)
+        assert kept == {"x-inferlb-prefix", "x-inferlb-session"}, rt.name
+
+
+def test_the_router_adds_no_x_envoy_headers() -> None:
+    [router] = [f for f in _hcm(parse_config(_doc())).http_filters if f.name == "envoy.filters.http.router"]
+    cfg = router_pb2.Router()
+    assert router.typed_config.Unpack(cfg)
+    assert cfg.suppress_envoy_headers

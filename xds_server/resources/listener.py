@@ -372,7 +372,12 @@ def build_listener(config: Config) -> listener_pb2.Listener:
                 name=EXT_PROC_FILTER, typed_config=pack(ext_proc), disabled=True
             ),
             http_connection_manager_pb2.HttpFilter(
-                name="envoy.filters.http.router", typed_config=pack(router_pb2.Router())
+                name="envoy.filters.http.router",
+                # suppress_envoy_headers: no x-envoy-* header of the router's on the upstream request
+                # (x-envoy-original-host would carry the client's Host past host_rewrite_literal,
+                # x-envoy-expected-rq-timeout-ms and x-envoy-attempt-count the gateway's internals) nor on
+                # the response (x-envoy-upstream-service-time)
+                typed_config=pack(router_pb2.Router(suppress_envoy_headers=True)),
             ),
         ],
     )

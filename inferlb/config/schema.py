@@ -130,6 +130,33 @@ class GatewayConfig(_Frozen):
     #: error); after it Envoy cannot retry, and a stream that stops is cut after this long instead of being
     #: held. Never the stream's length. 0: none.
     stream_idle_timeout_ms: Annotated[int, Field(strict=True, ge=0, le=86_400_000)] = 60_000
+    #: Downstream (client side) bounds, each on the gateway listener's HTTP connection manager. A client
+    #: that sends its request headers slowly, or part of them and then nothing (slow loris), is answered
+    #: 408 and disconnected this long after the first byte of its headers:
+    #: ``HttpConnectionManager.request_headers_timeout`` (ms). Envoy's default is none. 0: none. (A
+    #: connection that sends nothing at all is closed by ``downstream_idle_timeout_ms``.)
+    request_headers_timeout_ms: Annotated[int, Field(strict=True, ge=0, le=3_600_000)] = 10_000
+    #: ``RouteAction.idle_timeout`` of every route to a model (it overrides the HCM's
+    #: ``stream_idle_timeout``, which stays at Envoy's 5 min for the other routes) (ms): the longest a
+    #: request's stream may see no byte
+    #: in either direction (a client that stops sending its body, a model server silent before its
+    #: answer). It must exceed the longest silence of an accepted request, every retry included: a
+    #: non-streamed answer's headers come with its last token, after up to ``per_try_timeout_ms`` per
+    #: attempt (a hung server's attempt is retried on another GPU). None (default): derived by
+    #: :meth:`downstream_stream_idle_ms`, ``(num_retries + 1) x max(per_try_timeout_ms,
+    #: stream_idle_timeout_ms) + 10 s`` (910 s with the defaults; Envoy's own default of 5 min would cut a
+    #: non-streamed request retried after a hung attempt). 0: none.
+    downstream_stream_idle_timeout_ms: Annotated[int, Field(strict=True, ge=0, le=86_400_000)] | None = None
+    #: ``HttpConnectionManager.common_http_protocol_options.idle_timeout`` (ms): a client connection with no
+    #: request in flight is closed after this long (a stream in flight, however long, keeps it open).
+    #: Envoy's default is 1 h. 0: none.
+    downstream_idle_timeout_ms: Annotated[int, Field(strict=True, ge=0, le=86_400_000)] = 60_000
+    #: ``HttpConnectionManager.request_timeout`` (ms): the time to receive the whole request (headers and
+    #: body) from the client. Envoy disarms it once the request is complete (or the response has started),
+    #: so it does not cut a long generation; but it also runs while ext_proc reads the buffered body, so a
+    #: tight value turns a slow processor into 408s. 0 (default): none, as Envoy's default; a client's slow
+    #: body is bounded by the stream idle timeout and its headers by ``request_headers_timeout_ms``.
+    downstream_request_timeout_ms: Annotated[int, Field(strict=True, ge=0, le=86_400_000)] = 0
     #: Retries Envoy makes to another host (``previous_hosts``) on connect failure, refused stream, reset, a
     #: per-try timeout, or a ``retry_status_codes`` answer, while nothing of the response has reached the
     #: client.
@@ -149,6 +176,28 @@ class GatewayConfig(_Frozen):
     #: zone) at priority 0.
     region: str = "local"
     zone: str = "a"
+
+    @model_validator(mode="after")
+    def _check_downstream_idle_outlives_an_attempt(self) -> Self:
+        idle = self.downstream_stream_idle_timeout_ms
+        longest = max(self.per_try_timeout_ms, self.stream_idle_timeout_ms)
+        if idle and (longest == 0 or idle <= longest):
+            bound = "none" if longest == 0 else f"{longest} ms"
+            raise ValueError(
+                f"gateway.downstream_stream_idle_timeout_ms: {idle} ms does not outlive one attempt's "
+                f"longest silence (per_try_timeout_ms / stream_idle_timeout_ms: {bound}): Envoy would cut "
+                "requests a model server is still answering; raise it, set 0 (none) or leave it unset"
+            )
+        return self
+
+    def downstream_stream_idle_ms(self) -> int:
+        """The model routes' ``idle_timeout`` (ms): ``downstream_stream_idle_timeout_ms``, else
+        ``(num_retries + 1) x max(per_try_timeout_ms, stream_idle_timeout_ms) + 10 s``, or 0 (none) when an
+        attempt is not bounded at all (both per-try bounds 0)."""
+        if self.downstream_stream_idle_timeout_ms is not None:
+            return self.downstream_stream_idle_timeout_ms
+        longest = max(self.per_try_timeout_ms, self.stream_idle_timeout_ms)
+        return 0 if longest == 0 else (self.num_retries + 1) * longest + 10_000
 
 
 class NodeGroup(_Frozen):

@@ -27,6 +27,9 @@ count the gateway reserved.
   "throttle" | "slow" | "fail" | "recover" | "mute" | "unmute", "factor": 2.0}`` answers the new fault state;
   ``GET /sim/fault`` the current one; ``GET /sim/telemetry`` the GPU's NVML-like telemetry
   (:class:`inferlb.policy.telemetry.GpuTelemetry` JSON); while muted, it and ``/metrics`` answer 503.
+  ``GET /sim/requests``: the method, path and headers of the last :data:`RECORDED_REQUESTS` inference
+  requests it received (``{"requests": [{"method", "path", "headers"}]}``, newest last), so tests can see
+  what the gateway sends a model server.
   A failed endpoint answers 503 to ``/health`` and to every inference request; a hung one never answers
   them (it reads each request, then holds it; streams in flight stop before their next chunk) until
   ``recover``; ``/metrics`` and ``/sim/*`` keep answering.
@@ -42,6 +45,7 @@ advances it at each step boundary and wakes the requests in flight.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import json
 import logging
@@ -90,6 +94,8 @@ log = logging.getLogger("gpusim")
 
 #: Response header naming the GPU type of the endpoint that served a request.
 GPU_HEADER: Final = "x-inferlb-gpu"
+#: How many inference requests' headers ``GET /sim/requests`` keeps (the newest).
+RECORDED_REQUESTS: Final = 64
 #: Seconds aiohttp waits for handlers at shutdown (requests in flight are told to stop first).
 SHUTDOWN_TIMEOUT_S = 2.0
 #: Utilization readings closer together than this reuse the last value (a shorter window is all noise).
@@ -158,6 +164,9 @@ class SimulatedEndpoint:
         self._driver: asyncio.Task[None] | None = None
         self._runner: web.AppRunner | None = None
         self._client_max_size = max(config.gateway.max_request_body_bytes, 1024 * 1024)
+        #: the request line and headers of the last :data:`RECORDED_REQUESTS` inference requests, newest
+        #: last (``GET /sim/requests``)
+        self.recorded: collections.deque[dict[str, object]] = collections.deque(maxlen=RECORDED_REQUESTS)
         self.app = self._build_app()
 
     @property
@@ -332,6 +341,7 @@ class SimulatedEndpoint:
         app.router.add_post("/sim/fault", self._post_fault)
         app.router.add_get("/sim/fault", self._get_fault)
         app.router.add_get("/sim/telemetry", self._get_telemetry)
+        app.router.add_get("/sim/requests", self._get_requests)
         app.on_response_prepare.append(self._stamp_headers)
         return app
 
@@ -383,6 +393,9 @@ class SimulatedEndpoint:
         except RequestError as exc:
             return _error_response(exc)
         return web.json_response(self.apply_fault(command).to_json())
+
+    async def _get_requests(self, _request: web.Request) -> web.Response:
+        return web.json_response({"requests": list(self.recorded)})
 
     async def _get_fault(self, _request: web.Request) -> web.Response:
         return web.json_response(self.fault.to_json())
@@ -494,6 +507,14 @@ class SimulatedEndpoint:
 
     async def _serve(self, request: web.Request, kind: EndpointKind) -> web.StreamResponse:
         self.metrics.request_received()
+        self.recorded.append(
+            {
+                "method": request.method,
+                "path": request.path_qs,
+                # every header as received, lower-cased, repeated ones joined as HTTP does
+                "headers": {k.lower(): ", ".join(request.headers.getall(k)) for k in request.headers},
+            }
+        )
         if self.fault.mode == "failed":
             self.metrics.request_refused("gpu_failed")
             return _error_response(self._failed_error())

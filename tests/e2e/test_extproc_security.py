@@ -91,8 +91,8 @@ def test_the_api_key_never_reaches_a_model_server(
     assert len(rec.seen) == 2
     for hdrs in rec.seen:
         assert "authorization" not in hdrs
-        assert hdrs["x-inferlb-model"] == RECORDER  # the routing headers ext_proc set did arrive
-    assert {h["x-inferlb-priority"] for h in rec.seen} == {"high", "low"}
+        # the routing headers ext_proc set were used by the route, then removed with every internal one
+        assert not [h for h in hdrs if h.startswith("x-inferlb-")], hdrs
 
 
 def test_x_forwarded_for_is_envoys_not_the_clients(

@@ -112,7 +112,8 @@ def test_fail_open_paths_go_to_the_fail_open_models_main_version() -> None:
     assert open_route.route.cluster == "llama-3.1-8b-instruct--v1" == r.fail_open_cluster(config)
     assert open_route.route.priority == base_pb2.RoutingPriority.DEFAULT
     assert open_route.route.timeout.ToMilliseconds() == config.gateway.request_timeout_ms
-    assert list(open_route.request_headers_to_remove) == ["authorization"]
+    assert list(open_route.request_headers_to_remove) == r.upstream_removed_headers(hashed=False)
+    assert open_route.route.host_rewrite_literal == "llama-3.1-8b-instruct"
     assert (r.FAILED_OPEN_HEADER, "true") in {
         (h.header.key, h.header.value) for h in open_route.response_headers_to_add
     }

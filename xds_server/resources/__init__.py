@@ -94,6 +94,7 @@ from xds_server.resources.routes import (
     no_route_body,
     path_failure_modes,
     retry_policy,
+    upstream_removed_headers,
 )
 
 __all__ = [
@@ -155,4 +156,5 @@ __all__ = [
     "processor_timeout_body",
     "processor_unavailable_body",
     "retry_policy",
+    "upstream_removed_headers",
 ]

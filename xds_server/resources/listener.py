@@ -13,11 +13,17 @@ into OpenAI-style JSON errors; the JSON bodies are built here (the routes reuse
 from __future__ import annotations
 
 import json
-from typing import Final
+from typing import Any, Final
 
 from envoy.config.accesslog.v3 import accesslog_pb2
 from envoy.config.common.mutation_rules.v3 import mutation_rules_pb2
-from envoy.config.core.v3 import base_pb2, extension_pb2, grpc_service_pb2, substitution_format_string_pb2
+from envoy.config.core.v3 import (
+    base_pb2,
+    extension_pb2,
+    grpc_service_pb2,
+    protocol_pb2,
+    substitution_format_string_pb2,
+)
 from envoy.config.listener.v3 import listener_components_pb2, listener_pb2
 from envoy.extensions.access_loggers.filters.cel.v3 import cel_pb2
 from envoy.extensions.filters.http.ext_proc.v3 import ext_proc_pb2, processing_mode_pb2
@@ -258,6 +264,41 @@ def _json_error_format(
     )
 
 
+# -- downstream timeouts ----------------------------------------------------------------------------
+#: The HCM ``stream_idle_timeout`` (ms) of streams whose route sets no idle timeout of its own (the
+#: catch-all 404 and the other direct responses; the model routes set ``gateway``'s own): Envoy's default.
+HCM_STREAM_IDLE_TIMEOUT_MS: Final = 300_000
+
+
+def downstream_timeouts(config: Config) -> dict[str, Any]:
+    """The HCM's client-side bounds, each set explicitly (Envoy's defaults leave a slow-loris client's
+    connection open for good: no headers timeout, a 1 h connection idle timeout), as keyword arguments of
+    ``HttpConnectionManager``:
+
+    * ``request_headers_timeout`` = ``gateway.request_headers_timeout_ms``: from the first byte of the
+      request headers to their last (408 and the connection closed after it);
+    * ``stream_idle_timeout`` = :data:`HCM_STREAM_IDLE_TIMEOUT_MS` (Envoy's default, set explicitly): no
+      byte on a stream in either direction for this long. Every route to a model overrides it with its
+      ``RouteAction.idle_timeout`` (:meth:`~inferlb.config.schema.GatewayConfig.downstream_stream_idle_ms`,
+      which follows the retries and per-try bounds: kept in the routes, so a retry change never pushes a
+      new listener, which would drain client connections);
+    * ``common_http_protocol_options.idle_timeout`` (``HttpProtocolOptions.idle_timeout``) =
+      ``gateway.downstream_idle_timeout_ms``: a connection with no stream in flight;
+    * ``request_timeout`` = ``gateway.downstream_request_timeout_ms``: the whole request received.
+
+    A 0 is sent as a zero duration, which Envoy reads as "no timeout" for each of these fields.
+    """
+    gw = config.gateway
+    return {
+        "request_headers_timeout": duration_ms(gw.request_headers_timeout_ms),
+        "stream_idle_timeout": duration_ms(HCM_STREAM_IDLE_TIMEOUT_MS),
+        "request_timeout": duration_ms(gw.downstream_request_timeout_ms),
+        "common_http_protocol_options": protocol_pb2.HttpProtocolOptions(
+            idle_timeout=duration_ms(gw.downstream_idle_timeout_ms)
+        ),
+    }
+
+
 # -- listener -------------------------------------------------------------------------------------------
 def build_listener(config: Config) -> listener_pb2.Listener:
     """The gateway Listener ``inferlb_gateway`` (see the module docstring for its filter chain).
@@ -320,6 +361,7 @@ def build_listener(config: Config) -> listener_pb2.Listener:
             extension_pb2.TypedExtensionConfig(name=EARLY_HEADER_MUTATION, typed_config=pack(strip))
         ],
         rds=http_connection_manager_pb2.Rds(config_source=ads_source(), route_config_name=ROUTE_CONFIG_NAME),
+        **downstream_timeouts(config),
         local_reply_config=build_local_reply_config(config),
         http_filters=[
             # disabled here, enabled by the virtual host (ext_proc_per_route): a reply Envoy makes before
@@ -330,7 +372,12 @@ def build_listener(config: Config) -> listener_pb2.Listener:
                 name=EXT_PROC_FILTER, typed_config=pack(ext_proc), disabled=True
             ),
             http_connection_manager_pb2.HttpFilter(
-                name="envoy.filters.http.router", typed_config=pack(router_pb2.Router())
+                name="envoy.filters.http.router",
+                # suppress_envoy_headers: no x-envoy-* header of the router's on the upstream request
+                # (x-envoy-original-host would carry the client's Host past host_rewrite_literal,
+                # x-envoy-expected-rq-timeout-ms and x-envoy-attempt-count the gateway's internals) nor on
+                # the response (x-envoy-upstream-service-time)
+                typed_config=pack(router_pb2.Router(suppress_envoy_headers=True)),
             ),
         ],
     )

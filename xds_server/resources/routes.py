@@ -44,9 +44,33 @@ from xds_server.resources.common import (
 )
 from xds_server.resources.listener import processor_unavailable_body
 
-#: Headers removed on model routes, after ext_proc has read them: the tenant's API key never reaches a
-#: model server.
-UPSTREAM_REMOVED_HEADERS: Final[tuple[str, ...]] = ("authorization",)
+#: Headers removed on every route to a model (``Route.request_headers_to_remove``), after ext_proc has read
+#: them and the route has matched on them: the tenant's API key and the gateway's internal ``x-inferlb-*``
+#: headers never reach a model server (no model server reads them: vLLM, SGLang, TGI and the simulated
+#: GPUs route and count on the body alone). The affinity keys are removed too, except on routes with a
+#: ``hash_policy`` (:data:`AFFINITY_HEADERS`).
+UPSTREAM_REMOVED_HEADERS: Final[tuple[str, ...]] = (
+    "authorization",
+    headers.MODEL,
+    headers.VERSION,
+    headers.TENANT,
+    headers.PRIORITY,
+    headers.PROMPT_TOKENS,
+    headers.LENGTH_CLASS,
+    headers.STREAM,
+)
+#: The affinity keys ext_proc sets (digests of the session and of the conversation's opening, not their
+#: text). Kept on ring_hash/maglev routes, whose ``hash_policy`` reads them whenever Envoy picks a host
+#: (a retry picks again, after the route's header removal); removed on every other route.
+AFFINITY_HEADERS: Final[tuple[str, ...]] = (headers.PREFIX_KEY, headers.SESSION_KEY)
+
+
+def upstream_removed_headers(*, hashed: bool) -> list[str]:
+    """The ``request_headers_to_remove`` of a route to a model: :data:`UPSTREAM_REMOVED_HEADERS`, and
+    :data:`AFFINITY_HEADERS` unless the route hashes on them (``hashed``)."""
+    return [*UPSTREAM_REMOVED_HEADERS, *(() if hashed else AFFINITY_HEADERS)]
+
+
 #: Envoy's retry conditions for inference requests (``RetryPolicy.retry_on``, router filter docs
 #: "x-envoy-retry-on"): the connection failed (``connect-failure``), the server refused or reset the stream
 #: (``refused-stream``, ``reset``; a per-try timeout resets the attempt, so a hung server is retried too),
@@ -142,6 +166,7 @@ def _route_action(
     config: Config,
     cluster: str,
     *,
+    model: str,
     high: bool,
     hashed: bool = False,
     confined: ConfinedClass | None = None,
@@ -155,6 +180,13 @@ def _route_action(
         # budget when DEFAULT traffic saturates the cluster.
         priority=base_pb2.RoutingPriority.HIGH if high else base_pb2.RoutingPriority.DEFAULT,
         timeout=duration_ms(gw.request_timeout_ms),
+        # the upstream Host (HTTP/1 Host, HTTP/2 :authority) is the model's canonical name, never what the
+        # client sent: model servers (vLLM, SGLang, TGI) ignore it, and a proxy in front of them sees
+        # which model the request is for
+        host_rewrite_literal=model,
+        # the client side's stream idle bound (overrides the HCM's stream_idle_timeout): longer than every
+        # silence of an accepted request, all its attempts included
+        idle_timeout=duration_ms(gw.downstream_stream_idle_ms()),
         retry_policy=retry,
         hash_policy=affinity_hash_policy() if hashed else [],
         metadata_match=class_match(confined) if confined is not None else None,
@@ -220,9 +252,11 @@ def failure_mode_routes(config: Config) -> list[route_components_pb2.Route]:
     """
     target = fail_open_cluster(config)
     hashed = False
+    target_model = ""
     if target is not None:
         model = config.model_by_name()[config.ext_proc.fail_open_model or ""]
         hashed = model.cluster.lb_policy in HASH_LB_POLICIES
+        target_model = model.name
     out = []
     for path, fail_open in path_failure_modes(config).items():
         common: dict[str, object] = {
@@ -236,8 +270,8 @@ def failure_mode_routes(config: Config) -> list[route_components_pb2.Route]:
             action = _json_direct_response(503, processor_unavailable_body())
         else:
             action = {
-                "route": _route_action(config, target, high=False, hashed=hashed),
-                "request_headers_to_remove": list(UPSTREAM_REMOVED_HEADERS),
+                "route": _route_action(config, target, model=target_model, high=False, hashed=hashed),
+                "request_headers_to_remove": upstream_removed_headers(hashed=hashed),
                 "response_headers_to_add": [
                     base_pb2.HeaderValueOption(
                         header=base_pb2.HeaderValue(key=FAILED_OPEN_HEADER, value="true"),
@@ -255,6 +289,7 @@ def _stream_and_whole(
     match: list[route_components_pb2.HeaderMatcher],
     cluster: str,
     *,
+    model: str,
     high: bool,
     hashed: bool = False,
     confined: ConfinedClass | None = None,
@@ -267,8 +302,10 @@ def _stream_and_whole(
             match=route_components_pb2.RouteMatch(
                 prefix="/", headers=[*match, _exact(headers.STREAM, "true")] if stream else match
             ),
-            route=_route_action(config, cluster, high=high, hashed=hashed, confined=confined, stream=stream),
-            request_headers_to_remove=list(UPSTREAM_REMOVED_HEADERS),
+            route=_route_action(
+                config, cluster, model=model, high=high, hashed=hashed, confined=confined, stream=stream
+            ),
+            request_headers_to_remove=upstream_removed_headers(hashed=hashed),
         )
         for stream in (True, False)
     ]
@@ -300,17 +337,26 @@ def build_route_configuration(config: Config) -> route_pb2.RouteConfiguration:
                     (f"--{confined.name}", long, False),
                 ):
                     routes += _stream_and_whole(
-                        config, f"{cluster}{suffix}", match, cluster, high=high, confined=confined
+                        config,
+                        f"{cluster}{suffix}",
+                        match,
+                        cluster,
+                        model=model.name,
+                        high=high,
+                        confined=confined,
                     )
             routes += _stream_and_whole(
                 config,
                 f"{cluster}--high",
                 [*base, _exact(headers.PRIORITY, "high")],
                 cluster,
+                model=model.name,
                 high=True,
                 hashed=hashed,
             )
-            routes += _stream_and_whole(config, cluster, base, cluster, high=False, hashed=hashed)
+            routes += _stream_and_whole(
+                config, cluster, base, cluster, model=model.name, high=False, hashed=hashed
+            )
     routes += failure_mode_routes(config)
     routes.append(
         route_components_pb2.Route(

@@ -224,3 +224,18 @@ def failed_hosts(config: Config, cluster: str) -> set[str]:
                 sa = h["address"]["socket_address"]
                 out.add(f"{sa['address']}:{sa['port_value']}")
     return out
+
+
+def saturable_doc(model: str, default_budget: dict[str, int], retry_after_s: int) -> dict[str, Any]:
+    """The test config with ``model``'s DEFAULT circuit breaker at ``default_budget`` (HIGH roomy: 256), the
+    gateway's overflow ``retry-after`` at ``retry_after_s``, and decoding at 200 tokens/s per sequence on a
+    V100 (a 300-token completion holds its slot 0.4-1.5 s), so a few concurrent requests saturate it."""
+    doc = make_config_doc()
+    doc["simulation"]["decode_tokens_per_s"] = 200
+    doc["gateway"]["overflow_retry_after_s"] = retry_after_s
+    entry = next(m for m in doc["models"] if m["name"] == model)
+    entry["cluster"] = {
+        "circuit_breaker_default": default_budget,
+        "circuit_breaker_high": {"max_connections": 256, "max_pending_requests": 256, "max_requests": 256},
+    }
+    return doc

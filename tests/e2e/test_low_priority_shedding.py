@@ -18,8 +18,7 @@ from collections.abc import Iterator
 import openai
 import pytest
 
-from tests.conftest import make_config_doc
-from tests.e2e.conftest import RunningStack, started_stack
+from tests.e2e.conftest import RunningStack, saturable_doc, started_stack
 
 pytestmark = pytest.mark.e2e
 
@@ -38,15 +37,7 @@ Result = tuple[int, str | None, str | None]
 @pytest.fixture(scope="module")
 def saturated_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningStack]:
     work = tmp_path_factory.mktemp("low-priority")
-    doc = make_config_doc()
-    # V100 200 tokens/s per sequence, H100 680: a 150-token stream holds its slot 0.2-0.75 s
-    doc["simulation"]["decode_tokens_per_s"] = 200
-    doc["gateway"]["overflow_retry_after_s"] = RETRY_AFTER_S
-    qwen = next(m for m in doc["models"] if m["name"] == QWEN)
-    qwen["cluster"] = {
-        "circuit_breaker_default": DEFAULT_BUDGET,
-        "circuit_breaker_high": {"max_connections": 256, "max_pending_requests": 256, "max_requests": 256},
-    }
+    doc = saturable_doc(QWEN, DEFAULT_BUDGET, RETRY_AFTER_S)
     # a default-priority tenant without limits (the demo's team-c has a tiny token quota)
     doc["tenants"].append({"name": "team-d", "api_keys": [DEFAULT_KEY], "priority": "default"})
     with started_stack(work, doc) as rs:

@@ -16,8 +16,7 @@ from collections.abc import Iterator
 import openai
 import pytest
 
-from tests.conftest import make_config_doc
-from tests.e2e.conftest import RunningStack, started_stack
+from tests.e2e.conftest import RunningStack, saturable_doc, started_stack
 
 pytestmark = pytest.mark.e2e
 
@@ -30,15 +29,7 @@ RETRY_AFTER_S = 2
 @pytest.fixture(scope="module")
 def small_pool_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningStack]:
     work = tmp_path_factory.mktemp("priority")
-    doc = make_config_doc()
-    # a V100 decodes 200 tokens/s per sequence: a 300-token completion holds its slot 0.4-1.5 s
-    doc["simulation"]["decode_tokens_per_s"] = 200
-    doc["gateway"]["overflow_retry_after_s"] = RETRY_AFTER_S
-    qwen = next(m for m in doc["models"] if m["name"] == QWEN)
-    qwen["cluster"] = {
-        "circuit_breaker_default": DEFAULT_BUDGET,
-        "circuit_breaker_high": {"max_connections": 256, "max_pending_requests": 256, "max_requests": 256},
-    }
+    doc = saturable_doc(QWEN, DEFAULT_BUDGET, RETRY_AFTER_S)
     with started_stack(work, doc) as rs:
         yield rs
 

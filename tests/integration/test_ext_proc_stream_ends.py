@@ -155,32 +155,44 @@ async def test_leases_are_released_on_every_way_a_stream_ends(monkeypatch: pytes
         call.cancel()
 
 
+async def open_request(c: Client) -> tuple[Any, ep.ProcessingResponse]:
+    """A new stream with the request headers and body of one chat for ``KEY``; the body's answer."""
+    call = c.stub.Process()
+    await c.send(call, req_headers(KEY))
+    return call, await c.send(call, req_body(chat()))
+
+
+async def hold_two(c: Client) -> list[Any]:
+    """Two admitted streams left open and silent (their ends never seen): ``KEY``'s two slots."""
+    held = []
+    for _ in range(2):
+        call, answer = await open_request(c)
+        assert answer.HasField("request_body")
+        held.append(call)
+    return held
+
+
+async def refused_for_concurrency(c: Client) -> bool:
+    """Whether the next request is refused (429) while the slots are held."""
+    call, answer = await open_request(c)
+    call.cancel()
+    return bool(answer.immediate_response.status.code == 429)
+
+
 async def test_a_lease_never_released_expires_after_its_ttl() -> None:
     cfg = {**CONFIG, "gateway": {"request_timeout_ms": 10_000}}  # lease TTL 10 s + 60 s margin
     async with serving(cfg) as c:
         assert isinstance(c.state.quotas, MemoryQuotaStore)
         assert c.state.quotas.book.lease_ttl_s == 70.0
-        held = []
-        for _ in range(2):
-            call = c.stub.Process()
-            await c.send(call, req_headers(KEY))
-            assert (await c.send(call, req_body(chat()))).HasField("request_body")
-            held.append(call)
-        # both streams stay open and silent (their ends are never seen): the third is refused...
-        call = c.stub.Process()
-        await c.send(call, req_headers(KEY))
-        assert (await c.send(call, req_body(chat()))).immediate_response.status.code == 429
-        call.cancel()
+        held = await hold_two(c)
+        # both streams stay open and silent: the third is refused...
+        assert await refused_for_concurrency(c)
         c.clock[0] += 69.0
-        call = c.stub.Process()
-        await c.send(call, req_headers(KEY))
-        assert (await c.send(call, req_body(chat()))).immediate_response.status.code == 429
-        call.cancel()
+        assert await refused_for_concurrency(c)
         # ...until their leases expire
         c.clock[0] += 1.0
-        call = c.stub.Process()
-        await c.send(call, req_headers(KEY))
-        assert (await c.send(call, req_body(chat()))).HasField("request_body")
+        call, answer = await open_request(c)
+        assert answer.HasField("request_body")
         assert await c.in_flight() == 1
         for h in (*held, call):
             h.cancel()
@@ -255,20 +267,11 @@ async def test_a_redis_lease_never_released_expires_after_its_ttl(redis_url: str
         redis_url, limits_from_config(config), timeout_s=2.0, lease_ttl_s=70.0, wall_clock=lambda: wall[0]
     )
     async with serving(CONFIG, quotas=store) as c:
-        held = []
-        for _ in range(2):
-            call = c.stub.Process()
-            await c.send(call, req_headers(KEY))
-            assert (await c.send(call, req_body(chat()))).HasField("request_body")
-            held.append(call)
-        call = c.stub.Process()
-        await c.send(call, req_headers(KEY))
-        assert (await c.send(call, req_body(chat()))).immediate_response.status.code == 429
-        call.cancel()
+        held = await hold_two(c)
+        assert await refused_for_concurrency(c)
         wall[0] += 70.0
-        call = c.stub.Process()
-        await c.send(call, req_headers(KEY))
-        assert (await c.send(call, req_body(chat()))).HasField("request_body")
+        call, answer = await open_request(c)
+        assert answer.HasField("request_body")
         for h in (*held, call):
             h.cancel()
     await store.aclose()

@@ -568,7 +568,7 @@ def build_parser() -> argparse.ArgumentParser:
     x.set_defaults(fn=cmd_xds)
 
     m = sub.add_parser(
-        "sim", help="throttle, slow, fail, hang or recover a simulated GPU, or show its telemetry"
+        "sim", help="throttle, slow, fail, hang, mute, unmute or recover a simulated GPU, or show telemetry"
     )
     m.add_argument("action", choices=SIM_ACTIONS)
     m.add_argument("name", help="endpoint name (or address) in the config")

@@ -94,7 +94,8 @@ NO_SECOND: Final = -(1 << 62)
 #: only ever dropped by expiry when it was lost (its release never ran), not while its request runs.
 LEASE_MARGIN_S: Final = 60.0
 #: Lease lifetime when Envoy's route timeout is disabled (``gateway.request_timeout_ms: 0``), in s: one hour,
-#: far above any generation a route timeout would otherwise allow (the default route timeout is 300 s).
+#: far above any generation the per-try bounds allow (the default route timeout is 0: streams have no length
+#: bound; a non-streamed try is bounded by ``gateway.per_try_timeout_ms``, 300 s).
 UNBOUNDED_LEASE_S: Final = 3600.0
 
 

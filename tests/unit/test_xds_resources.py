@@ -198,7 +198,11 @@ def test_listener_buffer_limit_and_filter_chain(config: Config) -> None:
         headers.LENGTH_CLASS,
         headers.STREAM,
         "x-forwarded-for",  # Envoy's own (use_remote_address) replaces it
+        *r.ENVOY_CONTROL_HEADERS,  # a local (internal) client would set its own timeout and retries
     }
+    assert {"x-envoy-upstream-rq-timeout-ms", "x-envoy-max-retries", "x-envoy-retry-on"} <= set(
+        r.ENVOY_CONTROL_HEADERS
+    )
 
 
 def test_ext_proc_filter_settings() -> None:

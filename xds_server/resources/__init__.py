@@ -66,6 +66,7 @@ from xds_server.resources.endpoints import (
 from xds_server.resources.listener import (
     CEL_FILTER,
     EARLY_HEADER_MUTATION,
+    ENVOY_CONTROL_HEADERS,
     EXT_PROC_FAILURE_DETAILS_PREFIX,
     EXT_PROC_REPLY_DETAILS_PREFIX,
     OVERFLOW_FLAG,
@@ -102,6 +103,7 @@ __all__ = [
     "CLUSTER_TYPE",
     "EARLY_HEADER_MUTATION",
     "ENDPOINT_TYPE",
+    "ENVOY_CONTROL_HEADERS",
     "EXT_PROC_CLUSTER",
     "EXT_PROC_CONNECT_TIMEOUT_MS",
     "EXT_PROC_FAILURE_DETAILS_PREFIX",

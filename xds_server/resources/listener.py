@@ -68,6 +68,28 @@ STRIPPED_REQUEST_HEADERS: Final[tuple[str, ...]] = (
 #: address to ``x-forwarded-for``; removing the client's value first leaves exactly that address, so a
 #: client cannot pose as another origin to model servers or their logs.
 REPLACED_CLIENT_HEADERS: Final[tuple[str, ...]] = ("x-forwarded-for",)
+#: Envoy's request control headers (Envoy docs, "HTTP header manipulation" and router "HTTP headers
+#: consumed"): Envoy obeys them from a client it deems internal, so such a client could set its own
+#: timeout, retries or hedging. Envoy 1.40 here deems no loopback peer internal and drops them itself
+#: (measured: a client's 1 ms ``x-envoy-upstream-rq-timeout-ms`` had no effect); removing them before
+#: routing keeps that true on builds or ``internal_address_config`` settings that trust local peers.
+ENVOY_CONTROL_HEADERS: Final[tuple[str, ...]] = (
+    "x-envoy-max-retries",
+    "x-envoy-retry-on",
+    "x-envoy-retry-grpc-on",
+    "x-envoy-retriable-status-codes",
+    "x-envoy-retriable-header-names",
+    "x-envoy-upstream-rq-timeout-ms",
+    "x-envoy-upstream-rq-per-try-timeout-ms",
+    "x-envoy-upstream-rq-timeout-alt-response",
+    "x-envoy-hedge-on-per-try-timeout",
+    "x-envoy-expected-rq-timeout-ms",
+    "x-envoy-is-timeout-retry",
+    "x-envoy-force-trace",
+    "x-envoy-ip-tags",
+    "x-envoy-downstream-service-cluster",
+    "x-envoy-downstream-service-node",
+)
 
 
 # -- local replies -------------------------------------------------------------------------------------
@@ -314,7 +336,7 @@ def build_listener(config: Config) -> listener_pb2.Listener:
     strip = early_header_mutation_pb2.HeaderMutation(
         mutations=[
             mutation_rules_pb2.HeaderMutation(remove=h)
-            for h in (*STRIPPED_REQUEST_HEADERS, *REPLACED_CLIENT_HEADERS)
+            for h in (*STRIPPED_REQUEST_HEADERS, *REPLACED_CLIENT_HEADERS, *ENVOY_CONTROL_HEADERS)
         ]
     )
     ext_proc = ext_proc_pb2.ExternalProcessor(

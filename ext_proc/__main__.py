@@ -1,11 +1,12 @@
 """``python -m ext_proc --config PATH [--listen HOST:PORT] [--metrics-listen HOST:PORT]``: serve Envoy's
 ext_proc.
 
-Serves on ``ext_proc.listen`` from the config (``--listen`` overrides it, e.g. one port per process) and
+Serves on ``ext_proc.listen`` from the config, or on the Unix socket ``ext_proc.listen_unix`` (mode 0600)
+when set (``--listen`` overrides either with a TCP address, e.g. one port per process) and
 Prometheus metrics on ``http://ext_proc.metrics_listen/metrics`` (``--metrics-listen`` overrides it; port 0
 picks a free one, logged as ``ext_proc metrics on HOST:PORT``). Quota state lives where
 ``ext_proc.quota_backend`` says (``memory`` or ``redis``; a change needs a restart). It
-logs ``ext_proc ready on HOST:PORT`` once it accepts streams, polls the config file every
+logs ``ext_proc ready on HOST:PORT`` (``unix:PATH``) once it accepts streams, polls the config file every
 ``--poll-interval`` seconds (0.5) by content hash and applies a changed file once two consecutive polls read
 the same bytes; a bad file is logged with the field named and the last good config keeps serving (a file
 must also pass :func:`inferlb.config.checks.check_config` and must not empty the running config's models,
@@ -31,9 +32,10 @@ from ext_proc.metrics import ExtProcMetrics
 from ext_proc.poller import ConfigPoller
 from ext_proc.servicer import MAX_CONFIGURABLE_BODY_BYTES, ExtProcState, add_to_server, make_server
 from ext_proc.stores import make_quota_store, start_metrics_server
+from inferlb.adapters.unix_socket import UnixSocketError, bind_unix_socket
 from inferlb.config.changes import check_not_emptied
 from inferlb.config.checks import check_config
-from inferlb.config.schema import Config, HostPort
+from inferlb.config.schema import Config, GrpcAddress, HostPort, UnixSocket
 from inferlb.errors import ConfigError
 
 log = logging.getLogger("ext_proc")
@@ -123,9 +125,10 @@ async def _watch_config(poller: ConfigPoller, state: ExtProcState, listen: str, 
         except ConfigError as err:
             _log_config_error(err, "config reload refused, still serving the last good config")
             continue
-        if str(config.ext_proc.listen) != listen:
+        if str(config.ext_proc.grpc_address()) != listen:
             log.warning(
-                "ext_proc.listen changed to %s; the new address needs a restart", config.ext_proc.listen
+                "ext_proc.listen/listen_unix changed to %s; the new address needs a restart",
+                config.ext_proc.grpc_address(),
             )
         if config.ext_proc.quota_backend != state.gateway.config.ext_proc.quota_backend:
             log.warning(
@@ -147,7 +150,7 @@ async def _watch_config(poller: ConfigPoller, state: ExtProcState, listen: str, 
 async def serve(
     config: Config,
     poller: ConfigPoller,
-    listen: HostPort,
+    listen: GrpcAddress,
     poll_interval_s: float,
     metrics_listen: HostPort | None = None,
 ) -> int:
@@ -169,8 +172,12 @@ async def serve(
     server = make_server(MAX_CONFIGURABLE_BODY_BYTES)
     servicer = add_to_server(server, state)
     try:
-        port = server.add_insecure_port(str(listen))
-    except RuntimeError as exc:
+        if isinstance(listen, UnixSocket):
+            bind_unix_socket(listen.path, "ext_proc.listen_unix", server.add_insecure_port)
+            bound: GrpcAddress = listen
+        else:
+            bound = HostPort(host=listen.host, port=server.add_insecure_port(str(listen)))
+    except (RuntimeError, UnixSocketError) as exc:
         log.error("cannot listen on %s: %s", listen, exc)
         await quotas.aclose()
         return 1
@@ -186,14 +193,15 @@ async def serve(
     # open the quota store's connections before the first stream: a cold burst must find them ready
     await quotas.start()
     await server.start()
-    bound = HostPort(host=listen.host, port=port)
     log.info("ext_proc ready on %s", bound)
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    watcher = asyncio.create_task(_watch_config(poller, state, str(config.ext_proc.listen), poll_interval_s))
+    watcher = asyncio.create_task(
+        _watch_config(poller, state, str(config.ext_proc.grpc_address()), poll_interval_s)
+    )
     try:
         await stop.wait()
         log.info("ext_proc stopping")
@@ -223,7 +231,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     poller = ConfigPoller(args.config)
     try:
         digest, config = poller.read()
-        listen = HostPort.model_validate(args.listen) if args.listen else config.ext_proc.listen
+        listen: GrpcAddress = (
+            HostPort.model_validate(args.listen) if args.listen else config.ext_proc.grpc_address()
+        )
         metrics_listen = parse_metrics_listen(args.metrics_listen) if args.metrics_listen else None
     except ConfigError as err:
         _log_config_error(err, "cannot start")

@@ -75,6 +75,10 @@ def _socket_address(host: str, port: int) -> dict[str, Any]:
     return {"socket_address": {"address": host, "port_value": port}}
 
 
+def _pipe_address(path: str) -> dict[str, Any]:
+    return {"pipe": {"path": path}}
+
+
 def render_bootstrap(
     config: Config,
     *,
@@ -88,7 +92,9 @@ def render_bootstrap(
     Args:
         config: the inferlb config (``gateway.node_cluster``, ``gateway.admin``, ``xds.listen``).
         node_id: this Envoy's ``node.id`` (unique per Envoy; the xDS server logs NACKs with it).
-        xds_host, xds_port: override ``config.xds.listen`` (e.g. a container's service name).
+        xds_host, xds_port: override ``config.xds.listen`` (e.g. a container's service name); either one
+            given, the bootstrap dials TCP even when ``xds.listen_unix`` is set. Neither given and
+            ``xds.listen_unix`` set: the ``inferlb_xds`` cluster dials that socket (a ``pipe`` address).
         mode: ``sotw`` (ADS, ``api_type: GRPC``), ``delta`` (ADS, ``api_type: DELTA_GRPC``) or ``xds``
             (no ADS: ``lds_config`` and ``cds_config`` each an ``api_config_source`` over gRPC).
 
@@ -97,13 +103,15 @@ def render_bootstrap(
 
     Returns:
         a dict with ``node``, ``admin``, ``static_resources`` (the ``inferlb_xds`` HTTP/2 cluster, STATIC for
-        an IP, LOGICAL_DNS for a host name) and ``dynamic_resources`` (ADS over gRPC, v3, node sent on
-        the first message only, reconnect backoff :func:`reconnect_policy`, LDS and CDS from ADS; or for
-        ``xds`` LDS and CDS on their own streams).
+        an IP or a Unix socket, LOGICAL_DNS for a host name) and ``dynamic_resources`` (ADS over gRPC, v3,
+        node sent on the first message only, reconnect backoff :func:`reconnect_policy`, LDS and CDS from
+        ADS; or for ``xds`` LDS and CDS on their own streams).
     """
     if mode not in _API_TYPE:
         raise ValueError(f"ADS mode must be one of {list(ADS_MODES)}, got {mode!r}")
     xds = HostPort(host=xds_host or config.xds.listen.host, port=xds_port or config.xds.listen.port)
+    unix = config.xds.listen_unix if xds_host is None and xds_port is None else None
+    xds_address = _pipe_address(unix.path) if unix is not None else _socket_address(xds.host, xds.port)
     admin = config.gateway.admin
     return {
         "node": {"id": node_id, "cluster": config.gateway.node_cluster},
@@ -120,7 +128,7 @@ def render_bootstrap(
             "clusters": [
                 {
                     "name": XDS_CLUSTER,
-                    "type": "STATIC" if xds.is_ip else "LOGICAL_DNS",
+                    "type": "STATIC" if unix is not None or xds.is_ip else "LOGICAL_DNS",
                     "connect_timeout": XDS_CONNECT_TIMEOUT,
                     # xDS is gRPC: the cluster must speak HTTP/2
                     "typed_extension_protocol_options": {
@@ -131,9 +139,7 @@ def render_bootstrap(
                     },
                     "load_assignment": {
                         "cluster_name": XDS_CLUSTER,
-                        "endpoints": [
-                            {"lb_endpoints": [{"endpoint": {"address": _socket_address(xds.host, xds.port)}}]}
-                        ],
+                        "endpoints": [{"lb_endpoints": [{"endpoint": {"address": xds_address}}]}],
                     },
                 }
             ]

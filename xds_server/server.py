@@ -37,6 +37,7 @@ import grpc
 import yaml
 from aiohttp import web
 
+from inferlb.adapters.unix_socket import bind_unix_socket
 from inferlb.config.changes import StableContent, check_not_emptied
 from inferlb.config.checks import (
     HostResolver,
@@ -46,7 +47,7 @@ from inferlb.config.checks import (
     resolve_endpoint_hosts,
     system_resolve,
 )
-from inferlb.config.schema import Config, EndpointConfig, HostPort, parse_config
+from inferlb.config.schema import Config, EndpointConfig, GrpcAddress, parse_config
 from inferlb.errors import ConfigError
 from xds_server.ads import AggregatedDiscoveryServicer, add_ads_to_server
 from xds_server.cache import DEFAULT_GROUP, SnapshotCache, SnapshotInconsistentError
@@ -110,7 +111,8 @@ def parse_config_bytes(data: bytes, source: str) -> Config:
 
 
 class XdsServer:
-    """ADS on ``config.xds.listen`` (or ``bind``), fed from a config file that it keeps following.
+    """ADS on ``config.xds.listen`` (or ``bind``), or on the Unix socket ``xds.listen_unix`` (mode 0600) when
+    set and no ``bind`` is given, fed from a config file that it keeps following.
 
     Args:
         config_path: the YAML config file.
@@ -136,7 +138,9 @@ class XdsServer:
         fleet: the fleet API's changes (:class:`~xds_server.fleet_state.FleetState`).
         state_path: the state file in use (None: changes are not stored), set by :meth:`start`.
         resolved_hosts: ``{host name: IP}`` of the endpoints written with a host name.
-        port: the bound ADS port (0 before :meth:`start`); ``api_port``: the HTTP API's (0 when off).
+        port: the bound ADS port (0 before :meth:`start`, and on a Unix socket); ``api_port``: the HTTP
+            API's (0 when off).
+        unix_path: the Unix socket ADS listens on (``xds.listen_unix``), or None on TCP.
         reload_errors: how many times a changed file was refused; ``publish_errors``: failed publishes.
         coalescer: the :class:`~xds_server.coalesce.PushCoalescer` every change goes through.
     """
@@ -171,6 +175,7 @@ class XdsServer:
         self.telemetry_classes: Mapping[str, tuple[str, ...]] = {}
         self.port = 0
         self.host = ""
+        self.unix_path: str | None = None
         self.api_port = 0
         self.reload_errors = 0
         self.publish_errors = 0
@@ -187,7 +192,7 @@ class XdsServer:
         self._poller: asyncio.Task[None] | None = None
         self._drainer: asyncio.Task[None] | None = None
         self._drain_wake = asyncio.Event()
-        self._started_listen: HostPort | None = None
+        self._started_listen: GrpcAddress | None = None
         self._api: Any = None
         self._groups: dict[str, tuple[Config, LbEndpointCache]] = {}
         self._groups_owner: Config | None = None
@@ -227,25 +232,32 @@ class XdsServer:
             debounce_s=config.xds.push_debounce_ms / 1000,
             max_delay_s=config.xds.push_max_delay_ms / 1000,
         )
-        self._started_listen = config.xds.listen
-        host, port = self._bind or (config.xds.listen.host, config.xds.listen.port)
+        self._started_listen = config.xds.grpc_address()
         server = grpc.aio.server()
         add_ads_to_server(self.servicer, server)
         add_per_type_services(server, self.servicer, self.cache)
-        address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-        try:
-            bound = server.add_insecure_port(address)
-        except RuntimeError as exc:
-            raise RuntimeError(f"cannot listen on {address}: {exc}") from None
-        if bound == 0:  # older grpcio reports a failed bind as port 0
-            raise RuntimeError(f"cannot listen on {address}")
+        unix = config.xds.listen_unix if self._bind is None else None
+        if unix is not None:
+            bind_unix_socket(unix.path, "xds.listen_unix", server.add_insecure_port)
+            host, bound, address = "", 0, str(unix)
+            self.unix_path = unix.path
+        else:
+            host, port = self._bind or (config.xds.listen.host, config.xds.listen.port)
+            address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+            try:
+                bound = server.add_insecure_port(address)
+            except RuntimeError as exc:
+                raise RuntimeError(f"cannot listen on {address}: {exc}") from None
+            if bound == 0:  # older grpcio reports a failed bind as port 0
+                raise RuntimeError(f"cannot listen on {address}")
+            address = f"[{host}]:{bound}" if ":" in host else f"{host}:{bound}"
         await server.start()
         self._server, self.host, self.port = server, host, bound
         await self._start_api(config)
         self._poller = asyncio.create_task(self._follow_config(), name="xds-config-poller")
         self._drainer = asyncio.create_task(self._expire_drains(), name="xds-drain-timer")
         self._resolver = asyncio.create_task(self._follow_dns(), name="xds-host-resolver")
-        log.info("xds_server ready on %s:%d", host, bound)
+        log.info("xds_server ready on %s", address)
 
     async def _start_api(self, config: Config) -> None:
         listen = config.xds.api_listen
@@ -404,9 +416,12 @@ class XdsServer:
         if (
             self._bind is None
             and self._started_listen is not None
-            and loaded.config.xds.listen != self._started_listen
+            and loaded.config.xds.grpc_address() != self._started_listen
         ):
-            log.warning("xds.listen changed to %s: takes effect on restart", loaded.config.xds.listen)
+            log.warning(
+                "xds.listen/listen_unix changed to %s: takes effect on restart",
+                loaded.config.xds.grpc_address(),
+            )
         log.info("config %s accepted", self.config_path)
         self._changed()
         return loaded

@@ -3,6 +3,7 @@
 - :mod:`inferlb.adapters.quota_redis`: the quota store over Redis (atomic Lua scripts), shared by several
   ext_proc replicas.
 - :mod:`inferlb.adapters.nvml`: GPU readings through NVML (nvidia-ml-py) behind a ``typing.Protocol``.
+- :mod:`inferlb.adapters.unix_socket`: the gRPC services' Unix domain sockets (owner-only file mode).
 
 May import: the core (:mod:`inferlb.errors`, :mod:`inferlb.config`, :mod:`inferlb.request`,
 :mod:`inferlb.policy`) and their client library; no service, operator tool or simulator.

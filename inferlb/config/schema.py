@@ -31,7 +31,9 @@ from typing import Annotated, Any, Literal, Self
 
 import yaml
 from pydantic import (
+    AfterValidator,
     BaseModel,
+    BeforeValidator,
     ConfigDict,
     Field,
     ValidationError,
@@ -88,6 +90,47 @@ class HostPort(_Frozen):
         except ValueError:
             return False
         return True
+
+
+#: Longest Unix domain socket path: ``sockaddr_un.sun_path`` holds 108 bytes on Linux, the last a NUL.
+UNIX_PATH_MAX_BYTES = 107
+
+
+def _check_unix_path(v: str) -> str:
+    if not v.startswith("/"):
+        raise ValueError(f"a Unix socket path must be absolute, got {v!r}")
+    if v.endswith("/"):
+        raise ValueError(f"a Unix socket path names a file, not a directory: {v!r}")
+    if "\0" in v:
+        raise ValueError("a Unix socket path cannot contain NUL")
+    if len(v.encode()) > UNIX_PATH_MAX_BYTES:
+        raise ValueError(
+            f"a Unix socket path has at most {UNIX_PATH_MAX_BYTES} bytes (sun_path), got {len(v.encode())}: "
+            f"{v!r}"
+        )
+    return v
+
+
+class UnixSocket(_Frozen):
+    """A Unix domain socket: an absolute file path. Written ``unix:PATH`` (gRPC's form)."""
+
+    path: Annotated[str, AfterValidator(_check_unix_path)]
+
+    def __str__(self) -> str:
+        return f"unix:{self.path}"
+
+
+#: Where a gRPC service of the stack listens (and Envoy dials it): TCP ``host:port`` or a Unix socket.
+GrpcAddress = HostPort | UnixSocket
+
+
+def _unix_socket(value: Any) -> Any:
+    # checked here, so an error names the config field itself (``xds.listen_unix``), not ``.path``
+    return UnixSocket(path=_check_unix_path(value.strip())) if isinstance(value, str) else value
+
+
+#: A ``listen_unix`` field: an absolute path in the file, a :class:`UnixSocket` once validated.
+UnixListen = Annotated[UnixSocket, BeforeValidator(_unix_socket)]
 
 
 #: The config sections a run-time change may empty only when the file says so (``allow_empty``).
@@ -211,6 +254,10 @@ class XdsConfig(_Frozen):
     """Our xDS control server."""
 
     listen: HostPort = HostPort(host="127.0.0.1", port=18000)
+    #: Serve xDS on this Unix domain socket (an absolute path) instead of ``listen``, the socket file mode
+    #: 0600 (only the user running the xDS server, and so Envoy run as that user, may connect); Envoy's
+    #: bootstrap then dials it as a ``pipe`` address. None: TCP on ``listen``.
+    listen_unix: UnixListen | None = None
     #: Changes within this window are coalesced into one push (ms).
     push_debounce_ms: Annotated[int, Field(strict=True, ge=0, le=60_000)] = 100
     #: Bound on staleness: a burst of changes is pushed at most this long after its first change (ms),
@@ -252,11 +299,20 @@ class XdsConfig(_Frozen):
             )
         return self
 
+    def grpc_address(self) -> GrpcAddress:
+        """Where the xDS gRPC server listens: ``listen_unix`` when set, else ``listen``."""
+        return self.listen_unix or self.listen
+
 
 class ExtProcConfig(_Frozen):
     """Our ext_proc service and how Envoy calls it."""
 
     listen: HostPort = HostPort(host="127.0.0.1", port=18080)
+    #: Serve ext_proc on this Unix domain socket (an absolute path) instead of ``listen``, the socket file
+    #: mode 0600 (only the user running ext_proc, and so Envoy run as that user, may connect); the
+    #: ``inferlb_ext_proc`` cluster then dials it as a ``pipe`` address. None: TCP on ``listen``. Not with
+    #: ``extra_listen`` (one process serves the socket).
+    listen_unix: UnixListen | None = None
     #: More ext_proc processes, each serving on its own address (``python -m ext_proc --listen ADDR``): every
     #: address is its own endpoint of the ``inferlb_ext_proc`` cluster. Envoy opens one HTTP/2 connection per
     #: endpoint per worker, so processes behind one SO_REUSEPORT address would not share the load.
@@ -324,6 +380,11 @@ class ExtProcConfig(_Frozen):
 
     @model_validator(mode="after")
     def _check_extra_metrics(self) -> Self:
+        if self.listen_unix is not None and self.extra_listen:
+            raise ValueError(
+                "listen_unix: cannot be combined with extra_listen (one ext_proc process serves the Unix "
+                "socket); drop extra_listen or listen_unix"
+            )
         n, m = len(self.extra_listen), len(self.extra_metrics_listen)
         if m and m != n:
             raise ValueError(
@@ -332,6 +393,10 @@ class ExtProcConfig(_Frozen):
         if not m and n and self.metrics_listen.port + n > 65535:
             raise ValueError("extra_metrics_listen: metrics_listen's port + extra processes passes 65535")
         return self
+
+    def grpc_address(self) -> GrpcAddress:
+        """Where the (first) ext_proc process serves gRPC: ``listen_unix`` when set, else ``listen``."""
+        return self.listen_unix or self.listen
 
     def extra_metrics_addresses(self) -> tuple[HostPort, ...]:
         """The ``/metrics`` address of each ``extra_listen`` process: ``extra_metrics_listen``, or
@@ -806,6 +871,10 @@ class Config(_Frozen):
                 f"ext_proc.fail_open_model: unknown model {fail_open!r} (known: {sorted(by_name)})"
             )
         # every socket inferlb binds or Envoy dials must be distinct
+        if self.xds.listen_unix is not None and self.xds.listen_unix == self.ext_proc.listen_unix:
+            problems.append(
+                f"ext_proc.listen_unix: {self.ext_proc.listen_unix.path} is already used by xds.listen_unix"
+            )
         taken: dict[str, str] = {}
         for field, hp in self.listen_sockets():
             if str(hp) in taken:
@@ -856,16 +925,16 @@ class Config(_Frozen):
 
     # -- lookups used by the services -------------------------------------------------------------
     def listen_sockets(self, *, simulated_only: bool = False) -> list[tuple[str, HostPort]]:
-        """``(config field, address)`` of every socket the stack listens on: Envoy's listener and admin,
-        the xDS server's gRPC and HTTP API, ext_proc's gRPC and metrics, and the endpoints (only the
-        simulated ones with ``simulated_only``: the others are not ours to start)."""
-        out = [
-            ("gateway.listen", self.gateway.listen),
-            ("gateway.admin", self.gateway.admin),
-            ("xds.listen", self.xds.listen),
-            ("ext_proc.listen", self.ext_proc.listen),
-            ("ext_proc.metrics_listen", self.ext_proc.metrics_listen),
-        ]
+        """``(config field, address)`` of every TCP socket the stack listens on: Envoy's listener and admin,
+        the xDS server's gRPC (unless on ``xds.listen_unix``) and HTTP API, ext_proc's gRPC (unless on
+        ``ext_proc.listen_unix``) and metrics, and the endpoints (only the simulated ones with
+        ``simulated_only``: the others are not ours to start)."""
+        out = [("gateway.listen", self.gateway.listen), ("gateway.admin", self.gateway.admin)]
+        if self.xds.listen_unix is None:
+            out.append(("xds.listen", self.xds.listen))
+        if self.ext_proc.listen_unix is None:
+            out.append(("ext_proc.listen", self.ext_proc.listen))
+        out.append(("ext_proc.metrics_listen", self.ext_proc.metrics_listen))
         out += [(f"ext_proc.extra_listen[{i}]", hp) for i, hp in enumerate(self.ext_proc.extra_listen)]
         out += [
             (f"ext_proc.extra_metrics_listen[{i}]", hp)

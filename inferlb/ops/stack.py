@@ -35,7 +35,8 @@ from typing import IO, Any
 
 import yaml
 
-from inferlb.config.schema import Config, HostPort, load_config
+from inferlb.adapters.unix_socket import unix_socket_open
+from inferlb.config.schema import Config, GrpcAddress, HostPort, UnixSocket, load_config
 from inferlb.errors import InferlbError
 from xds_server.bootstrap import render_bootstrap
 
@@ -97,8 +98,11 @@ def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
             s.close()
 
 
-def port_open(addr: HostPort, timeout_s: float = 0.2) -> bool:
-    """True when something accepts TCP connections on ``addr``."""
+def port_open(addr: GrpcAddress, timeout_s: float = 0.2) -> bool:
+    """True when something accepts connections on ``addr``: TCP on a ``host:port``; on a Unix socket, its
+    file exists, is a socket and a connect succeeds."""
+    if isinstance(addr, UnixSocket):
+        return unix_socket_open(addr.path, timeout_s)
     try:
         with socket.create_connection((addr.host, addr.port), timeout=timeout_s):
             return True
@@ -314,7 +318,8 @@ class Stack:
         say = progress or (lambda _msg: None)
         env = self._env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         cfg = self.config
-        busy = [f"{addr} ({field})" for field, addr in self.sockets() if port_open(addr)]
+        listening: list[tuple[str, GrpcAddress]] = [*self.sockets(), *self.unix_sockets()]
+        busy = [f"{addr} ({field})" for field, addr in listening if port_open(addr)]
         if busy:
             if self._own_tmp:
                 shutil.rmtree(self.workdir, ignore_errors=True)  # nothing ran: no logs to keep
@@ -360,16 +365,16 @@ class Stack:
             self.stop(keep_workdir=True)
             raise
 
-    def _control_children(self) -> list[tuple[Child, HostPort]]:
-        """The xDS server, ext_proc on ``ext_proc.listen`` and one more ext_proc per ``ext_proc.extra_listen``
-        address (``ext_proc-2``, ``ext_proc-3``, ...; each its own ``--listen`` and ``--metrics-listen``
-        from :meth:`inferlb.config.schema.ExtProcConfig.extra_metrics_addresses`), with the address each
-        serves."""
+    def _control_children(self) -> list[tuple[Child, GrpcAddress]]:
+        """The xDS server, ext_proc on ``ext_proc.listen`` (or ``listen_unix``) and one more ext_proc per
+        ``ext_proc.extra_listen`` address (``ext_proc-2``, ``ext_proc-3``, ...; each its own ``--listen`` and
+        ``--metrics-listen`` from :meth:`inferlb.config.schema.ExtProcConfig.extra_metrics_addresses`), with
+        the address each serves."""
         cfg = self.config.ext_proc
-        out = [
+        out: list[tuple[Child, GrpcAddress]] = [
             (self._python_child("xds_server", SERVICE_MODULES["xds_server"], *self._state_args()),
-             self.config.xds.listen),
-            (self._python_child("ext_proc", SERVICE_MODULES["ext_proc"]), cfg.listen),
+             self.config.xds.grpc_address()),
+            (self._python_child("ext_proc", SERVICE_MODULES["ext_proc"]), cfg.grpc_address()),
         ]  # fmt: skip
         for i, (listen, metrics) in enumerate(
             zip(cfg.extra_listen, cfg.extra_metrics_addresses(), strict=True), start=2
@@ -397,6 +402,13 @@ class Stack:
         """(config field, address) of every socket the stack's processes listen on."""
         return self.config.listen_sockets(simulated_only=True)
 
+    def unix_sockets(self) -> list[tuple[str, UnixSocket]]:
+        """(config field, socket) of every Unix socket the stack's processes listen on (``xds.listen_unix``,
+        ``ext_proc.listen_unix``)."""
+        out = [("xds.listen_unix", self.config.xds.listen_unix)]
+        out.append(("ext_proc.listen_unix", self.config.ext_proc.listen_unix))
+        return [(f, u) for f, u in out if u is not None]
+
     # -- run-time --------------------------------------------------------------------------------
     def child(self, name: str) -> Child:
         """The child called ``name``.
@@ -423,6 +435,7 @@ class Stack:
             StackError: it exited or did not listen within ``timeout_s``.
         """
         child = self.child(name)
+        addresses: list[GrpcAddress]
         if name == "gpusim":
             addresses = [e.address for e in self.config.endpoints if e.simulated]
         else:
@@ -478,10 +491,10 @@ def sample_curl(config: Config, api_key: str | None = None) -> str:
 
 def describe(config: Config) -> Sequence[str]:
     """Lines printed by ``inferlb up`` once the stack is ready."""
-    ext_proc_addresses = (config.ext_proc.listen, *config.ext_proc.extra_listen)
+    ext_proc_addresses = (config.ext_proc.grpc_address(), *config.ext_proc.extra_listen)
     return (
         f"gateway  http://{config.gateway.listen}  (OpenAI-compatible: /v1/chat/completions, /v1/completions,"
         " /v1/embeddings, /v1/responses, /v1/models)",
         f"admin    http://{config.gateway.admin}  (Envoy admin; `inferlb status` reads it)",
-        f"xds      {config.xds.listen}  ext_proc {', '.join(map(str, ext_proc_addresses))}",
+        f"xds      {config.xds.grpc_address()}  ext_proc {', '.join(map(str, ext_proc_addresses))}",
     )

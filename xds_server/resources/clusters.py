@@ -20,10 +20,16 @@ from envoy.extensions.upstreams.http.v3 import http_protocol_options_pb2
 from envoy.type.v3 import percent_pb2
 from google.protobuf import any_pb2, wrappers_pb2
 
-from inferlb.config.schema import CircuitBreaker, ClusterPolicy, Config, HealthCheck
+from inferlb.config.schema import CircuitBreaker, ClusterPolicy, Config, HealthCheck, UnixSocket
 from inferlb.policy.affinity import HASH_LB_POLICIES
 from inferlb.policy.length_aware import subset_key
-from xds_server.resources.common import EXT_PROC_CLUSTER, ads_source, duration_ms, pack, socket_address
+from xds_server.resources.common import (
+    EXT_PROC_CLUSTER,
+    ads_source,
+    duration_ms,
+    grpc_service_address,
+    pack,
+)
 
 #: The ext_proc cluster carries one HTTP/2 stream per client request: Envoy's default circuit breaker
 #: (1024 requests) would 503 the gateway before any model cluster is saturated, so lift it.
@@ -189,9 +195,10 @@ def length_aware_subsets(policy: ClusterPolicy) -> cluster_pb2.Cluster.LbSubsetC
 def build_ext_proc_cluster(config: Config) -> cluster_pb2.Cluster:
     """The ``inferlb_ext_proc`` cluster: HTTP/2 (Envoy 1.40 500s every request over HTTP/1.1, measured
     here), one endpoint per ext_proc process (``ext_proc.listen`` then ``extra_listen``),
-    STATIC for IP literals, else LOGICAL_DNS (one host name) or STRICT_DNS (several)."""
-    addresses = (config.ext_proc.listen, *config.ext_proc.extra_listen)
-    if all(hp.is_ip for hp in addresses):
+    STATIC for IP literals, else LOGICAL_DNS (one host name) or STRICT_DNS (several); with
+    ``ext_proc.listen_unix`` its one endpoint is that socket as a ``pipe`` address (STATIC)."""
+    addresses = (config.ext_proc.grpc_address(), *config.ext_proc.extra_listen)
+    if all(isinstance(a, UnixSocket) or a.is_ip for a in addresses):
         kind = cluster_pb2.Cluster.STATIC
     else:  # LOGICAL_DNS takes a single endpoint
         kind = cluster_pb2.Cluster.LOGICAL_DNS if len(addresses) == 1 else cluster_pb2.Cluster.STRICT_DNS
@@ -217,9 +224,9 @@ def build_ext_proc_cluster(config: Config) -> cluster_pb2.Cluster:
                 endpoint_components_pb2.LocalityLbEndpoints(
                     lb_endpoints=[
                         endpoint_components_pb2.LbEndpoint(
-                            endpoint=endpoint_components_pb2.Endpoint(address=socket_address(hp))
+                            endpoint=endpoint_components_pb2.Endpoint(address=grpc_service_address(a))
                         )
-                        for hp in addresses
+                        for a in addresses
                     ]
                 )
             ],

@@ -15,7 +15,7 @@ from envoy.config.core.v3 import address_pb2, config_source_pb2
 from google.protobuf import any_pb2, duration_pb2
 from google.protobuf.message import Message
 
-from inferlb.config.schema import HostPort
+from inferlb.config.schema import GrpcAddress, HostPort, UnixSocket
 
 # -- type URLs (envoy/api/v3; the ADS stream multiplexes on these) --------------------------------------
 LISTENER_TYPE: Final = "type.googleapis.com/envoy.config.listener.v3.Listener"
@@ -78,6 +78,14 @@ def pack(msg: Message) -> any_pb2.Any:
 def socket_address(hp: HostPort) -> address_pb2.Address:
     """The Envoy TCP ``Address`` of ``hp``."""
     return address_pb2.Address(socket_address=address_pb2.SocketAddress(address=hp.host, port_value=hp.port))
+
+
+def grpc_service_address(addr: GrpcAddress) -> address_pb2.Address:
+    """The Envoy ``Address`` Envoy dials one of our gRPC services at: a ``pipe`` (``path``) for a Unix
+    socket, else the TCP ``socket_address``."""
+    if isinstance(addr, UnixSocket):
+        return address_pb2.Address(pipe=address_pb2.Pipe(path=addr.path))
+    return socket_address(addr)
 
 
 def ads_source() -> config_source_pb2.ConfigSource:

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import copy
 import json
 import sys
 import tempfile
@@ -26,7 +25,6 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import aiohttp
 import psutil
@@ -37,7 +35,7 @@ from rich.table import Table
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from inferlb.config.schema import default_config_path
-from inferlb.ops.stack import Stack, free_ports
+from inferlb.ops.stack import Stack, on_free_ports
 
 KEY = "sk-demo-a"
 MODEL = "qwen"
@@ -64,17 +62,7 @@ class Samples:
 
 def shifted_config(work: Path) -> Path:
     """The default config on free loopback ports (so the soak runs beside another stack)."""
-    doc: dict[str, Any] = yaml.safe_load(default_config_path().read_text(encoding="utf-8"))
-    doc = copy.deepcopy(doc)
-    ports = iter(free_ports(7 + len(doc["endpoints"])))
-    doc["gateway"]["listen"] = f"127.0.0.1:{next(ports)}"
-    doc["gateway"]["admin"] = f"127.0.0.1:{next(ports)}"
-    doc["xds"]["listen"] = f"127.0.0.1:{next(ports)}"
-    doc["xds"]["api_listen"] = f"127.0.0.1:{next(ports)}"
-    doc["ext_proc"]["listen"] = f"127.0.0.1:{next(ports)}"
-    doc["ext_proc"]["metrics_listen"] = f"127.0.0.1:{next(ports)}"
-    for ep in doc["endpoints"]:
-        ep["address"] = f"127.0.0.1:{next(ports)}"
+    doc = on_free_ports(yaml.safe_load(default_config_path().read_text(encoding="utf-8")))
     path = work / "soak.yaml"
     path.write_text(yaml.safe_dump(doc, sort_keys=False), encoding="utf-8")
     return path

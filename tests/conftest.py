@@ -8,7 +8,6 @@ seconds; tests adjust the dict and write it with ``write_config``.
 from __future__ import annotations
 
 import asyncio
-import copy
 import os
 import time
 from collections.abc import Callable
@@ -20,7 +19,7 @@ import yaml
 
 from inferlb.config.schema import default_config_path
 from inferlb.ops.redis_server import RedisServer, find_redis_server
-from inferlb.ops.stack import free_ports
+from inferlb.ops.stack import on_free_ports
 
 LOOPBACK = "127.0.0.1"
 
@@ -31,16 +30,8 @@ def make_config_doc(*, fast: bool = True) -> dict[str, Any]:
     With ``fast`` the simulated GPUs are ~100x quicker than the defaults (tests send thousands of
     requests) while keeping the H100/A100/V100 capacity ratios.
     """
-    doc: dict[str, Any] = copy.deepcopy(yaml.safe_load(default_config_path().read_text(encoding="utf-8")))
-    ports = free_ports(6 + len(doc["endpoints"]))
-    doc["gateway"]["listen"] = f"{LOOPBACK}:{ports[0]}"
-    doc["gateway"]["admin"] = f"{LOOPBACK}:{ports[1]}"
-    doc["xds"]["listen"] = f"{LOOPBACK}:{ports[2]}"
-    doc["ext_proc"]["listen"] = f"{LOOPBACK}:{ports[3]}"
-    doc["xds"]["api_listen"] = f"{LOOPBACK}:{ports[4]}"
-    doc["ext_proc"]["metrics_listen"] = f"{LOOPBACK}:{ports[5]}"
-    for ep, port in zip(doc["endpoints"], ports[6:], strict=True):
-        ep["address"] = f"{LOOPBACK}:{port}"
+    doc: dict[str, Any] = yaml.safe_load(default_config_path().read_text(encoding="utf-8"))
+    on_free_ports(doc, LOOPBACK)
     if fast:
         doc["simulation"].update(
             prefill_tokens_per_s=2_000_000, decode_tokens_per_s=5_000, max_batch=64, max_queue=4096

@@ -98,6 +98,22 @@ def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
             s.close()
 
 
+def on_free_ports(doc: dict[str, Any], host: str = "127.0.0.1") -> dict[str, Any]:
+    """The config document ``doc`` (modified in place and returned) with every address it listens on
+    moved to a free port on ``host``: the gateway and its admin, the xDS server and its API, ext_proc and
+    its metrics, and each endpoint, so tests and benchmarks run a stack beside another one."""
+    ports = iter(free_ports(6 + len(doc["endpoints"]), host))
+    doc["gateway"]["listen"] = f"{host}:{next(ports)}"
+    doc["gateway"]["admin"] = f"{host}:{next(ports)}"
+    doc["xds"]["listen"] = f"{host}:{next(ports)}"
+    doc["ext_proc"]["listen"] = f"{host}:{next(ports)}"
+    doc["xds"]["api_listen"] = f"{host}:{next(ports)}"
+    doc["ext_proc"]["metrics_listen"] = f"{host}:{next(ports)}"
+    for ep in doc["endpoints"]:
+        ep["address"] = f"{host}:{next(ports)}"
+    return doc
+
+
 def port_open(addr: GrpcAddress, timeout_s: float = 0.2) -> bool:
     """True when something accepts connections on ``addr``: TCP on a ``host:port``; on a Unix socket, its
     file exists, is a socket and a connect succeeds."""

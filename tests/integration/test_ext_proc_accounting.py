@@ -82,6 +82,8 @@ class Harness:
     stub: ep_grpc.ExternalProcessorStub
     servicer: ExternalProcessor
     state: ExtProcState
+    #: the in-process store's monotonic clock (s): frozen unless a test moves ``clock[0]``
+    clock: list[float]
 
     @property
     def store(self) -> MemoryQuotaStore:
@@ -100,19 +102,23 @@ class Harness:
 
 
 @contextlib.asynccontextmanager
-async def serving(config: dict[str, Any]) -> AsyncIterator[Harness]:
-    """The real servicer over ``config`` on a free loopback port, and a client to it. The monotonic clock
-    is frozen: nothing leaves the quota window during a test, so the quota bounds are exact."""
-    state = ExtProcState(parse_config(config), clock=lambda: 1000.0)
+async def serving(config: dict[str, Any], quotas: Any = None) -> AsyncIterator[Harness]:
+    """The real servicer over ``config`` (and ``quotas``, else the store the config names) on a free
+    loopback port, and a client to it. The monotonic clock is frozen unless a test moves it: nothing
+    leaves the quota window during a test, so the quota bounds are exact. Settlements still running are
+    waited for on exit."""
+    clock = [1000.0]
+    state = ExtProcState(parse_config(config), clock=lambda: clock[0], quotas=quotas)
     server = grpc.aio.server()
     servicer = add_to_server(server, state)
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     try:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-            yield Harness(ep_grpc.ExternalProcessorStub(channel), servicer, state)
+            yield Harness(ep_grpc.ExternalProcessorStub(channel), servicer, state, clock)
     finally:
         await server.stop(None)
+        await servicer.drain()
 
 
 @pytest.fixture

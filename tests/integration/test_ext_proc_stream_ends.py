@@ -16,16 +16,23 @@ import grpc
 import pytest
 import redis.asyncio as aioredis
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
-from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 
-from ext_proc.servicer import ExternalProcessor, ExtProcState, add_to_server
+from ext_proc.servicer import ExtProcState
 from inferlb.adapters.quota_redis import RedisQuotaStore
 from inferlb.config.schema import parse_config
 from inferlb.errors import ConfigError
 from inferlb.policy.quota import MemoryQuotaStore, lease_ttl_s, limits_from_config
 from inferlb.request.usage import ResponseMeter
 from tests.conftest import redis_or_skip, wait_until
-from tests.integration.test_ext_proc_accounting import chat, req_body, req_headers, resp_body, resp_headers
+from tests.integration.test_ext_proc_accounting import (
+    Harness,
+    chat,
+    req_body,
+    req_headers,
+    resp_body,
+    resp_headers,
+)
+from tests.integration.test_ext_proc_accounting import serving as harness_serving
 
 KEY = "sk-narrow-01"
 CONFIG: dict[str, Any] = {
@@ -36,19 +43,8 @@ CONFIG: dict[str, Any] = {
 JSON_USAGE = b'{"usage": {"prompt_tokens": 1, "completion_tokens": 1}}'
 
 
-class Client:
-    """The real servicer on a free loopback port and a stub to it; ``clock`` moves the in-process store's
-    monotonic clock (frozen unless a test moves it)."""
-
-    def __init__(self, stub: ep_grpc.ExternalProcessorStub, servicer: ExternalProcessor, state: ExtProcState):
-        self.stub, self.servicer, self.state = stub, servicer, state
-        self.clock = [1000.0]
-
-    async def send(self, call: Any, msg: ep.ProcessingRequest) -> ep.ProcessingResponse:
-        await call.write(msg)
-        resp = await asyncio.wait_for(call.read(), timeout=10)
-        assert resp is not grpc.aio.EOF
-        return resp
+class Client(Harness):
+    """The accounting tests' harness, and the lease counts of tenant ``narrow``."""
 
     async def in_flight(self) -> int:
         quotas = self.state.quotas
@@ -69,20 +65,8 @@ class Client:
 
 @contextlib.asynccontextmanager
 async def serving(config: dict[str, Any], quotas: Any = None) -> AsyncIterator[Client]:
-    clock = [1000.0]
-    state = ExtProcState(parse_config(config), clock=lambda: clock[0], quotas=quotas)
-    server = grpc.aio.server()
-    servicer = add_to_server(server, state)
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    try:
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-            client = Client(ep_grpc.ExternalProcessorStub(channel), servicer, state)
-            client.clock = clock
-            yield client
-    finally:
-        await server.stop(None)
-        await servicer.drain()
+    async with harness_serving(config, quotas) as hx:
+        yield Client(hx.stub, hx.servicer, hx.state, hx.clock)
 
 
 async def finish_response(c: Client, call: Any) -> None:

@@ -93,14 +93,12 @@ ENVOY_CONTROL_HEADERS: Final[tuple[str, ...]] = (
 
 
 # -- local replies -------------------------------------------------------------------------------------
-#: Envoy response flags of the replies Envoy makes itself when upstreams fail (Envoy access-log docs,
-#: "%RESPONSE_FLAGS%"): no healthy upstream, connection failure, circuit-breaker overflow, retry limit
-#: exceeded, upstream timeout, upstream connection termination, no cluster, DNS failure.
-UPSTREAM_FAILURE_FLAGS: Final[tuple[str, ...]] = ("UH", "UF", "UO", "URX", "UT", "UC", "NC", "DF")
-#: The OpenAI ``code`` of Envoy's reply for each upstream-failure flag, in the order the mappers test them
-#: (first match wins): a reply flagged ``URX,UF`` (retries used up on connect failures) reads
-#: ``upstream_connect_failure``, the cause; ``URX`` alone only when no cause flag is set. UO (overflow) has
-#: its own mapper before these.
+#: The Envoy response flags of the replies Envoy makes itself when upstreams fail (Envoy access-log docs,
+#: "%RESPONSE_FLAGS%": no healthy upstream, upstream timeout, connection failure, connection termination,
+#: DNS failure, no cluster, retry limit exceeded), each with the OpenAI ``code`` of that reply, in the
+#: order the mappers test them (first match wins): a reply flagged ``URX,UF`` (retries used up on connect
+#: failures) reads ``upstream_connect_failure``, the cause; ``URX`` alone only when no cause flag is set. UO
+#: (overflow) has its own mapper before these.
 UPSTREAM_FAILURE_CODES: Final[tuple[tuple[str, str], ...]] = (
     ("UH", "no_healthy_upstream"),
     ("UT", "upstream_timeout"),

@@ -15,8 +15,8 @@ from typing import Any
 import pytest
 
 from inferlb.config.schema import HostPort
-from inferlb.ops.stack import Child, Stack, StackError, port_open
-from tests.conftest import free_ports, make_config_doc, write_config
+from inferlb.ops.stack import Child, Stack, StackError, free_ports, port_open
+from tests.conftest import make_config_doc, write_config
 from tests.e2e.conftest import http_request
 
 pytestmark = pytest.mark.e2e

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from inferlb.ops.stack import Stack
-from tests.conftest import free_ports, make_config_doc, write_config
+from inferlb.ops.stack import Stack, free_ports
+from tests.conftest import make_config_doc, write_config
 from tests.e2e.conftest import http_request
 
 pytestmark = pytest.mark.e2e

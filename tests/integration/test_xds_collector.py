@@ -17,9 +17,10 @@ import yaml
 from envoy.config.endpoint.v3 import endpoint_pb2
 
 from inferlb.config.schema import parse_config
+from inferlb.ops.stack import free_ports
 from simulation.gpusim.faults import FaultCommand
 from simulation.gpusim.server import SimulatedEndpoint
-from tests.conftest import free_ports, wait_until
+from tests.conftest import wait_until
 from xds_server import resources as r
 from xds_server.collector import TelemetryCollector
 from xds_server.server import XdsServer

@@ -17,8 +17,9 @@ register, and then:
    seconds (4 polls of each service at 0.5 s), then the rest appended (the whole file adds a tenant, so the
    completed file is seen to apply); counts answers by status and the refusals each service logged.
 
-Usage: ``.venv/bin/python bench/fleet_restart.py [--requests 200] [--hold-s 2] [--threads 4]`` (about a
-minute). Every request goes to 127.0.0.1; every loop is bounded in count and time.
+Usage: ``.venv/bin/python bench/fleet_restart.py [--requests 200] [--hold-s 2] [--threads 4] [--json PATH]``
+(about a minute; ``--json`` also writes both trials' figures to ``PATH``, what ``bench/faults.py`` reads).
+Every request goes to 127.0.0.1; every loop is bounded in count and time.
 """
 
 from __future__ import annotations
@@ -189,9 +190,13 @@ def extra_gpu(stack: Stack, doc: dict[str, Any]) -> Iterator[dict[str, Any]]:
 
 
 def restart_trial(
-    stack: Stack, doc: dict[str, Any], new: dict[str, Any], requests: int, out: Console
-) -> Table:
-    """The four fleet changes, kill -9 of the xDS server, restart; the table comparing before and after."""
+    stack: Stack, doc: dict[str, Any], new: dict[str, Any], requests: int, out: Console, *,
+    figures: dict[str, Any],
+) -> Table:  # fmt: skip
+    """The four fleet changes, kill -9 of the xDS server, restart; the table comparing before and after.
+
+    ``figures`` receives the verdicts: ``listing_same``, ``envoy_same`` (bool), ``api_up_s`` and
+    ``reconnect_s`` (s after the kill), and ``served_after`` (requests per GPU after the restart)."""
     config = stack.config
     names = {e["name"]: e["address"] for e in doc["endpoints"]}
     xds = stack.child("xds_server")
@@ -224,6 +229,10 @@ def restart_trial(
 
     lines = xds.log_path.read_text(encoding="utf-8").splitlines()
     restored = next((ln for ln in reversed(lines) if "fleet state restored" in ln), "")
+    figures.update(
+        listing_same=listing_before == listing_after, envoy_same=envoy_before == envoy_after,
+        api_up_s=up_s, reconnect_s=reconnect_s, served_after=dict(counts_after),
+    )  # fmt: skip
     out.print(
         f"xds_server restart: API up {up_s:.1f} s after the kill, Envoy connected again at "
         f"{reconnect_s:.1f} s; log: {restored.split(': ', 1)[-1]}"
@@ -376,7 +385,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--hold-s", type=float, default=2.0, help="seconds the cut file stays on disk")
     p.add_argument("--threads", type=int, default=4, help="request threads in the truncated-write trial")
     p.add_argument("--max-requests", type=int, default=3000, help="bound on each truncated-write trial")
+    p.add_argument("--json", metavar="PATH", help="also write both trials' figures to PATH as JSON")
     args = p.parse_args(argv)
+    figures: dict[str, Any] = {"restart": {}, "truncated": []}
     out = Console(width=150)
     doc = _doc()
     with tempfile.TemporaryDirectory(prefix="inferlb-fleet-restart-") as tmp:
@@ -389,7 +400,7 @@ def main(argv: list[str] | None = None) -> int:
         stack_extra = contextlib.ExitStack()
         try:
             gpu = stack_extra.enter_context(extra_gpu(stack, doc))
-            out.print(restart_trial(stack, doc, gpu, args.requests, out))
+            out.print(restart_trial(stack, doc, gpu, args.requests, out, figures=figures["restart"]))
             table = Table(
                 title=f"Config file rewritten in place under load ({args.threads} threads): first part on "
                 f"disk from 1 s to {1 + args.hold_s:g} s of the loop, then the rest appended"
@@ -403,10 +414,14 @@ def main(argv: list[str] | None = None) -> int:
                     max_requests=args.max_requests,
                 )  # fmt: skip
                 table.add_row(*row)
+                figures["truncated"].append(dict(zip(("trial", "loop_s", "requests", "ok", "401", "other"),
+                                                     row, strict=False)))  # fmt: skip
             out.print(table)
         finally:
             stack_extra.close()
             stack.stop()
+    if args.json:
+        Path(args.json).write_text(json.dumps(figures, indent=1), encoding="utf-8")
     return 0
 
 

@@ -1,8 +1,10 @@
 """What clients see when a GPU fails, a GPU hangs, or the xDS server restarts: the local stack under a
 bounded closed-loop load, one scenario after the other.
 
-Run: ``.venv/bin/python bench/gpu_faults.py [--scenario-s 25] [--clients 16] [--old-defaults]``
-(about ``3 x scenario-s`` plus start-up). Prints one table; not a test. Loopback only.
+Run: ``.venv/bin/python bench/gpu_faults.py [--scenario-s 25] [--fault-s F] [--clients 16] [--old-defaults]
+[--json PATH]`` (about ``3 x scenario-s`` plus start-up). Prints one table; not a test. Loopback only.
+``--json`` also writes the table's figures, the configured bound of a non-streamed request and the resync
+time to ``PATH`` (what ``bench/faults.py`` reads).
 
 Set-up: ``inferlb.ops.stack.Stack`` on the default config (8 simulated GPUs: llama v1 on 4, its canary v2 on
 1, qwen on 3) moved to free ports, the simulated GPUs sped up (a 64-token answer takes ~10-40 ms) so a
@@ -10,12 +12,12 @@ scenario serves thousands of requests. ``--clients`` clients, half of them strea
 alternate between the two models, each sending its next request when the previous one ended (at most
 ``--max-requests`` per scenario, each bounded by ``--client-timeout-s``).
 
-Scenarios (``T`` = ``--scenario-s``):
+Scenarios (``T`` = ``--scenario-s``, ``F`` = ``--fault-s``, 0.4 T unless given):
 
-- ``fail``: ``a100-1`` (llama v1) answers 503 to ``/health`` and to every request from 0.2 T to 0.6 T
+- ``fail``: ``a100-1`` (llama v1) answers 503 to ``/health`` and to every request from 0.2 T to 0.2 T + F
   (``inferlb sim fail``), then recovers;
 - ``hang``: ``v100-1`` (qwen) accepts and reads requests but answers nothing, ``/health`` included, from
-  0.2 T to 0.6 T (``hang``), then recovers (and answers what it held);
+  0.2 T to 0.2 T + F (``hang``), then recovers (and answers what it held);
 - ``xds restart``: the xDS server is stopped at 0.2 T and started again at 0.5 T; Envoy serves its last
   config meanwhile. ``resync`` is the time from the new server listening to it listing this Envoy as having
   ACKed every type (``GET /v1/clients``).
@@ -108,6 +110,25 @@ class Run:
     outcomes: list[Outcome] = field(default_factory=list)
     retries: int = 0
     notes: list[str] = field(default_factory=list)
+    #: Seconds from the restarted xDS server listening to Envoy having ACKed every type (restart only).
+    resync_s: float | None = None
+
+    def summary(self) -> dict[str, Any]:
+        """The scenario's figures per kind (``non_streamed``, ``streamed``): requests, 200s, errors by
+        status, max and p99 latency (s); and its retries, notes and resync time."""
+        out: dict[str, Any] = {"name": self.name, "retries": self.retries, "notes": self.notes,
+                               "resync_s": self.resync_s}  # fmt: skip
+        for stream in (False, True):
+            rows = [o for o in self.outcomes if o.stream is stream]
+            lat = sorted(o.seconds for o in rows)
+            out["streamed" if stream else "non_streamed"] = {
+                "requests": len(rows),
+                "ok": sum(1 for o in rows if o.status == 200),
+                "errors": dict(Counter(str(o.status) for o in rows if o.status != 200)),
+                "max_s": lat[-1] if lat else None,
+                "p99_s": lat[int(0.99 * (len(lat) - 1))] if lat else None,
+            }
+        return out
 
 
 async def load(gateway: str, run: Run, *, clients: int, until: float, args: argparse.Namespace) -> None:
@@ -188,17 +209,18 @@ async def watch_out(config: Config, name: str, since: float, until: float) -> st
 
 
 async def gpu_fault(stack: Stack, name: str, action: str, args: argparse.Namespace) -> Run:
-    """A scenario: GPU ``name`` in fault ``action`` from 0.2 T to 0.6 T, under load throughout."""
-    run = Run(f"{action} {name}")
+    """A scenario: GPU ``name`` in fault ``action`` from 0.2 T to 0.2 T + F, under load throughout."""
     t = args.scenario_s
+    ends = 0.2 * t + fault_s(args)
+    run = Run(f"{action} {name} for {ends - 0.2 * t:g} s")
     start = time.monotonic()
     retries = model_retries(stack.config)
     loop = asyncio.create_task(load(str(stack.config.gateway.listen), run, clients=args.clients,
                                     until=start + t, args=args))  # fmt: skip
     await asyncio.sleep(0.2 * t)
     await asyncio.to_thread(fault, stack.config, name, action)
-    run.notes.append(await watch_out(stack.config, name, time.monotonic(), start + 0.6 * t))
-    await asyncio.sleep(max(0.0, start + 0.6 * t - time.monotonic()))
+    run.notes.append(await watch_out(stack.config, name, time.monotonic(), start + ends))
+    await asyncio.sleep(max(0.0, start + ends - time.monotonic()))
     await asyncio.to_thread(fault, stack.config, name, "recover")
     await loop
     run.retries = model_retries(stack.config) - retries
@@ -221,7 +243,8 @@ async def xds_restart(stack: Stack, args: argparse.Namespace) -> Run:
         except OSError:
             synced = False
         if synced:
-            run.notes.append(f"resync {time.monotonic() - listening:.2f} s after the restart")
+            run.resync_s = time.monotonic() - listening
+            run.notes.append(f"resync {run.resync_s:.2f} s after the restart")
             break
         await asyncio.sleep(0.02)
     else:
@@ -229,6 +252,23 @@ async def xds_restart(stack: Stack, args: argparse.Namespace) -> Run:
     await loop
     run.retries = model_retries(stack.config) - retries
     return run
+
+
+def fault_s(args: argparse.Namespace) -> float:
+    """How long a GPU fault lasts (s): ``--fault-s``, or 0.4 of the scenario."""
+    return float(args.fault_s) if args.fault_s is not None else 0.4 * args.scenario_s
+
+
+def held_bound_s(config: Config) -> float:
+    """The longest the gateway's settings let a non-streamed request be held (s): the route timeout if
+    set, else every attempt at its per-try timeout (``(num_retries + 1) x per_try_timeout_ms``); inf when
+    neither bounds it."""
+    gw = config.gateway
+    if gw.request_timeout_ms:
+        return gw.request_timeout_ms / 1000
+    if gw.per_try_timeout_ms:
+        return (gw.num_retries + 1) * gw.per_try_timeout_ms / 1000
+    return float("inf")
 
 
 def table(runs: list[Run], title: str) -> Table:
@@ -239,18 +279,17 @@ def table(runs: list[Run], title: str) -> Table:
         t.add_column(col, justify="left" if col in ("scenario", "kind", "errors by status", "measured")
                      else "right")  # fmt: skip
     for run in runs:
-        for i, stream in enumerate((False, True)):
-            rows = [o for o in run.outcomes if o.stream is stream]
-            lat = sorted(o.seconds for o in rows)
-            errors = Counter(str(o.status) for o in rows if o.status != 200)
+        figures = run.summary()
+        for i, kind in enumerate(("non_streamed", "streamed")):
+            f = figures[kind]
             t.add_row(
                 run.name if i == 0 else "",
-                "streamed" if stream else "non-streamed",
-                str(len(rows)),
-                str(sum(1 for o in rows if o.status == 200)),
-                ", ".join(f"{k}: {v}" for k, v in sorted(errors.items())) or "-",
-                f"{lat[-1]:.2f}" if lat else "-",
-                f"{lat[int(0.99 * (len(lat) - 1))]:.2f}" if lat else "-",
+                kind.replace("_", "-"),
+                str(f["requests"]),
+                str(f["ok"]),
+                ", ".join(f"{k}: {v}" for k, v in sorted(f["errors"].items())) or "-",
+                "-" if f["max_s"] is None else f"{f['max_s']:.2f}",
+                "-" if f["p99_s"] is None else f"{f['p99_s']:.2f}",
                 str(run.retries) if i == 0 else "",
                 "; ".join(run.notes) if i == 0 else "",
             )
@@ -282,11 +321,17 @@ async def main_async(args: argparse.Namespace) -> None:
     out.print(
         table(runs, f"GPU faults, {args.clients} clients, {args.scenario_s:g} s each ({mode}; {timeouts})")
     )
+    if args.json:
+        summary = {"clients": args.clients, "scenario_s": args.scenario_s, "fault_s": fault_s(args),
+                   "old_defaults": args.old_defaults, "held_bound_s": held_bound_s(stack.config),
+                   "scenarios": [r.summary() for r in runs]}  # fmt: skip
+        await asyncio.to_thread(Path(args.json).write_text, json.dumps(summary, indent=1))
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--scenario-s", type=float, default=25.0, help="length of each scenario (s)")
+    p.add_argument("--fault-s", type=float, help="how long a GPU fault lasts (s; default 0.4 x scenario)")
     p.add_argument("--clients", type=int, default=16, help="closed-loop clients (half of them streaming)")
     p.add_argument("--max-requests", type=int, default=100_000, help="bound on the requests of a scenario")
     p.add_argument("--client-timeout-s", type=float, default=60.0, help="bound on one request (s)")
@@ -294,9 +339,12 @@ def main() -> None:
     p.add_argument("--stream-idle-timeout-ms", type=int, default=2_000)
     p.add_argument("--config-timeouts", action="store_true", help="keep the config's per-try bounds")
     p.add_argument("--old-defaults", action="store_true", help="the gateway's defaults before this bench")
+    p.add_argument("--json", metavar="PATH", help="also write the figures to PATH as JSON")
     args = p.parse_args()
     if not 5 <= args.scenario_s <= 300 or not 1 <= args.clients <= 256:
         p.error("--scenario-s must be in [5, 300] and --clients in [1, 256]")
+    if not 0 < fault_s(args) <= 0.7 * args.scenario_s:
+        p.error("--fault-s must be in (0, 0.7 x --scenario-s]: the GPU recovers within the scenario")
     asyncio.run(main_async(args))
 
 

@@ -1,7 +1,8 @@
 """A cold burst against the shared Redis quota: does it admit exactly the quota, with Redis healthy?
 
 Run: ``.venv/bin/python bench/quota_burst.py [--runs 3] [--requests 300] [--rpm 50]
-[--failure-mode open|closed]`` (needs ``redis-server``). Prints one table; not a test.
+[--failure-mode open|closed] [--json PATH]`` (needs ``redis-server``). Prints one table; not a test.
+``--json`` also writes the runs' counts to ``PATH`` (what ``bench/faults.py`` reads).
 
 Each run, all on 127.0.0.1: a fresh ``redis-server`` (a temporary directory, a free port, no persistence),
 two fresh ``python -m ext_proc`` replicas on one config (one tenant at ``--rpm`` requests/min,
@@ -212,6 +213,7 @@ async def main_async(args: argparse.Namespace) -> int:
     for col in ("run", "admitted", "429", "503", "other", "backend errors", "burst (s)", "admitted <= quota"):
         table.add_column(col, justify="right")
     ok = True
+    runs: list[dict[str, Any]] = []
     for run in range(1, args.runs + 1):
         with tempfile.TemporaryDirectory(prefix="inferlb-quota-burst-") as tmp:
             result = await one_run(args.requests, args.rpm, args.failure_mode, Path(tmp))
@@ -219,6 +221,8 @@ async def main_async(args: argparse.Namespace) -> int:
         admitted, r429, r503 = o["admitted"], o["429"], o["503"]
         fine = admitted <= args.rpm
         ok = ok and fine and r503 == 0
+        other = {k: v for k, v in o.items() if k not in ("admitted", "429", "503")}
+        runs.append({"admitted": admitted, "429": r429, "503": r503, "other": other, "s": result.seconds})
         table.add_row(
             str(run),
             str(admitted),
@@ -231,6 +235,9 @@ async def main_async(args: argparse.Namespace) -> int:
         )
     console.print(table)
     console.print("each run: a fresh redis-server and two fresh ext_proc processes (cold pools)")
+    if args.json:
+        summary = {"requests": args.requests, "rpm": args.rpm, "failure_mode": args.failure_mode}
+        await asyncio.to_thread(Path(args.json).write_text, json.dumps({**summary, "runs": runs}, indent=1))
     return 0 if ok else 1
 
 
@@ -240,6 +247,7 @@ def main() -> int:
     p.add_argument("--requests", type=int, default=300)
     p.add_argument("--rpm", type=int, default=50, help="the tenant's requests_per_minute")
     p.add_argument("--failure-mode", choices=["open", "closed"], default="open")
+    p.add_argument("--json", metavar="PATH", help="also write the runs' counts to PATH as JSON")
     args = p.parse_args()
     if not 1 <= args.runs <= MAX_RUNS or not 2 <= args.requests <= MAX_REQUESTS or args.rpm < 1:
         p.error(f"--runs 1..{MAX_RUNS}, --requests 2..{MAX_REQUESTS}, --rpm >= 1")

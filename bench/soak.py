@@ -9,7 +9,8 @@ samples each process (``psutil``: RSS, open fds) every ``--interval`` seconds.
 
 Growth is the least-squares slope of RSS over the second half of the run (MB/min), so the start-up and
 warm-up (imports, caches, Envoy's first connections) do not count; "flat" means within
-``--flat-mb-per-min``. Usage: ``.venv/bin/python bench/soak.py [--duration 1800] [--interval 30]``; a short
+``--flat-mb-per-min``. Usage: ``.venv/bin/python bench/soak.py [--duration 1800] [--interval 30]
+[--json PATH]`` (``--json`` also writes the growth per process, what ``bench/faults.py`` reads); a short
 look: ``--duration 120 --interval 10``. Every request goes to 127.0.0.1; the loop is bounded in count and
 time.
 """
@@ -25,6 +26,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import psutil
@@ -148,6 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompts", type=int, default=20, help="distinct prompts, sent in turn")
     p.add_argument("--max-requests", type=int, default=2_000_000, help="bound on requests")
     p.add_argument("--flat-mb-per-min", type=float, default=0.05, help="growth below this reads flat")
+    p.add_argument("--json", metavar="PATH", help="also write the growth per process to PATH as JSON")
     args = p.parse_args(argv)
     console = Console(width=150)
     with tempfile.TemporaryDirectory(prefix="inferlb-soak-") as tmp:
@@ -194,10 +197,13 @@ def main(argv: list[str] | None = None) -> int:
         "verdict",
     ):
         table.add_column(col, justify="left" if col in ("process", "verdict") else "right")
+    growth: dict[str, dict[str, Any]] = {}
     for name, s in series.items():
         slope = s.slope_mb_per_min()
         mid = len(s.fds) // 2
         flat = abs(slope) <= args.flat_mb_per_min and s.fds[-1] <= s.fds[mid] + 2
+        growth[name] = {"rss_start_mb": s.rss_mb[0], "rss_end_mb": s.rss_mb[-1], "mb_per_min": slope,
+                        "fds_start": s.fds[0], "fds_end": s.fds[-1], "flat": flat}  # fmt: skip
         table.add_row(
             name,
             f"{s.rss_mb[0]:.1f}",
@@ -210,6 +216,9 @@ def main(argv: list[str] | None = None) -> int:
             "flat" if flat else "grows",
         )
     console.print(table)
+    if args.json:
+        summary = {"seconds": wall, "requests": total, "statuses": dict(statuses), "processes": growth}
+        Path(args.json).write_text(json.dumps(summary, indent=1), encoding="utf-8")
     return 0
 
 

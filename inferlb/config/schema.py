@@ -329,9 +329,11 @@ class ExtProcConfig(_Frozen):
     path_failure_modes: dict[
         Annotated[str, Field(pattern=r"^/[A-Za-z0-9._~/-]{0,255}$")], Literal["open", "closed"]
     ] = {}
-    #: Where a request that failed open goes (it carries no model headers: ext_proc never saw it): this
-    #: model's main version (largest ``traffic_percent``). None: such requests get 503 JSON
-    #: ``gateway_processor_unavailable``.
+    #: A failed-open request (ext_proc did not answer) is routed by Envoy on its body's ``model`` (name or
+    #: alias) to that model's main version, with its API key checked by Envoy. This model (name or alias)
+    #: takes the failed-open requests whose body names no model Envoy can read (not JSON, no ``model``):
+    #: its main version (largest ``traffic_percent``), its name merged into a JSON body. None: those get
+    #: 400 JSON "you must provide a model parameter".
     fail_open_model: str | None = None
     #: Settle each request's quota reservation with the real usage of its response (and hold its
     #: concurrency slot until the response ends). Needs Envoy to send response headers (SEND) and bodies

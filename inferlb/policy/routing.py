@@ -88,13 +88,7 @@ class RoutingTable:
                 Bearer credential, or carries an unknown key. The key is never echoed in full.
         """
         if not authorization:
-            raise RequestError(
-                401,
-                "You didn't provide an API key. You need to provide your API key in an Authorization header "
-                "using Bearer auth (i.e. Authorization: Bearer YOUR_KEY).",
-                type="authentication_error",
-                code="invalid_api_key",
-            )
+            raise missing_api_key()
         if authorization[: len(_BEARER)].lower() != _BEARER:
             raise RequestError(
                 401,
@@ -132,6 +126,17 @@ class RoutingTable:
             return split.names[0]
         point = sticky_point(model.name, user) if user else rng.random() * 100.0
         return split.pick(point)
+
+
+def missing_api_key() -> RequestError:
+    """OpenAI's 401 ``authentication_error``/``invalid_api_key`` error for a request without an API key."""
+    return RequestError(
+        401,
+        "You didn't provide an API key. You need to provide your API key in an Authorization header "
+        "using Bearer auth (i.e. Authorization: Bearer YOUR_KEY).",
+        type="authentication_error",
+        code="invalid_api_key",
+    )
 
 
 def model_not_found(name: str) -> RequestError:

@@ -33,3 +33,7 @@ LENGTH_CLASS: Final = "x-inferlb-length-class"
 STREAM: Final = "x-inferlb-stream"
 #: Response header set by a (simulated) model server: which endpoint served the request.
 ENDPOINT: Final = "x-inferlb-endpoint"
+#: The request body's ``model``, read by Envoy itself (transform filter) only on a path whose request failed
+#: open (ext_proc did not answer): the fail-open routes match on it. Never set by ext_proc; a client's own
+#: is removed before routing like every other routing header.
+BODY_MODEL: Final = "x-inferlb-body-model"

@@ -1,6 +1,7 @@
 """ext_proc failure behaviour through real Envoy: a processor that is down or slow never
-makes a request hang; fail-closed paths get a prompt OpenAI JSON 5xx, fail-open paths go to the fail-open
-model; Envoy's codec errors reach clients as JSON while ext_proc's own JSON replies pass unchanged."""
+makes a request hang; fail-closed paths get a prompt OpenAI JSON 5xx, fail-open paths go to the body's
+model with the API key checked by Envoy (tests/e2e/test_extproc_fail_open.py has the rest); Envoy's codec
+errors reach clients as JSON while ext_proc's own JSON replies pass unchanged."""
 
 from __future__ import annotations
 
@@ -63,15 +64,16 @@ def _chat(rs: RunningStack, path: str = "/v1/chat/completions") -> tuple[Reply, 
     )
 
 
-def _embed(rs: RunningStack) -> tuple[Reply, float]:
-    body = {"model": FAIL_OPEN_MODEL, "input": "hello"}
+def _embed(rs: RunningStack, key: str = "sk-demo-a") -> tuple[Reply, float]:
+    # not the fail-open model: a failed-open request goes to the model its body names
+    body = {"model": "llama3", "input": "hello"}
     return _timed(
         http_request,
         rs.gateway,
         "POST",
         "/v1/embeddings",
         body,
-        {"Authorization": "Bearer sk-demo-a"},
+        {"Authorization": f"Bearer {key}"},
         timeout_s=CLIENT_TIMEOUT_S,
     )
 
@@ -178,10 +180,26 @@ async def test_a_dead_then_a_slow_ext_proc_never_hangs_a_request(failure_stack: 
             assert elapsed < 3.0, elapsed  # prompt: connection refused, not a timeout
     for _ in range(3):
         r, elapsed = await asyncio.to_thread(_embed, rs)
-        assert r.status == 200, r.body  # fail open: served by the fail-open model, unchecked
+        assert r.status == 200, r.body  # fail open: served by the body's model, key checked by Envoy
         assert r.headers["x-inferlb-failed-open"] == "true"
-        assert r.json()["model"] == FAIL_OPEN_MODEL
+        assert r.json()["model"] == "llama-3.1-8b-instruct"
         assert elapsed < 3.0, elapsed
+    r, _ = await asyncio.to_thread(_embed, rs, "sk-not-a-key")
+    assert r.status == 401, r.body
+    assert _json_error(r)["code"] == "invalid_api_key"
+    # a body naming no model goes to the fail-open model (key still checked)
+    r = await asyncio.to_thread(
+        http_request,
+        rs.gateway,
+        "POST",
+        "/v1/embeddings",
+        {"input": "hello"},
+        {"Authorization": "Bearer sk-demo-a"},
+        timeout_s=CLIENT_TIMEOUT_S,
+    )
+    assert r.status == 200, r.body
+    assert r.headers["x-inferlb-failed-open"] == "true"
+    assert r.json()["model"] == FAIL_OPEN_MODEL
 
     # (b) a processor on the same address that answers slower than message_timeout
     listen = rs.config.ext_proc.listen
@@ -203,7 +221,10 @@ async def test_a_dead_then_a_slow_ext_proc_never_hangs_a_request(failure_stack: 
         r, elapsed = await asyncio.to_thread(_embed, rs)
         assert r.status == 200, r.body
         assert r.headers["x-inferlb-failed-open"] == "true"
+        assert r.json()["model"] == "llama-3.1-8b-instruct"
         assert elapsed < timeout_s + 2.0, elapsed
+        r, _ = await asyncio.to_thread(_embed, rs, "sk-not-a-key")
+        assert r.status == 401, r.body
         assert slow.streams >= 3  # Envoy did reach the slow processor
     finally:
         await server.stop(0)

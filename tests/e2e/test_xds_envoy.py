@@ -172,20 +172,30 @@ async def test_envoy_takes_config_weights_pushes_and_survives_a_nack(stack: Stac
     cds_before = ready["cluster_manager.cds.update_success"]
     assert ready.get("cluster_manager.warming_clusters", 0) == 0
 
-    # 2. a client-sent routing header is stripped before routing: with no ext_proc running (fail-open) and no
-    #    fail-open model, the path's failure route answers 503 in OpenAI JSON instead of reaching qwen
+    # 2. a client-sent routing header is stripped before routing: with no ext_proc running (fail-open),
+    #    Envoy checks the key itself (none here: 401 OpenAI JSON) and then routes by the body's model (an
+    #    unknown one: 404), never by the client's x-inferlb-model
+    spoofed = {
+        "x-inferlb-model": "qwen2.5-7b-instruct",
+        "x-inferlb-version": "v1",
+        "content-type": "application/json",
+    }
     status, body = await asyncio.to_thread(
         _http,
         stack.gateway + "/v1/chat/completions",
-        headers={
-            "x-inferlb-model": "qwen2.5-7b-instruct",
-            "x-inferlb-version": "v1",
-            "content-type": "application/json",
-        },
+        headers=spoofed,
         body=b'{"model": "qwen2.5-7b-instruct", "messages": []}',
     )
-    assert status == 503
-    assert json.loads(body)["error"]["code"] == "gateway_processor_unavailable"
+    assert status == 401
+    assert json.loads(body)["error"]["code"] == "invalid_api_key"
+    status, body = await asyncio.to_thread(
+        _http,
+        stack.gateway + "/v1/chat/completions",
+        headers={**spoofed, "authorization": "Bearer sk-demo-a"},
+        body=b'{"model": "no-such-model", "messages": []}',
+    )
+    assert status == 404
+    assert json.loads(body)["error"]["code"] == "model_not_found"
 
     # 3. a config edit (a weight and a cluster setting) is pushed live; the changed clusters warm and
     #    come back with their endpoints (EDS resent after CDS)

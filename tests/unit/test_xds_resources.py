@@ -181,7 +181,13 @@ def test_listener_buffer_limit_and_filter_chain(config: Config) -> None:
     assert hcm.stat_prefix == r.LISTENER_NAME
     assert hcm.rds.route_config_name == r.ROUTE_CONFIG_NAME
     assert hcm.rds.config_source.HasField("ads")
-    assert [f.name for f in hcm.http_filters] == ["envoy.filters.http.ext_proc", "envoy.filters.http.router"]
+    assert [f.name for f in hcm.http_filters] == [
+        "envoy.filters.http.ext_proc",
+        r.BODY_MODEL_FILTER,
+        r.CANONICAL_MODEL_FILTER,
+        r.API_KEY_FILTER,
+        "envoy.filters.http.router",
+    ]
     # client-sent routing headers are removed before routing
     [early] = hcm.early_header_mutation_extensions
     assert early.name == r.EARLY_HEADER_MUTATION
@@ -197,6 +203,7 @@ def test_listener_buffer_limit_and_filter_chain(config: Config) -> None:
         headers.PREFIX_KEY,
         headers.LENGTH_CLASS,
         headers.STREAM,
+        headers.BODY_MODEL,  # set by Envoy itself on the fail-open path only
         "x-forwarded-for",  # Envoy's own (use_remote_address) replaces it
         *r.ENVOY_CONTROL_HEADERS,  # a local (internal) client would set its own timeout and retries
     }

@@ -1,5 +1,6 @@
-"""xds_server.resources: ext_proc failure modes per path, the fail-open route, and local
-replies that reach clients as OpenAI JSON (the real-Envoy side is tests/e2e/test_extproc_failure.py)."""
+"""xds_server.resources: ext_proc failure modes per path, the fail-open routes (by the body's model, API
+key checked by Envoy), and local replies that reach clients as OpenAI JSON (the real-Envoy side is
+tests/e2e/test_extproc_failure.py and tests/e2e/test_extproc_fail_open.py)."""
 
 from __future__ import annotations
 
@@ -11,12 +12,18 @@ import yaml
 from envoy.config.core.v3 import base_pb2
 from envoy.config.route.v3 import route_components_pb2
 from envoy.extensions.access_loggers.filters.cel.v3 import cel_pb2
+from envoy.extensions.common.matching.v3 import extension_matcher_pb2
+from envoy.extensions.filters.common.matcher.action.v3 import skip_action_pb2
+from envoy.extensions.filters.http.api_key_auth.v3 import api_key_auth_pb2
 from envoy.extensions.filters.http.ext_proc.v3 import ext_proc_pb2
+from envoy.extensions.filters.http.transform.v3 import transform_pb2
 from envoy.extensions.filters.network.http_connection_manager.v3 import http_connection_manager_pb2
+from envoy.type.matcher.v3 import http_inputs_pb2
 
 from ext_proc import handlers
 from inferlb.config.schema import Config, default_config_path, parse_config
 from inferlb.errors import ConfigError
+from inferlb.request import headers
 from inferlb.request.parsing import INFERENCE_PATHS
 from tests.unit.test_xds_resources import _hcm
 from xds_server import resources as r
@@ -74,26 +81,140 @@ def test_every_inference_path_gets_an_explicit_fail_closed_route_by_default() ->
 def test_ext_proc_is_off_until_the_virtual_host_enables_it(allow: bool) -> None:
     # Envoy's codec-error replies (no route yet) must skip ext_proc, or the client gets no reply at all
     config = parse_config(_doc(failure_mode_allow=allow))
-    [ext_proc_filter, router] = _hcm(r.build_listener(config)).http_filters
+    [ext_proc_filter, body_model, canonical, api_key, router] = _hcm(r.build_listener(config)).http_filters
     assert (ext_proc_filter.name, ext_proc_filter.disabled) == (r.EXT_PROC_FILTER, True)
-    assert not router.disabled
+    assert (api_key.name, api_key.disabled) == (r.API_KEY_FILTER, True)
+    assert not body_model.disabled and not canonical.disabled and not router.disabled
     [vh] = r.build_route_configuration(config).virtual_hosts
     assert _allow(vh) is allow
+    # the API key check is enabled only when some path fails open
+    assert (r.API_KEY_FILTER in vh.typed_per_filter_config) is allow
 
 
-def test_fail_open_without_a_model_answers_503_json() -> None:
+def _transform(route: route_components_pb2.Route, name: str) -> transform_pb2.TransformConfig:
+    config = transform_pb2.TransformConfig()
+    assert route.typed_per_filter_config[name].Unpack(config)
+    return config
+
+
+def test_fail_open_paths_read_the_bodys_model_and_answer_400_without_one() -> None:
     config = parse_config(_doc(failure_mode_allow=True))
     for path, route in _failure_routes(config).items():
         assert _allow(route) is True, path
-        assert route.direct_response.status == 503
+        # Envoy copies the body's model into x-inferlb-body-model and routes the request again
+        transform = _transform(route, r.BODY_MODEL_FILTER)
+        assert transform.clear_route_cache
+        [mutation] = transform.request_transformation.headers_mutations
+        assert (mutation.append.header.key, mutation.append.header.value) == (
+            headers.BODY_MODEL,
+            "%REQUEST_BODY(model)%",
+        )
+        # still on this route afterwards: the body named no model
+        assert route.direct_response.status == 400
         err = _error(route.direct_response.body.inline_string)
-        assert (err["type"], err["code"]) == ("server_error", "gateway_processor_unavailable")
+        assert (err["type"], err["param"]) == ("invalid_request_error", "model")
         assert ("content-type", "application/json") in {
             (h.header.key, h.header.value) for h in route.response_headers_to_add
         }
 
 
-def test_fail_open_paths_go_to_the_fail_open_models_main_version() -> None:
+def _routes(config: Config) -> list[route_components_pb2.Route]:
+    return list(r.build_route_configuration(config).virtual_hosts[0].routes)
+
+
+def test_fail_open_routes_go_by_the_bodys_model_or_alias_to_its_main_version() -> None:
+    config = parse_config(_doc(failure_mode_allow=True))
+    routes = _routes(config)
+    names = [rt.name for rt in routes]
+    fail_open = {rt.name: rt for rt in routes if rt.name.startswith(r.FAIL_OPEN_ROUTE_PREFIX)}
+    assert set(fail_open) == {
+        f"{r.FAIL_OPEN_ROUTE_PREFIX}{n}"
+        for n in ("llama-3.1-8b-instruct", "llama3", "llama-3.1-8b", "qwen2.5-7b-instruct", "qwen")
+    }
+    # after every model route (ext_proc's headers win), before the unknown-model 404 and the path routes
+    first = min(names.index(n) for n in fail_open)
+    assert all(rt.route.cluster and not rt.name.startswith("fail") for rt in routes[:first])
+    assert names.index(r.FAIL_OPEN_UNKNOWN_MODEL_ROUTE) == first + len(fail_open)
+    assert names.index(f"{r.FAILURE_MODE_ROUTE_PREFIX}/v1/chat/completions") == first + len(fail_open) + 1
+    for name, route in fail_open.items():
+        body_name = name.removeprefix(r.FAIL_OPEN_ROUTE_PREFIX)
+        [matcher] = route.match.headers
+        assert (matcher.name, matcher.string_match.exact) == (headers.BODY_MODEL, body_name)
+        assert route.match.prefix == "/"
+        model = config.model_by_name()[body_name]
+        assert route.route.cluster == r.main_version_cluster(model)
+        assert route.route.host_rewrite_literal == model.name
+        assert route.route.priority == base_pb2.RoutingPriority.DEFAULT
+        assert list(route.request_headers_to_remove) == r.upstream_removed_headers(hashed=False)
+        assert headers.BODY_MODEL in route.request_headers_to_remove
+        assert "authorization" in route.request_headers_to_remove
+        assert (r.FAILED_OPEN_HEADER, "true") in {
+            (h.header.key, h.header.value) for h in route.response_headers_to_add
+        }
+        assert _allow(route) is True
+        # an alias is replaced by the canonical name in the body; a canonical name is left alone
+        if body_name == model.name:
+            assert r.CANONICAL_MODEL_FILTER not in route.typed_per_filter_config
+        else:
+            body = _transform(route, r.CANONICAL_MODEL_FILTER).request_transformation.body_transformation
+            assert body.action == transform_pb2.BodyTransformation.MERGE
+            assert dict(body.body_format.json_format) == {"model": model.name}
+    assert fail_open[f"{r.FAIL_OPEN_ROUTE_PREFIX}llama3"].route.cluster == "llama-3.1-8b-instruct--v1"
+    unknown = routes[names.index(r.FAIL_OPEN_UNKNOWN_MODEL_ROUTE)]
+    [present] = unknown.match.headers
+    assert (present.name, present.present_match) == (headers.BODY_MODEL, True)
+    assert unknown.direct_response.status == 404
+    err = _error(unknown.direct_response.body.inline_string)
+    assert (err["type"], err["code"], err["param"]) == ("invalid_request_error", "model_not_found", "model")
+
+
+def test_without_a_fail_open_path_there_are_no_fail_open_routes() -> None:
+    config = parse_config(_doc())
+    assert not r.fails_open(config)
+    assert r.fail_open_routes(config) == []
+    for route in _failure_routes(config).values():
+        assert r.BODY_MODEL_FILTER not in route.typed_per_filter_config
+
+
+def test_the_virtual_host_carries_every_tenants_key_for_the_fail_open_check() -> None:
+    config = parse_config(_doc(path_failure_modes={"/v1/embeddings": "open"}))
+    [vh] = r.build_route_configuration(config).virtual_hosts
+    wrapper = route_components_pb2.FilterConfig()
+    assert vh.typed_per_filter_config[r.API_KEY_FILTER].Unpack(wrapper)
+    assert not wrapper.disabled
+    per_route = api_key_auth_pb2.ApiKeyAuthPerRoute()
+    assert wrapper.config.Unpack(per_route)
+    assert {(c.key, c.client) for c in per_route.credentials} == {
+        (k, t.name) for t in config.tenants for k in t.api_keys
+    }
+    # the filter in the HCM: the key from Authorization, skipped when ext_proc set x-inferlb-model
+    api_key = next(f for f in _hcm(r.build_listener(config)).http_filters if f.name == r.API_KEY_FILTER)
+    wrapped = extension_matcher_pb2.ExtensionWithMatcher()
+    assert api_key.typed_config.Unpack(wrapped)
+    base = api_key_auth_pb2.ApiKeyAuth()
+    assert wrapped.extension_config.typed_config.Unpack(base)
+    assert [s.header for s in base.key_sources] == ["authorization"] and not base.credentials
+    [field] = wrapped.xds_matcher.matcher_list.matchers
+    header_input = http_inputs_pb2.HttpRequestHeaderMatchInput()
+    assert field.predicate.single_predicate.input.typed_config.Unpack(header_input)
+    assert header_input.header_name == headers.MODEL
+    assert field.on_match.action.typed_config.Is(skip_action_pb2.SkipFilter.DESCRIPTOR)
+
+
+def test_api_key_refusals_become_ext_procs_401_json() -> None:
+    mappers = _mappers(parse_config(_doc(failure_mode_allow=True)))
+    missing, refused = mappers[3:5]
+    expected = f"response.code == 401 && response.code_details == '{r.API_KEY_MISSING_DETAILS}'"
+    assert _expression(missing) == expected
+    assert "'unkonwn_api_key'" in _expression(refused)  # Envoy 1.40's spelling
+    for mapper in (missing, refused):
+        assert not mapper.HasField("status_code")
+        err = _error(mapper.body.inline_string)
+        assert (err["type"], err["code"]) == ("authentication_error", "invalid_api_key")
+    assert _error(missing.body.inline_string)["message"].startswith("You didn't provide an API key")
+
+
+def test_fail_open_model_takes_failed_open_requests_whose_body_names_no_model() -> None:
     config = parse_config(
         _doc(
             path_failure_modes={
@@ -108,6 +229,9 @@ def test_fail_open_paths_go_to_the_fail_open_models_main_version() -> None:
     assert list(failure) == [*INFERENCE_PATHS, "/v1/rerank"]
     assert {p for p, rt in failure.items() if _allow(rt)} == {"/v1/embeddings", "/v1/rerank"}
     open_route = failure["/v1/embeddings"]
+    assert _transform(open_route, r.BODY_MODEL_FILTER).clear_route_cache  # the body's model comes first
+    fallback = _transform(open_route, r.CANONICAL_MODEL_FILTER).request_transformation.body_transformation
+    assert dict(fallback.body_format.json_format) == {"model": "llama-3.1-8b-instruct"}
     # v1 carries 90% of llama's traffic, the v2 canary 10%
     assert open_route.route.cluster == "llama-3.1-8b-instruct--v1" == r.fail_open_cluster(config)
     assert open_route.route.priority == base_pb2.RoutingPriority.DEFAULT
@@ -179,6 +303,8 @@ def test_mappers_leave_ext_procs_own_replies_and_direct_responses_alone() -> Non
         expr = _expression(m)
         if expr.startswith("response.code_details.startsWith('ext_proc')"):
             continue  # Envoy's own ext_proc failures
+        if expr.startswith("response.code == 401 && response.code_details"):
+            continue  # the fail-open API key check's own code details, never ext_proc's
         assert "!response.code_details.startsWith('inferlb_')" in expr, expr
         assert "response.code_details != 'direct_response'" in expr, expr
     # the 413 mapper is Envoy's buffer limit only: ext_proc's own 413 (counting budget) passes unchanged

@@ -106,6 +106,8 @@ def test_every_route_to_a_model_rewrites_host_and_removes_internal_headers() -> 
         assert {"authorization", *r.STRIPPED_REQUEST_HEADERS} <= removed, rt.name
     fail_open = [rt for rt in routes if rt.name.startswith(r.FAILURE_MODE_ROUTE_PREFIX)]
     assert fail_open and {rt.route.host_rewrite_literal for rt in fail_open} == {"qwen2.5-7b-instruct"}
+    by_body = [rt for rt in routes if rt.name.startswith(r.FAIL_OPEN_ROUTE_PREFIX)]
+    assert {rt.route.host_rewrite_literal for rt in by_body} == names
 
 
 def test_hashed_routes_keep_only_the_affinity_digests() -> None:

@@ -7,6 +7,7 @@ The bottom of the package: it imports no other module of :mod:`xds_server.resour
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Final
@@ -16,6 +17,7 @@ from google.protobuf import any_pb2, duration_pb2
 from google.protobuf.message import Message
 
 from inferlb.config.schema import GrpcAddress, HostPort, UnixSocket
+from inferlb.errors import RequestError
 
 # -- type URLs (envoy/api/v3; the ADS stream multiplexes on these) --------------------------------------
 LISTENER_TYPE: Final = "type.googleapis.com/envoy.config.listener.v3.Listener"
@@ -39,9 +41,22 @@ EXT_PROC_FILTER: Final = "envoy.filters.http.ext_proc"
 #: Name prefix of the per-path failure-mode routes
 #: (:func:`xds_server.resources.routes.failure_mode_routes`): ``failure_mode:<path>``.
 FAILURE_MODE_ROUTE_PREFIX: Final = "failure_mode:"
-#: Response header on replies that took the fail-open route (ext_proc failed; the request was not
-#: checked, counted or routed by model), so clients and logs can tell.
+#: Response header on replies that took a fail-open route (ext_proc failed: the request was routed by
+#: Envoy on the body's ``model`` and its API key checked by Envoy, but not counted against any quota), so
+#: clients and logs can tell.
 FAILED_OPEN_HEADER: Final = "x-inferlb-failed-open"
+#: Name of the HTTP filter (Envoy's ``envoy.filters.http.transform``) that copies the body's ``model`` into
+#: ``x-inferlb-body-model`` and clears the route cache; it acts only where a route's per-filter config
+#: asks it to: the fail-open paths' failure-mode routes, which a request still holds after ext_proc
+#: failed open (:func:`xds_server.resources.routes.failure_mode_routes`).
+BODY_MODEL_FILTER: Final = "inferlb.fail_open.body_model"
+#: Name of the second ``transform`` filter, which writes the model's canonical name into the ``model`` of a
+#: failed-open request that named an alias (model servers know only the canonical name); it acts only on
+#: the fail-open routes of aliases (:func:`xds_server.resources.routes.canonical_model_transform`).
+CANONICAL_MODEL_FILTER: Final = "inferlb.fail_open.canonical_model"
+#: Name of the HTTP filter (Envoy's ``envoy.filters.http.api_key_auth`` behind a matcher that skips it when
+#: ext_proc routed the request) that checks a failed-open request's API key against the tenants' keys.
+API_KEY_FILTER: Final = "inferlb.fail_open.api_key"
 #: ``filter_metadata`` namespace on each LbEndpoint (``{"name", "gpu"}``), read back by status tools.
 METADATA_NAMESPACE: Final = "inferlb"
 
@@ -59,6 +74,11 @@ class XdsResources:
     """
 
     by_type: Mapping[str, Mapping[str, Message]]
+
+
+def json_error_body(err: RequestError) -> str:
+    """``err`` as the compact JSON text of an OpenAI error body (a route's or a local reply's fixed body)."""
+    return json.dumps(err.to_openai_json(), separators=(",", ":"))
 
 
 def duration_ms(ms: int) -> duration_pb2.Duration:

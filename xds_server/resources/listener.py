@@ -2,12 +2,13 @@
 
 Listener ``inferlb_gateway`` on ``gateway.listen``: HTTP connection manager whose early header mutation
 strips client-sent ``x-inferlb-*`` routing headers, then the ext_proc filter (gRPC cluster
-``inferlb_ext_proc``), then the router. Routes come over ADS as RDS ``inferlb_routes``
+``inferlb_ext_proc``), then the three filters of the fail-open path (:func:`fail_open_filters`: the
+body's ``model`` into a header, an alias replaced by the canonical name, the API key check), then the
+router. Routes come over ADS as RDS ``inferlb_routes``
 (:mod:`xds_server.resources.routes`).
 
 The HCM's ``local_reply_config`` (:func:`build_local_reply_config`) turns the replies Envoy makes itself
-into OpenAI-style JSON errors; the JSON bodies are built here (the routes reuse
-:func:`processor_unavailable_body`).
+into OpenAI-style JSON errors; the JSON bodies are built here.
 """
 
 from __future__ import annotations
@@ -26,24 +27,37 @@ from envoy.config.core.v3 import (
 )
 from envoy.config.listener.v3 import listener_components_pb2, listener_pb2
 from envoy.extensions.access_loggers.filters.cel.v3 import cel_pb2
+from envoy.extensions.common.matching.v3 import extension_matcher_pb2
+from envoy.extensions.filters.common.matcher.action.v3 import skip_action_pb2
+from envoy.extensions.filters.http.api_key_auth.v3 import api_key_auth_pb2
 from envoy.extensions.filters.http.ext_proc.v3 import ext_proc_pb2, processing_mode_pb2
 from envoy.extensions.filters.http.router.v3 import router_pb2
+from envoy.extensions.filters.http.transform.v3 import transform_pb2
 from envoy.extensions.filters.network.http_connection_manager.v3 import http_connection_manager_pb2
 from envoy.extensions.http.early_header_mutation.header_mutation.v3 import (
     header_mutation_pb2 as early_header_mutation_pb2,
 )
+from envoy.type.matcher.v3 import http_inputs_pb2
 from google.protobuf import struct_pb2, wrappers_pb2
+from xds.core.v3 import extension_pb2 as xds_extension_pb2
+from xds.type.matcher.v3 import matcher_pb2, regex_pb2
+from xds.type.matcher.v3 import string_pb2 as xds_string_pb2
 
 from inferlb.config.schema import Config
 from inferlb.errors import RequestError
+from inferlb.policy.routing import missing_api_key
 from inferlb.request import headers
 from xds_server.resources.common import (
+    API_KEY_FILTER,
+    BODY_MODEL_FILTER,
+    CANONICAL_MODEL_FILTER,
     EXT_PROC_CLUSTER,
     EXT_PROC_FILTER,
     LISTENER_NAME,
     ROUTE_CONFIG_NAME,
     ads_source,
     duration_ms,
+    json_error_body,
     pack,
     socket_address,
 )
@@ -63,6 +77,7 @@ STRIPPED_REQUEST_HEADERS: Final[tuple[str, ...]] = (
     headers.PREFIX_KEY,
     headers.LENGTH_CLASS,
     headers.STREAM,
+    headers.BODY_MODEL,
 )
 #: Client request headers Envoy replaces with its own: with ``use_remote_address`` Envoy appends the peer
 #: address to ``x-forwarded-for``; removing the client's value first leaves exactly that address, so a
@@ -178,8 +193,7 @@ def processor_timeout_body(timeout_ms: int) -> str:
 
 
 def processor_unavailable_body() -> str:
-    """The JSON body of Envoy's 5xx when ext_proc is down or failed (fail closed), and of the 503 a
-    fail-open request gets when no ``ext_proc.fail_open_model`` is configured."""
+    """The JSON body of Envoy's 5xx when ext_proc is down or failed (fail closed)."""
     err = RequestError(
         503,
         "the gateway's request processor is unavailable; retry the request",
@@ -187,6 +201,34 @@ def processor_unavailable_body() -> str:
         code="gateway_processor_unavailable",
     )
     return json.dumps(err.to_openai_json(), separators=(",", ":"))
+
+
+#: Envoy's response code details when ``api_key_auth`` found no API key in ``Authorization`` (Envoy 1.40
+#: ``api_key_auth.cc``, measured).
+API_KEY_MISSING_DETAILS: Final = "missing_api_key"
+#: Envoy's response code details when ``api_key_auth`` refused a key: unknown (spelled ``unkonwn_api_key``
+#: in Envoy 1.40; the corrected spelling is listed for a build that fixes it), or no credentials at all
+#: (a config without tenants).
+API_KEY_REFUSED_DETAILS: Final[tuple[str, ...]] = (
+    "unkonwn_api_key",
+    "unknown_api_key",
+    "missing_credentials",
+    "missing_key_sources",
+)
+
+
+def unknown_api_key_body() -> str:
+    """The JSON body of Envoy's 401 when a failed-open request's key is no tenant's: OpenAI's
+    ``authentication_error``/``invalid_api_key`` (the key is not echoed, not even masked as ext_proc does)."""
+    return json_error_body(
+        RequestError(401, "Incorrect API key provided.", type="authentication_error", code="invalid_api_key")
+    )
+
+
+def missing_api_key_body() -> str:
+    """The JSON body of Envoy's 401 when a failed-open request carries no API key: ext_proc's own
+    (:func:`inferlb.policy.routing.missing_api_key`)."""
+    return json_error_body(missing_api_key())
 
 
 def build_local_reply_config(config: Config) -> http_connection_manager_pb2.LocalReplyConfig:
@@ -198,6 +240,10 @@ def build_local_reply_config(config: Config) -> http_connection_manager_pb2.Loca
     2. any other ext_proc failure (code details ``ext_proc...``: processor down, gRPC error; Envoy's body
        is empty): ``gateway_processor_unavailable``.
     3. 413 from Envoy's buffer limit (before ext_proc sees the body): ``request_too_large``.
+    3a. / 3b. 401 from the fail-open API key check (:func:`fail_open_filters`; code details
+       :data:`API_KEY_MISSING_DETAILS`, :data:`API_KEY_REFUSED_DETAILS`): ext_proc's own
+       ``authentication_error``/``invalid_api_key`` bodies (Envoy's is the text "Client authentication
+       failed.").
     4. circuit-breaker overflow (flag UO: the routing priority's budget on the model cluster is full, so
        DEFAULT traffic is shed while HIGH keeps its own): 503 ``overloaded`` with
        ``retry-after: gateway.overflow_retry_after_s``.
@@ -267,8 +313,29 @@ def build_local_reply_config(config: Config) -> http_connection_manager_pb2.Loca
         )
         for low, high, kind in ((400, 500, "invalid_request_error"), (500, 600, "server_error"))
     ]
+    details = ", ".join(f"'{d}'" for d in API_KEY_REFUSED_DETAILS)
+    key_missing, key_refused = (
+        http_connection_manager_pb2.ResponseMapper(
+            filter=_cel(f"response.code == 401 && {expression}"),
+            body=base_pb2.DataSource(inline_string=body),
+            body_format_override=json_text,
+        )
+        for expression, body in (
+            (f"response.code_details == '{API_KEY_MISSING_DETAILS}'", missing_api_key_body()),
+            (f"response.code_details in [{details}]", unknown_api_key_body()),
+        )
+    )
     return http_connection_manager_pb2.LocalReplyConfig(
-        mappers=[processor_timeout, processor_failed, too_large, overflow, *upstream, *generic]
+        mappers=[
+            processor_timeout,
+            processor_failed,
+            too_large,
+            key_missing,
+            key_refused,
+            overflow,
+            *upstream,
+            *generic,
+        ]
     )
 
 
@@ -317,6 +384,79 @@ def downstream_timeouts(config: Config) -> dict[str, Any]:
             idle_timeout=duration_ms(gw.downstream_idle_timeout_ms)
         ),
     }
+
+
+# -- fail-open path ---------------------------------------------------------------------------------
+def fail_open_filters() -> list[http_connection_manager_pb2.HttpFilter]:
+    """The three HTTP filters between ext_proc and the router that serve requests which failed open.
+
+    1. :data:`~xds_server.resources.common.BODY_MODEL_FILTER`, Envoy's ``transform`` filter with an empty
+       config: it acts only where the request's route has a per-filter config (it resolves it at its
+       request headers, i.e. after ext_proc let the request go on). Only the fail-open paths'
+       failure-mode routes have one (:func:`~xds_server.resources.routes.body_model_transform`), and a
+       request is still on such a route only when ext_proc failed open: when ext_proc answered it has set
+       ``x-inferlb-model`` and cleared the route cache, so a model route holds the request and the filter
+       passes it on without reading the body.
+    2. :data:`~xds_server.resources.common.CANONICAL_MODEL_FILTER`, a second ``transform`` with an empty
+       config: the route the first one moved the request to, a fail-open route of an alias, has it write
+       the canonical name into the body's ``model``, as ext_proc does
+       (:func:`~xds_server.resources.routes.canonical_model_transform`); other routes leave the body alone.
+    3. :data:`~xds_server.resources.common.API_KEY_FILTER`, Envoy's ``api_key_auth`` (key from
+       ``Authorization``, Envoy strips a ``Bearer `` prefix, case-sensitively) inside an
+       ``ExtensionWithMatcher`` that skips it when the request carries ``x-inferlb-model``: only ext_proc
+       can set that header (a client's is removed by the early header mutation), and ext_proc checked the
+       key itself. Disabled here like ext_proc and enabled by the virtual host, whose per-filter config
+       carries the tenants' keys (:func:`~xds_server.resources.routes.api_key_per_route`), so a key change
+       is a route push, never a listener push (which would drain client connections).
+
+    The skip is a header test, not a route test, because Envoy's ``api_key_auth`` denies a request whose
+    route gives it no credentials: keying on ext_proc's own header keeps "checked by someone" the default.
+    """
+    present = matcher_pb2.Matcher.MatcherList.Predicate(
+        single_predicate=matcher_pb2.Matcher.MatcherList.Predicate.SinglePredicate(
+            input=xds_extension_pb2.TypedExtensionConfig(
+                name="ext_proc_routed",
+                typed_config=pack(http_inputs_pb2.HttpRequestHeaderMatchInput(header_name=headers.MODEL)),
+            ),
+            value_match=xds_string_pb2.StringMatcher(
+                safe_regex=regex_pb2.RegexMatcher(google_re2=regex_pb2.RegexMatcher.GoogleRE2(), regex=".*")
+            ),
+        )
+    )
+    skip_when_routed = matcher_pb2.Matcher(
+        matcher_list=matcher_pb2.Matcher.MatcherList(
+            matchers=[
+                matcher_pb2.Matcher.MatcherList.FieldMatcher(
+                    predicate=present,
+                    on_match=matcher_pb2.Matcher.OnMatch(
+                        action=xds_extension_pb2.TypedExtensionConfig(
+                            name="skip", typed_config=pack(skip_action_pb2.SkipFilter())
+                        )
+                    ),
+                )
+            ]
+        )
+    )
+    api_key = extension_matcher_pb2.ExtensionWithMatcher(
+        xds_matcher=skip_when_routed,
+        extension_config=extension_pb2.TypedExtensionConfig(
+            name="envoy.filters.http.api_key_auth",
+            typed_config=pack(
+                api_key_auth_pb2.ApiKeyAuth(key_sources=[api_key_auth_pb2.KeySource(header="authorization")])
+            ),
+        ),
+    )
+    return [
+        http_connection_manager_pb2.HttpFilter(
+            name=BODY_MODEL_FILTER, typed_config=pack(transform_pb2.TransformConfig())
+        ),
+        http_connection_manager_pb2.HttpFilter(
+            name=CANONICAL_MODEL_FILTER, typed_config=pack(transform_pb2.TransformConfig())
+        ),
+        http_connection_manager_pb2.HttpFilter(
+            name=API_KEY_FILTER, typed_config=pack(api_key), disabled=True
+        ),
+    ]
 
 
 # -- listener -------------------------------------------------------------------------------------------
@@ -391,6 +531,7 @@ def build_listener(config: Config) -> listener_pb2.Listener:
             http_connection_manager_pb2.HttpFilter(
                 name=EXT_PROC_FILTER, typed_config=pack(ext_proc), disabled=True
             ),
+            *fail_open_filters(),
             http_connection_manager_pb2.HttpFilter(
                 name="envoy.filters.http.router",
                 # suppress_envoy_headers: no x-envoy-* header of the router's on the upstream request

@@ -19,20 +19,27 @@ from __future__ import annotations
 import json
 from typing import Final
 
-from envoy.config.core.v3 import base_pb2
+from envoy.config.common.mutation_rules.v3 import mutation_rules_pb2
+from envoy.config.core.v3 import base_pb2, substitution_format_string_pb2
 from envoy.config.route.v3 import route_components_pb2, route_pb2
+from envoy.extensions.filters.http.api_key_auth.v3 import api_key_auth_pb2
 from envoy.extensions.filters.http.ext_proc.v3 import ext_proc_pb2
+from envoy.extensions.filters.http.transform.v3 import transform_pb2
 from envoy.extensions.retry.host.previous_hosts.v3 import previous_hosts_pb2
 from envoy.type.matcher.v3 import string_pb2
 from google.protobuf import any_pb2, struct_pb2, wrappers_pb2
 
-from inferlb.config.schema import Config, cluster_name
+from inferlb.config.schema import Config, ModelConfig, cluster_name
 from inferlb.errors import RequestError
 from inferlb.policy.affinity import HASH_LB_POLICIES
 from inferlb.policy.length_aware import ENVOY_LB_NAMESPACE, ConfinedClass, confined_classes
+from inferlb.policy.routing import model_not_found
 from inferlb.request import headers
 from inferlb.request.parsing import INFERENCE_PATHS
 from xds_server.resources.common import (
+    API_KEY_FILTER,
+    BODY_MODEL_FILTER,
+    CANONICAL_MODEL_FILTER,
     EXT_PROC_FILTER,
     FAILED_OPEN_HEADER,
     FAILURE_MODE_ROUTE_PREFIX,
@@ -40,9 +47,9 @@ from xds_server.resources.common import (
     ROUTE_CONFIG_NAME,
     VIRTUAL_HOST_NAME,
     duration_ms,
+    json_error_body,
     pack,
 )
-from xds_server.resources.listener import processor_unavailable_body
 
 #: Headers removed on every route to a model (``Route.request_headers_to_remove``), after ext_proc has read
 #: them and the route has matched on them: the tenant's API key and the gateway's internal ``x-inferlb-*``
@@ -58,6 +65,7 @@ UPSTREAM_REMOVED_HEADERS: Final[tuple[str, ...]] = (
     headers.PROMPT_TOKENS,
     headers.LENGTH_CLASS,
     headers.STREAM,
+    headers.BODY_MODEL,
 )
 #: The affinity keys ext_proc sets (digests of the session and of the conversation's opening, not their
 #: text). Kept on ring_hash/maglev routes, whose ``hash_policy`` reads them whenever Envoy picks a host
@@ -203,15 +211,19 @@ def path_failure_modes(config: Config) -> dict[str, bool]:
     return {p: overrides[p] == "open" if p in overrides else default for p in paths}
 
 
+def main_version_cluster(model: ModelConfig) -> str:
+    """The cluster of ``model``'s main version: the largest ``traffic_percent``, the first on a tie."""
+    main = max(model.versions, key=lambda v: v.traffic_percent)  # max keeps the first of equals
+    return model.cluster_name(main.name)
+
+
 def fail_open_cluster(config: Config) -> str | None:
-    """The cluster a request that failed open goes to: ``ext_proc.fail_open_model``'s main version (the
-    largest ``traffic_percent``, the first on a tie), or None when no fail-open model is configured."""
+    """The cluster a failed-open request whose body names no model goes to: ``ext_proc.fail_open_model``'s
+    main version (:func:`main_version_cluster`), or None when no fail-open model is configured."""
     name = config.ext_proc.fail_open_model
     if name is None:
         return None
-    model = config.model_by_name()[name]
-    main = max(model.versions, key=lambda v: v.traffic_percent)  # max keeps the first of equals
-    return model.cluster_name(main.name)
+    return main_version_cluster(config.model_by_name()[name])
 
 
 def _json_direct_response(status: int, body: str) -> dict[str, object]:
@@ -238,48 +250,202 @@ def ext_proc_per_route(fail_open: bool) -> any_pb2.Any:
     return pack(route_components_pb2.FilterConfig(config=pack(per_route)))
 
 
+#: Name prefix of the routes of failed-open requests by the body's model: ``fail_open:<name or alias>``.
+FAIL_OPEN_ROUTE_PREFIX: Final = "fail_open:"
+#: Name of the route that answers a failed-open request whose body names a model this gateway does not
+#: serve (404 ``model_not_found``).
+FAIL_OPEN_UNKNOWN_MODEL_ROUTE: Final = "fail_open_unknown_model"
+
+
+def fails_open(config: Config) -> bool:
+    """True when some path fails open (:func:`path_failure_modes`): the gateway then needs the fail-open
+    routes and the API key check (:func:`api_key_per_route`)."""
+    return any(path_failure_modes(config).values())
+
+
+def no_body_model_body() -> str:
+    """The JSON body of the 400 a failed-open request gets when Envoy could not read a ``model`` string from
+    its body (not JSON, ``Content-Type`` not JSON, no ``model``) and no ``ext_proc.fail_open_model`` is
+    configured: ext_proc's "you must provide a model parameter", with what Envoy needs to read it."""
+    return json_error_body(
+        RequestError(
+            400,
+            "you must provide a model parameter (a JSON body with Content-Type: application/json)",
+            type="invalid_request_error",
+            param="model",
+        )
+    )
+
+
+def unknown_body_model_body() -> str:
+    """The JSON body of the 404 a failed-open request gets when its body's ``model`` is none of the models'
+    names or aliases: ext_proc's ``model_not_found`` (:func:`inferlb.policy.routing.model_not_found`),
+    without the name, which a route's fixed reply cannot repeat."""
+    err = model_not_found("")
+    err.message = "The model named in the request does not exist or you do not have access to it."
+    return json_error_body(err)
+
+
+def body_model_transform() -> any_pb2.Any:
+    """The per-route config of the :data:`~xds_server.resources.common.BODY_MODEL_FILTER` (Envoy's
+    ``transform`` filter) on a fail-open path's failure-mode route: set ``x-inferlb-body-model`` to the
+    body's ``model`` (``%REQUEST_BODY(model)%``; the body is parsed only when ``Content-Type`` contains
+    ``application/json``, and a body that is not JSON or has no ``model`` leaves the header unset) and clear
+    the route cache, so the router picks the request's route again, now with that header
+    (:func:`fail_open_routes`)."""
+    set_model = mutation_rules_pb2.HeaderMutation(
+        append=base_pb2.HeaderValueOption(
+            header=base_pb2.HeaderValue(key=headers.BODY_MODEL, value="%REQUEST_BODY(model)%"),
+            append_action=base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD,
+        )
+    )
+    return pack(
+        transform_pb2.TransformConfig(
+            request_transformation=transform_pb2.Transformation(headers_mutations=[set_model]),
+            clear_route_cache=True,
+        )
+    )
+
+
+def canonical_model_transform(model: str) -> any_pb2.Any:
+    """The per-route config of the :data:`~xds_server.resources.common.CANONICAL_MODEL_FILTER` on the
+    fail-open route of an alias of ``model``: merge ``{"model": model}`` into the JSON body (Envoy parses
+    the body into a ``Struct`` and writes it out again, so numbers come back as JSON doubles' shortest
+    text and integers past 2**53 lose precision; only a failed-open request naming an alias pays this)."""
+    fmt = struct_pb2.Struct()
+    fmt.update({"model": model})
+    return pack(
+        transform_pb2.TransformConfig(
+            request_transformation=transform_pb2.Transformation(
+                body_transformation=transform_pb2.BodyTransformation(
+                    body_format=substitution_format_string_pb2.SubstitutionFormatString(json_format=fmt),
+                    action=transform_pb2.BodyTransformation.MERGE,
+                )
+            )
+        )
+    )
+
+
+def api_key_per_route(config: Config) -> any_pb2.Any:
+    """The virtual host's config of the :data:`~xds_server.resources.common.API_KEY_FILTER` (Envoy's
+    ``api_key_auth``, disabled in the HCM): a ``FilterConfig`` that enables it, wrapping an
+    ``ApiKeyAuthPerRoute`` with every tenant's keys (``credentials``: key -> tenant name; both fields are
+    ``sensitive`` in Envoy's API, so ``/config_dump`` shows ``[redacted]``). With no tenant it holds no
+    credentials and Envoy refuses every request that reaches it (401), as ext_proc would."""
+    credentials = [
+        api_key_auth_pb2.Credential(key=key, client=tenant.name)
+        for tenant in config.tenants
+        for key in tenant.api_keys
+    ]
+    per_route = api_key_auth_pb2.ApiKeyAuthPerRoute(credentials=credentials)
+    return pack(route_components_pb2.FilterConfig(config=pack(per_route)))
+
+
+def _failed_open_route(
+    config: Config, name: str, match: route_components_pb2.RouteMatch, model: ModelConfig
+) -> route_components_pb2.Route:
+    """A route of failed-open requests to ``model``'s main version: DEFAULT priority, the non-streamed
+    retry policy (ext_proc did not say whether the request streams), the upstream header removal of every
+    model route, ``x-inferlb-failed-open: true`` on the response, and ext_proc's fail-open mode (the
+    request only gets here when it failed open)."""
+    hashed = model.cluster.lb_policy in HASH_LB_POLICIES
+    cluster = main_version_cluster(model)
+    return route_components_pb2.Route(
+        name=name,
+        match=match,
+        route=_route_action(config, cluster, model=model.name, high=False, hashed=hashed),
+        request_headers_to_remove=upstream_removed_headers(hashed=hashed),
+        response_headers_to_add=[
+            base_pb2.HeaderValueOption(
+                header=base_pb2.HeaderValue(key=FAILED_OPEN_HEADER, value="true"),
+                append_action=base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD,
+            )
+        ],
+        typed_per_filter_config={EXT_PROC_FILTER: ext_proc_per_route(True)},
+    )
+
+
+def fail_open_routes(config: Config) -> list[route_components_pb2.Route]:
+    """The routes of requests that failed open and whose body names a model, when some path fails open
+    (else none): per model, one route per name and alias matching ``x-inferlb-body-model`` exactly
+    (``fail_open:<name>``, :func:`_failed_open_route` to the model's main version; an alias's route also
+    has the body's ``model`` replaced by the canonical name, :func:`canonical_model_transform`); then
+    :data:`FAIL_OPEN_UNKNOWN_MODEL_ROUTE`, any other value: 404 ``model_not_found`` JSON.
+
+    They need no path match: only the fail-open paths' failure-mode routes have Envoy set that header
+    (:func:`body_model_transform`), and a client's own is removed before routing.
+    """
+    if not fails_open(config):
+        return []
+    out = []
+    for model in config.models:
+        for name in dict.fromkeys((model.name, *model.aliases)):
+            route = _failed_open_route(
+                config,
+                f"{FAIL_OPEN_ROUTE_PREFIX}{name}",
+                route_components_pb2.RouteMatch(prefix="/", headers=[_exact(headers.BODY_MODEL, name)]),
+                model,
+            )
+            if name != model.name:
+                route.typed_per_filter_config[CANONICAL_MODEL_FILTER].CopyFrom(
+                    canonical_model_transform(model.name)
+                )
+            out.append(route)
+    out.append(
+        route_components_pb2.Route(
+            name=FAIL_OPEN_UNKNOWN_MODEL_ROUTE,
+            match=route_components_pb2.RouteMatch(
+                prefix="/",
+                headers=[route_components_pb2.HeaderMatcher(name=headers.BODY_MODEL, present_match=True)],
+            ),
+            **_json_direct_response(404, unknown_body_model_body()),
+        )
+    )
+    return out
+
+
 def failure_mode_routes(config: Config) -> list[route_components_pb2.Route]:
     """One route per path of :func:`path_failure_modes`, matched exactly (query string excluded), each
     with an ``ExtProcPerRoute`` that sets ``failure_mode_allow`` for that path.
 
     Envoy's ext_proc filter reads its per-route config from the route chosen when the request arrives,
     before ext_proc has set ``x-inferlb-model`` (measured on Envoy 1.40): that is this route, never a model
-    route, so the failure mode is per path, not per model. A request reaches this route's *action* only
-    when ext_proc let it through without routing headers, i.e. it failed open: then it goes to
-    :func:`fail_open_cluster` (DEFAULT priority, API key removed, ``x-inferlb-failed-open: true`` on the
-    response) or, with no fail-open model, gets 503 ``gateway_processor_unavailable``. A fail-closed path
-    never gets there (Envoy answers 5xx first); its action is the same 404 as the catch-all.
+    route, so the failure mode is per path, not per model. A request is still on this route after ext_proc
+    only when ext_proc let it through without routing headers, i.e. it failed open. On a fail-open path the
+    route then has Envoy read the body's ``model`` (:func:`body_model_transform`), which moves the request
+    to a :func:`fail_open_routes` route; it reaches this route's *action* only when Envoy found no
+    ``model``: it goes to :func:`fail_open_cluster` (as a failed-open request, the fail-open model's name
+    merged into a JSON body by :func:`canonical_model_transform`) or, with no fail-open model, gets 400
+    "you must provide a model parameter". A fail-closed path never gets there (Envoy answers 5xx
+    first); its action is the same 404 as the catch-all.
     """
-    target = fail_open_cluster(config)
-    hashed = False
-    target_model = ""
-    if target is not None:
-        model = config.model_by_name()[config.ext_proc.fail_open_model or ""]
-        hashed = model.cluster.lb_policy in HASH_LB_POLICIES
-        target_model = model.name
+    fallback = config.ext_proc.fail_open_model
     out = []
     for path, fail_open in path_failure_modes(config).items():
-        common: dict[str, object] = {
-            "name": f"{FAILURE_MODE_ROUTE_PREFIX}{path}",
-            "match": route_components_pb2.RouteMatch(path=path),
-            "typed_per_filter_config": {EXT_PROC_FILTER: ext_proc_per_route(fail_open)},
-        }
+        name = f"{FAILURE_MODE_ROUTE_PREFIX}{path}"
+        match = route_components_pb2.RouteMatch(path=path)
         if not fail_open:
-            action = _json_direct_response(404, no_route_body())
-        elif target is None:
-            action = _json_direct_response(503, processor_unavailable_body())
+            out.append(
+                route_components_pb2.Route(
+                    name=name,
+                    match=match,
+                    typed_per_filter_config={EXT_PROC_FILTER: ext_proc_per_route(False)},
+                    **_json_direct_response(404, no_route_body()),
+                )
+            )
+            continue
+        if fallback is None:
+            route = route_components_pb2.Route(
+                name=name, match=match, **_json_direct_response(400, no_body_model_body())
+            )
         else:
-            action = {
-                "route": _route_action(config, target, model=target_model, high=False, hashed=hashed),
-                "request_headers_to_remove": upstream_removed_headers(hashed=hashed),
-                "response_headers_to_add": [
-                    base_pb2.HeaderValueOption(
-                        header=base_pb2.HeaderValue(key=FAILED_OPEN_HEADER, value="true"),
-                        append_action=base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD,
-                    )
-                ],
-            }
-        out.append(route_components_pb2.Route(**common, **action))
+            model = config.model_by_name()[fallback]
+            route = _failed_open_route(config, name, match, model)
+            # the model server needs a model in the body: the fail-open model's canonical name
+            route.typed_per_filter_config[CANONICAL_MODEL_FILTER].CopyFrom(canonical_model_transform(model.name))
+        route.typed_per_filter_config[BODY_MODEL_FILTER].CopyFrom(body_model_transform())
+        route.typed_per_filter_config[EXT_PROC_FILTER].CopyFrom(ext_proc_per_route(True))
+        out.append(route)
     return out
 
 
@@ -357,6 +523,7 @@ def build_route_configuration(config: Config) -> route_pb2.RouteConfiguration:
             routes += _stream_and_whole(
                 config, cluster, base, cluster, model=model.name, high=False, hashed=hashed
             )
+    routes += fail_open_routes(config)
     routes += failure_mode_routes(config)
     routes.append(
         route_components_pb2.Route(
@@ -372,9 +539,11 @@ def build_route_configuration(config: Config) -> route_pb2.RouteConfiguration:
                 name=VIRTUAL_HOST_NAME,
                 domains=["*"],
                 routes=routes,
-                # enables ext_proc for every route (the failure-mode routes override it per path)
+                # enables ext_proc for every route (the failure-mode routes override it per path), and
+                # the fail-open API key check when some path fails open
                 typed_per_filter_config={
-                    EXT_PROC_FILTER: ext_proc_per_route(config.ext_proc.failure_mode_allow)
+                    EXT_PROC_FILTER: ext_proc_per_route(config.ext_proc.failure_mode_allow),
+                    **({API_KEY_FILTER: api_key_per_route(config)} if fails_open(config) else {}),
                 },
             )
         ],

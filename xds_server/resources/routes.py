@@ -442,7 +442,9 @@ def failure_mode_routes(config: Config) -> list[route_components_pb2.Route]:
             model = config.model_by_name()[fallback]
             route = _failed_open_route(config, name, match, model)
             # the model server needs a model in the body: the fail-open model's canonical name
-            route.typed_per_filter_config[CANONICAL_MODEL_FILTER].CopyFrom(canonical_model_transform(model.name))
+            route.typed_per_filter_config[CANONICAL_MODEL_FILTER].CopyFrom(
+                canonical_model_transform(model.name)
+            )
         route.typed_per_filter_config[BODY_MODEL_FILTER].CopyFrom(body_model_transform())
         route.typed_per_filter_config[EXT_PROC_FILTER].CopyFrom(ext_proc_per_route(True))
         out.append(route)

@@ -30,6 +30,7 @@ from inferlb.config.schema import Config, cluster_name
 from inferlb.errors import RequestError
 from inferlb.policy.affinity import HASH_LB_POLICIES
 from inferlb.policy.length_aware import ENVOY_LB_NAMESPACE, ConfinedClass, confined_classes
+from inferlb.policy.routing import model_object_bodies, models_list_body
 from inferlb.request import headers
 from inferlb.request.parsing import INFERENCE_PATHS
 from xds_server.resources.common import (
@@ -58,6 +59,7 @@ UPSTREAM_REMOVED_HEADERS: Final[tuple[str, ...]] = (
     headers.PROMPT_TOKENS,
     headers.LENGTH_CLASS,
     headers.STREAM,
+    headers.BODY_SPLICE,
 )
 #: The affinity keys ext_proc sets (digests of the session and of the conversation's opening, not their
 #: text). Kept on ring_hash/maglev routes, whose ``hash_policy`` reads them whenever Envoy picks a host
@@ -262,8 +264,9 @@ def failure_mode_routes(config: Config) -> list[route_components_pb2.Route]:
         common: dict[str, object] = {
             "name": f"{FAILURE_MODE_ROUTE_PREFIX}{path}",
             "match": route_components_pb2.RouteMatch(path=path),
-            "typed_per_filter_config": {EXT_PROC_FILTER: ext_proc_per_route(fail_open)},
         }
+        if config.ext_proc.protocol == "ext_proc":
+            common["typed_per_filter_config"] = {EXT_PROC_FILTER: ext_proc_per_route(fail_open)}
         if not fail_open:
             action = _json_direct_response(404, no_route_body())
         elif target is None:
@@ -308,6 +311,34 @@ def _stream_and_whole(
             request_headers_to_remove=upstream_removed_headers(hashed=hashed),
         )
         for stream in (True, False)
+    ]
+
+
+#: Name prefix of the ``GET /v1/models`` routes of the ext_authz mode (:func:`models_routes`).
+MODELS_ROUTE_PREFIX: Final = "models:"
+
+
+def models_routes(config: Config) -> list[route_components_pb2.Route]:
+    """``ext_proc.protocol: ext_authz`` only: direct responses for ``GET /v1/models`` and
+    ``GET /v1/models/{name or alias}`` (200, the JSON :func:`inferlb.policy.routing.models_list_body` and
+    :func:`~inferlb.policy.routing.model_object_bodies` build, the bodies ext_proc answers with). An
+    authorization service cannot answer 200 itself (200 lets the request through), so the service checks
+    the key and the model, refuses what ext_proc would (401, 404, 405), and lets the rest reach these.
+    Empty in ext_proc mode (ext_proc answers them)."""
+    if config.ext_proc.protocol != "ext_authz":
+        return []
+    get = [
+        route_components_pb2.HeaderMatcher(name=":method", string_match=string_pb2.StringMatcher(exact="GET"))
+    ]
+    bodies = {"/v1/models": models_list_body(config)}
+    bodies.update({f"/v1/models/{name}": body for name, body in model_object_bodies(config).items()})
+    return [
+        route_components_pb2.Route(
+            name=f"{MODELS_ROUTE_PREFIX}{path}",
+            match=route_components_pb2.RouteMatch(path=path, headers=get),
+            **_json_direct_response(200, body.decode()),
+        )
+        for path, body in bodies.items()
     ]
 
 
@@ -357,6 +388,7 @@ def build_route_configuration(config: Config) -> route_pb2.RouteConfiguration:
             routes += _stream_and_whole(
                 config, cluster, base, cluster, model=model.name, high=False, hashed=hashed
             )
+    routes += models_routes(config)
     routes += failure_mode_routes(config)
     routes.append(
         route_components_pb2.Route(
@@ -365,17 +397,18 @@ def build_route_configuration(config: Config) -> route_pb2.RouteConfiguration:
             **_json_direct_response(404, no_route_body()),
         )
     )
+    # enables ext_proc for every route (the failure-mode routes override it per path); the ext_authz
+    # filter is enabled in the listener itself
+    per_filter = (
+        {EXT_PROC_FILTER: ext_proc_per_route(config.ext_proc.failure_mode_allow)}
+        if config.ext_proc.protocol == "ext_proc"
+        else {}
+    )
     return route_pb2.RouteConfiguration(
         name=ROUTE_CONFIG_NAME,
         virtual_hosts=[
             route_components_pb2.VirtualHost(
-                name=VIRTUAL_HOST_NAME,
-                domains=["*"],
-                routes=routes,
-                # enables ext_proc for every route (the failure-mode routes override it per path)
-                typed_per_filter_config={
-                    EXT_PROC_FILTER: ext_proc_per_route(config.ext_proc.failure_mode_allow)
-                },
+                name=VIRTUAL_HOST_NAME, domains=["*"], routes=routes, typed_per_filter_config=per_filter
             )
         ],
     )

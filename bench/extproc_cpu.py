@@ -66,7 +66,7 @@ from extproc_overhead import API_KEY, MODEL, REPLY, chat_body  # the same model,
 from rich.console import Console
 from rich.table import Table
 
-from ext_proc.__main__ import run_event_loop
+from ext_proc.process import run_event_loop
 
 CONFIG: dict[str, Any] = {
     "models": [{"name": MODEL}],

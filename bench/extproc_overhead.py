@@ -261,7 +261,7 @@ def serve_null(port: int, model: str, version: str) -> None:
     from envoy.service.ext_proc.v3 import external_processor_pb2 as ep  # noqa: PLC0415
     from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc  # noqa: PLC0415
 
-    from ext_proc.__main__ import run_event_loop  # noqa: PLC0415
+    from ext_proc.process import run_event_loop  # noqa: PLC0415
     from ext_proc.servicer import make_server  # noqa: PLC0415
     from inferlb.request import headers  # noqa: PLC0415
 

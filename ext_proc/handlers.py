@@ -33,11 +33,17 @@ from inferlb.errors import RequestError
 from inferlb.policy.affinity import HASH_LB_POLICIES, NO_KEYS, affinity_keys
 from inferlb.policy.length_aware import length_class
 from inferlb.policy.quota import Admitted, Limit, QuotaBook, Refused
-from inferlb.policy.routing import RoutingTable, model_not_found, priority_header_value
+from inferlb.policy.routing import (
+    RoutingTable,
+    model_not_found,
+    model_object_bodies,
+    models_list_body,
+    priority_header_value,
+)
 from inferlb.policy.shedding import low_priority_limit, sheds
 from inferlb.request import headers as h
 from inferlb.request.parsing import INFERENCE_PATHS, EndpointKind, InferenceRequest, echo, parse_request
-from inferlb.request.rewrite import rewrite_request
+from inferlb.request.rewrite import BodySplice, rewrite_request
 from inferlb.request.tokens import (
     CountingBudgetExceededError,
     TextTokenCounter,
@@ -125,6 +131,9 @@ class PreparedRequest:
     #: the body to send upstream instead of the client's (the canonical model name in place of an alias,
     #: ``stream_options.include_usage`` added), or None to forward the client's body as sent.
     upstream_body: bytes | None = None
+    #: ``upstream_body`` as byte splices of the client's body (for a proxy that applies them: the ext_authz
+    #: mode's Lua filter), None when there is no ``upstream_body`` or the client's body was not UTF-8.
+    upstream_splices: tuple[BodySplice, ...] | None = None
     #: the gateway added ``include_usage`` to ``upstream_body``: the usage chunk is hidden from the client.
     usage_event_added: bool = False
 
@@ -139,6 +148,8 @@ class ContinueRequest:
         clear_route_cache: make Envoy pick the route again from the changed headers.
         body: a replacement request body (``set_headers`` then carries its ``content-length``), or None to
             forward the client's body unchanged.
+        body_splices: ``body`` as byte splices of the client's body (None: no ``body``, or the client's
+            body was not UTF-8).
         admitted: the quota reservation taken, to settle with the response's usage, or None.
         reservation: what the response meter needs to settle it (prompt, reservation, stream), or None.
         model: the canonical model name ("" before one is known), for metrics.
@@ -148,6 +159,7 @@ class ContinueRequest:
     remove_headers: tuple[str, ...] = ()
     clear_route_cache: bool = False
     body: bytes | None = None
+    body_splices: tuple[BodySplice, ...] | None = None
     admitted: Admitted | None = None
     reservation: Reservation | None = None
     model: str = ""
@@ -222,12 +234,6 @@ class Gateway:
                 except ValueError as exc:
                     raise ValueError(f"models[{m.name}].tokenizer: {exc}") from None
             counters[m.name] = specs[m.tokenizer]
-        objects = {m.name: _model_object(m.name) for m in config.models}
-        bodies: dict[str, bytes] = {}
-        for m in config.models:
-            body = json.dumps(objects[m.name]).encode()
-            for name in (m.name, *m.aliases):
-                bodies[name] = body
         processes = 1 + len(config.ext_proc.extra_listen)
         limits = {
             m.cluster_name(v.name): low_priority_limit(
@@ -242,8 +248,8 @@ class Gateway:
             config=config,
             routing=RoutingTable(config),
             max_body_bytes=config.gateway.max_request_body_bytes,
-            models_list_body=json.dumps({"object": "list", "data": list(objects.values())}).encode(),
-            model_bodies=MappingProxyType(bodies),
+            models_list_body=models_list_body(config),
+            model_bodies=MappingProxyType(model_object_bodies(config)),
             counter=default,
             counters=MappingProxyType(counters),
             counting_budget_s=config.ext_proc.message_timeout_ms / 1000 * COUNTING_BUDGET_FRACTION,
@@ -253,11 +259,6 @@ class Gateway:
             low_priority_limits=MappingProxyType(limits if config.ext_proc.account_responses else {}),
             overflow_retry_after_s=config.gateway.overflow_retry_after_s,
         )
-
-
-def _model_object(name: str) -> dict[str, object]:
-    # OpenAI's model object; "created" is not known for a self-hosted model, 0 keeps the type right
-    return {"id": name, "object": "model", "created": 0, "owned_by": "inferlb"}
 
 
 # -- helpers --------------------------------------------------------------------------------------
@@ -463,6 +464,7 @@ def prepare_body(
         prompt_tokens=prompt_tokens,
         reserved_tokens=prompt_tokens + output_cap,
         upstream_body=None if rewritten is None else rewritten.body,
+        upstream_splices=None if rewritten is None else rewritten.splices,
         usage_event_added=rewritten is not None and rewritten.include_usage_added,
     )
 
@@ -633,6 +635,7 @@ def route(
         set_headers=headers,
         clear_route_cache=True,
         body=body,
+        body_splices=prepared.upstream_splices,
         admitted=admitted,
         reservation=Reservation(
             prompt_tokens=prepared.prompt_tokens,

@@ -39,7 +39,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import random
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import Any
@@ -52,25 +51,15 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 from envoy.type.v3 import http_status_pb2
 
 from ext_proc import handlers
-from ext_proc.metrics import ExtProcMetrics
-from inferlb.config.schema import Config, GatewayConfig
-from inferlb.policy.quota import (
-    Admitted,
-    MemoryQuotaStore,
-    QuotaStore,
-    Refused,
-    lease_ttl_s,
-    limits_from_config,
-)
-from inferlb.policy.shedding import InFlight, counted
+from ext_proc.state import OFFLOAD_BODY_BYTES, ExtProcState
+from inferlb.config.schema import GatewayConfig
+from inferlb.policy.quota import Admitted, Refused
+from inferlb.policy.shedding import counted
 from inferlb.request import headers as h
 from inferlb.request.usage import ResponseMeter, Usage
 
 log = logging.getLogger("ext_proc")
 
-#: Bodies at least this large are parsed and counted in a worker thread (tiktoken releases the GIL), so
-#: a 4 MB prompt (~0.3-2.5 s of BPE work measured here) does not stall every other stream on the loop.
-OFFLOAD_BODY_BYTES = 128 * 1024
 
 _OVERWRITE = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
 
@@ -119,58 +108,6 @@ def make_server(max_body_bytes: int = MAX_CONFIGURABLE_BODY_BYTES) -> grpc.aio.S
             ("grpc.max_send_message_length", limit),
         ]
     )
-
-
-class ExtProcState:
-    """The mutable state one ext_proc process serves from: the current :class:`handlers.Gateway`, the
-    tenants' :class:`~inferlb.policy.quota.QuotaStore` and the metrics.
-
-    Args:
-        config: the initial config.
-        clock: monotonic seconds (injected for tests), for the default in-process store.
-        rng: randomness for version choice when a request names no user.
-        quotas: the quota store; default an in-process :class:`~inferlb.policy.quota.MemoryQuotaStore`.
-        metrics: the metric families; default a fresh :class:`~ext_proc.metrics.ExtProcMetrics`.
-
-    Attributes:
-        in_flight: DEFAULT-priority requests admitted and not ended, per cluster (kept across reloads).
-    """
-
-    def __init__(
-        self,
-        config: Config,
-        *,
-        clock: Callable[[], float] = time.monotonic,
-        rng: random.Random | None = None,
-        quotas: QuotaStore | None = None,
-        metrics: ExtProcMetrics | None = None,
-    ) -> None:
-        self.clock = clock
-        self.rng = rng or random.Random()
-        self.gateway = handlers.Gateway.from_config(config)
-        self.quotas: QuotaStore = (
-            quotas
-            if quotas is not None
-            else MemoryQuotaStore(limits_from_config(config), clock=clock, lease_ttl_s=lease_ttl_s(config))
-        )
-        self.metrics = metrics if metrics is not None else ExtProcMetrics()
-        self.in_flight = InFlight()
-
-    def apply_config(self, config: Config) -> None:
-        """Serve ``config`` from now on; quota state of tenants whose limits did not change is kept.
-
-        Streams already past their headers phase finish with the tenant they authenticated as.
-
-        Raises:
-            ValueError: a model's tokenizer cannot be built; the current config keeps serving.
-        """
-        gateway = handlers.Gateway.from_config(
-            config,
-            self.gateway.counter,
-            known_counters={m.tokenizer: self.gateway.counters[m.name] for m in self.gateway.config.models},
-        )
-        self.quotas.update_limits(limits_from_config(config), lease_ttl_s=lease_ttl_s(config))
-        self.gateway = gateway
 
 
 # -- proto builders -------------------------------------------------------------------------------

@@ -305,8 +305,15 @@ class XdsConfig(_Frozen):
 
 
 class ExtProcConfig(_Frozen):
-    """Our ext_proc service and how Envoy calls it."""
+    """Our request-path service (quota, routing headers) and how Envoy calls it."""
 
+    #: How Envoy calls the request-path service: ``ext_proc`` (``envoy.filters.http.ext_proc``, a gRPC stream
+    #: per request; ``python -m ext_proc``) or ``ext_authz`` (``envoy.filters.http.ext_authz`` in HTTP-service
+    #: mode, one HTTP/1.1 check per request with the buffered body; ``python -m ext_authz``). Both serve the
+    #: same decisions (:mod:`ext_proc.handlers`) on the addresses below. ``ext_authz`` meters no response
+    #: (a reservation is the charge), so it needs ``account_responses: false`` and no tenant
+    #: ``max_concurrent_requests`` nor ``path_failure_modes`` (refused otherwise, the field named).
+    protocol: Literal["ext_proc", "ext_authz"] = "ext_proc"
     listen: HostPort = HostPort(host="127.0.0.1", port=18080)
     #: Serve ext_proc on this Unix domain socket (an absolute path) instead of ``listen``, the socket file
     #: mode 0600 (only the user running ext_proc, and so Envoy run as that user, may connect); the
@@ -905,6 +912,39 @@ class Config(_Frozen):
                 f"ext_proc.lease_ttl_ms: {ttl} ms does not outlive {what}: a running request's concurrency "
                 "lease would expire and its slot be given away; raise it or leave it unset"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _check_ext_authz_can_honour_the_config(self) -> Self:
+        # ext_authz sees a request once, before it goes upstream: nothing of the response reaches the
+        # gateway's Python side, so what needs the response's end or usage cannot be honoured yet
+        ep = self.ext_proc
+        if ep.protocol != "ext_authz":
+            return self
+        problems: list[str] = []
+        if ep.account_responses:
+            problems.append(
+                "ext_proc.account_responses: protocol ext_authz meters no response (the reservation, prompt "
+                "+ output cap, is the charge), so set it to false or use protocol ext_proc"
+            )
+        if ep.path_failure_modes:
+            problems.append(
+                "ext_proc.path_failure_modes: protocol ext_authz has one failure mode for every path "
+                "(ext_proc.failure_mode_allow, as Envoy's ExtAuthzPerRoute has no failure-mode override), "
+                "so drop it or use protocol ext_proc"
+            )
+        if ep.listen_unix is not None:
+            problems.append(
+                "ext_proc.listen_unix: protocol ext_authz serves TCP only for now (ext_proc.listen)"
+            )
+        problems += [
+            f"tenants[{i}].max_concurrent_requests: protocol ext_authz never sees a response end and cannot "
+            "hold a concurrency slot for the request's life, so drop the limit or use protocol ext_proc"
+            for i, t in enumerate(self.tenants)
+            if t.max_concurrent_requests is not None
+        ]
+        if problems:
+            raise ValueError("; ".join(problems))
         return self
 
     @model_validator(mode="after")

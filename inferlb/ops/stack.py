@@ -1,11 +1,11 @@
 """The local stack: xds_server, ext_proc, the simulated GPU fleet and Envoy, run as child processes.
 
 ``inferlb up`` and the end-to-end tests use this module; docker-compose.yml describes the same four
-services as containers. Each service is started as ``python -m <service> --config FILE``; ext_proc runs
-as one process per address (``ext_proc.listen`` and each of ``ext_proc.extra_listen``), each its own
-endpoint of Envoy's ext_proc cluster. Envoy gets a bootstrap rendered from the same config
-(:func:`xds_server.bootstrap.render_bootstrap`) and takes everything else (listeners, routes, clusters,
-endpoints) from the xDS server.
+services as containers. Each service is started as ``python -m <service> --config FILE``; ext_proc (or
+ext_authz, with ``ext_proc.protocol: ext_authz``) runs as one process per address (``ext_proc.listen`` and
+each of ``ext_proc.extra_listen``), each its own endpoint of Envoy's ext_proc (ext_authz) cluster. Envoy
+gets a bootstrap rendered from the same config (:func:`xds_server.bootstrap.render_bootstrap`) and takes
+everything else (listeners, routes, clusters, endpoints) from the xDS server.
 
 The xDS server stores the fleet API's changes where the config's ``xds.state_file`` says; when it says
 nothing and the stack runs in a work directory of the caller's (``inferlb up --workdir DIR``), in
@@ -42,7 +42,12 @@ from xds_server.bootstrap import render_bootstrap
 
 #: The Python module each service of the stack runs as (``python -m MODULE --config FILE``);
 #: docker-compose.yml runs the same modules (a test keeps the two in step).
-SERVICE_MODULES = {"gpusim": "simulation.gpusim", "xds_server": "xds_server", "ext_proc": "ext_proc"}
+SERVICE_MODULES = {
+    "gpusim": "simulation.gpusim",
+    "xds_server": "xds_server",
+    "ext_proc": "ext_proc",
+    "ext_authz": "ext_authz",
+}
 #: The xDS server's fleet state file in a caller's work directory (when ``xds.state_file`` is unset).
 STATE_FILE_NAME = "xds-fleet-state.json"
 
@@ -382,21 +387,24 @@ class Stack:
             raise
 
     def _control_children(self) -> list[tuple[Child, GrpcAddress]]:
-        """The xDS server, ext_proc on ``ext_proc.listen`` (or ``listen_unix``) and one more ext_proc per
-        ``ext_proc.extra_listen`` address (``ext_proc-2``, ``ext_proc-3``, ...; each its own ``--listen`` and
-        ``--metrics-listen`` from :meth:`inferlb.config.schema.ExtProcConfig.extra_metrics_addresses`), with
-        the address each serves."""
+        """The xDS server, the request-path service on ``ext_proc.listen`` (or ``listen_unix``) and one
+        more per ``ext_proc.extra_listen`` address (``ext_proc-2``, ``ext_proc-3``, ...; each its own
+        ``--listen`` and ``--metrics-listen`` from
+        :meth:`inferlb.config.schema.ExtProcConfig.extra_metrics_addresses`), with the address each serves.
+        The request-path service is ``ext_proc``, or ``ext_authz`` (children ``ext_authz``, ``ext_authz-2``,
+        ...) with ``ext_proc.protocol: ext_authz``."""
         cfg = self.config.ext_proc
+        service = cfg.protocol  # "ext_proc" | "ext_authz": the child's name and its module
         out: list[tuple[Child, GrpcAddress]] = [
             (self._python_child("xds_server", SERVICE_MODULES["xds_server"], *self._state_args()),
              self.config.xds.grpc_address()),
-            (self._python_child("ext_proc", SERVICE_MODULES["ext_proc"]), cfg.grpc_address()),
+            (self._python_child(service, SERVICE_MODULES[service]), cfg.grpc_address()),
         ]  # fmt: skip
         for i, (listen, metrics) in enumerate(
             zip(cfg.extra_listen, cfg.extra_metrics_addresses(), strict=True), start=2
         ):
             child = self._python_child(
-                f"ext_proc-{i}", SERVICE_MODULES["ext_proc"], "--listen", str(listen), "--metrics-listen",
+                f"{service}-{i}", SERVICE_MODULES[service], "--listen", str(listen), "--metrics-listen",
                 str(metrics)
             )
             out.append((child, listen))
@@ -457,7 +465,7 @@ class Stack:
         else:
             addresses = [a for c, a in self._control_children() if c.name == name]
         if not addresses:
-            raise KeyError(f"{name} cannot be restarted (only gpusim, xds_server and ext_proc can)")
+            raise KeyError(f"{name} cannot be restarted (only gpusim, xds_server and ext_proc/ext_authz can)")
         child.stop()
         time.sleep(down_s)
         child.start(self._env or {**os.environ, "PYTHONUNBUFFERED": "1"})
@@ -512,5 +520,6 @@ def describe(config: Config) -> Sequence[str]:
         f"gateway  http://{config.gateway.listen}  (OpenAI-compatible: /v1/chat/completions, /v1/completions,"
         " /v1/embeddings, /v1/responses, /v1/models)",
         f"admin    http://{config.gateway.admin}  (Envoy admin; `inferlb status` reads it)",
-        f"xds      {config.xds.grpc_address()}  ext_proc {', '.join(map(str, ext_proc_addresses))}",
+        f"xds      {config.xds.grpc_address()}  {config.ext_proc.protocol} "
+        f"{', '.join(map(str, ext_proc_addresses))}",
     )

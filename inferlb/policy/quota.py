@@ -604,10 +604,19 @@ class MemoryQuotaStore:
     async def admit(self, tenant: str, tokens: int, *, deadline: float | None = None) -> Admitted | Refused:
         """See :meth:`QuotaBook.try_admit` (atomic: no await inside, so nothing to wait for and
         ``deadline`` is unused)."""
+        return self.admit_now(tenant, tokens)
+
+    def admit_now(self, tenant: str, tokens: int) -> Admitted | Refused:
+        """:meth:`admit` without a coroutine, for a caller on the event loop that answers synchronously
+        (the ext_authz HTTP protocol skips a task per request this way)."""
         return self.book.try_admit(tenant, tokens, self.clock(), wall=self.wall_clock())
 
     async def settle(self, admitted: Admitted, used: int) -> bool:
         """See :meth:`QuotaBook.settle`."""
+        return self.settle_now(admitted, used)
+
+    def settle_now(self, admitted: Admitted, used: int) -> bool:
+        """:meth:`settle` without a coroutine (see :meth:`admit_now`)."""
         return self.book.settle(admitted, used, self.clock())
 
     def update_limits(self, limits: Mapping[str, TenantLimits], *, lease_ttl_s: float | None = None) -> None:

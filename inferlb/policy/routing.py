@@ -13,6 +13,7 @@ from the injected RNG.
 from __future__ import annotations
 
 import hashlib
+import json
 import random
 from bisect import bisect_right
 from collections.abc import Mapping
@@ -153,3 +154,24 @@ def model_not_found(name: str) -> RequestError:
 def priority_header_value(priority: Priority) -> str:
     """The ``x-inferlb-priority`` value for a tenant priority (``high`` selects Envoy's HIGH priority)."""
     return priority.value
+
+
+def model_object(name: str) -> dict[str, object]:
+    """OpenAI's model object for ``name`` (``GET /v1/models``); ``created`` is not known for a self-hosted
+    model, 0 keeps the type right."""
+    return {"id": name, "object": "model", "created": 0, "owned_by": "inferlb"}
+
+
+def models_list_body(config: Config) -> bytes:
+    """The JSON body of ``GET /v1/models``: every model of ``config`` by its canonical name."""
+    return json.dumps({"object": "list", "data": [model_object(m.name) for m in config.models]}).encode()
+
+
+def model_object_bodies(config: Config) -> dict[str, bytes]:
+    """Model name or alias -> the JSON body of ``GET /v1/models/{id}`` (the canonical model's object)."""
+    out: dict[str, bytes] = {}
+    for m in config.models:
+        body = json.dumps(model_object(m.name)).encode()
+        for name in (m.name, *m.aliases):
+            out[name] = body
+    return out

@@ -31,6 +31,14 @@ LENGTH_CLASS: Final = "x-inferlb-length-class"
 #: ``true`` on a streamed request (``"stream": true``): its route bounds each attempt by the silence before
 #: the first byte and between chunks (``gateway.stream_idle_timeout_ms``) instead of by the whole answer.
 STREAM: Final = "x-inferlb-stream"
+#: Set by the ext_authz service on a request whose body the gateway rewrites (an alias renamed): the
+#: byte splices the Envoy Lua filter after ext_authz applies, then removes
+#: (:func:`inferlb.request.rewrite.encode_splices` gives the format).
+BODY_SPLICE: Final = "x-inferlb-body-splice"
+#: On an ext_authz refusal with a 5xx status: that status. Envoy turns a 5xx from the HTTP authorization
+#: service into ``status_on_error`` with an empty body, so the service refuses with 403 and this header,
+#: and the gateway's local-reply mapper gives the reply back its status (the OpenAI JSON body stays).
+STATUS: Final = "x-inferlb-status"
 #: Response header set by a (simulated) model server: which endpoint served the request.
 ENDPOINT: Final = "x-inferlb-endpoint"
 #: The request body's ``model``, read by Envoy itself (transform filter) only on a path whose request failed

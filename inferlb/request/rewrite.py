@@ -15,6 +15,10 @@ through FastAPI) keeps the last; every duplicate of a rewritten member is replac
 new value. A body in UTF-8 keeps its bytes; one in another encoding :func:`json.loads` accepts (a UTF-8
 BOM, UTF-16, UTF-32) comes out as UTF-8, the encoding JSON over HTTP must use (RFC 8259 section 8.1).
 
+Each rewrite also comes as byte splices of the client's body (:class:`BodySplice`, offsets in the original
+bytes), for a proxy that applies them itself (the ext_authz mode's Envoy Lua filter: ext_authz cannot change
+a body); a body that was not UTF-8 has none (its every byte changes).
+
 Pure: bytes in, bytes out.
 """
 
@@ -22,6 +26,7 @@ from __future__ import annotations
 
 import json
 import re
+import urllib.parse
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Final
@@ -35,6 +40,21 @@ _SCAN_ONCE: Final[Callable[[str, int], tuple[Any, int]]] = _DECODER.scan_once
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class BodySplice:
+    """Replace ``removed`` bytes at byte ``offset`` of the original body with ``inserted``.
+
+    Attributes:
+        offset: byte offset in the client's body (0-based).
+        removed: how many bytes to drop from there (0: a pure insertion).
+        inserted: the bytes put in their place (UTF-8 JSON text).
+    """
+
+    offset: int
+    removed: int
+    inserted: bytes
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class RequestRewritten:
     """A request body changed for the model server.
 
@@ -44,11 +64,15 @@ class RequestRewritten:
         model_renamed: ``model`` was replaced by the canonical name.
         include_usage_added: ``stream_options.include_usage: true`` was set (the client did not ask for the
             usage event, so it must be stripped from the stream it gets back).
+        splices: ``body`` as splices of the original body, in increasing offset order, not overlapping
+            (applying them to the original gives ``body`` byte for byte); None when the original was not
+            UTF-8 (it was re-encoded whole).
     """
 
     body: bytes
     model_renamed: bool
     include_usage_added: bool
+    splices: tuple[BodySplice, ...] | None = None
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -156,12 +180,52 @@ def rewrite_request(
     if not (renamed or usage_added):
         return None
     parts = [text[:after_brace], splice]
+    # (start, end, new text) in character offsets, in order
+    spans: list[tuple[int, int, str]] = [(after_brace, after_brace, splice)] if splice else []
     cursor = after_brace
     for m in members:
         new = edits.get(m.key)
         if new is not None:
             parts += [text[cursor : m.start], new]
+            spans.append((m.start, m.end, new))
             cursor = m.end
     parts.append(text[cursor:])
     out = "".join(parts).encode("utf-8", "surrogatepass")
-    return RequestRewritten(body=out, model_renamed=renamed, include_usage_added=usage_added)
+    splices = _byte_splices(text, spans) if encoding == "utf-8" else None
+    return RequestRewritten(body=out, model_renamed=renamed, include_usage_added=usage_added, splices=splices)
+
+
+def _byte_splices(text: str, spans: list[tuple[int, int, str]]) -> tuple[BodySplice, ...]:
+    """``spans`` (character offsets into ``text``, the UTF-8 body decoded) as byte splices of the body."""
+    out: list[BodySplice] = []
+    byte_at = char_at = 0
+    for start, end, new in spans:
+        # byte offsets grow by the encoded length of the text between spans (ASCII: one byte a character)
+        byte_at += len(text[char_at:start].encode("utf-8", "surrogatepass"))
+        removed = len(text[start:end].encode("utf-8", "surrogatepass"))
+        out.append(BodySplice(offset=byte_at, removed=removed, inserted=new.encode("utf-8", "surrogatepass")))
+        byte_at += removed
+        char_at = end
+    return tuple(out)
+
+
+def apply_splices(body: bytes, splices: tuple[BodySplice, ...]) -> bytes:
+    """``body`` with ``splices`` (in increasing offset order, not overlapping) applied: what the Envoy Lua
+    filter of the ext_authz mode does, in Python for tests and checks."""
+    parts: list[bytes] = []
+    cursor = 0
+    for s in splices:
+        parts += [body[cursor : s.offset], s.inserted]
+        cursor = s.offset + s.removed
+    parts.append(body[cursor:])
+    return b"".join(parts)
+
+
+def encode_splices(length: int, splices: tuple[BodySplice, ...]) -> str:
+    """The header value carrying ``splices`` of a ``length``-byte body to Envoy's Lua filter:
+    ``LENGTH;OFFSET:REMOVED:INSERTED;...``, decimal numbers, ``INSERTED`` percent-encoded (RFC 3986: every
+    byte but ``A-Z a-z 0-9 - . _ ~`` as ``%XX``), so any bytes travel in a header. The filter refuses a body
+    whose length is not ``LENGTH`` (it is not the body these offsets were computed on)."""
+    fields = [str(length)]
+    fields += [f"{s.offset}:{s.removed}:{urllib.parse.quote(s.inserted, safe='')}" for s in splices]
+    return ";".join(fields)

@@ -116,10 +116,37 @@ def started_stack(work: Path, doc: dict[str, Any]) -> Iterator[RunningStack]:
         stack.stop()
 
 
+#: The request-path protocols every request-side e2e test runs over (``ext_proc.protocol``).
+REQUEST_PATH_MODES = ("ext_proc", "ext_authz")
+
+
+def in_mode(doc: dict[str, Any], mode: str) -> dict[str, Any]:
+    """``doc`` set to serve requests through ``mode`` (``ext_proc.protocol``); ``ext_authz`` meters no
+    response, so it also turns ``ext_proc.account_responses`` off (the config refuses it on)."""
+    if mode == "ext_authz":
+        doc["ext_proc"]["protocol"] = "ext_authz"
+        doc["ext_proc"]["account_responses"] = False
+    return doc
+
+
+@pytest.fixture(scope="module", params=REQUEST_PATH_MODES)
+def request_path(request: pytest.FixtureRequest) -> str:
+    """Each request-path protocol in turn (module scope: one stack per module and mode)."""
+    mode: str = request.param
+    return mode
+
+
+def skip_in(mode: str, current: str, why: str) -> None:
+    """Skip the running test when the stack runs in ``mode`` (``current``), saying ``why``."""
+    if current == mode:
+        pytest.skip(f"not in {mode} mode: {why}")
+
+
 @pytest.fixture(scope="module")
-def running_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningStack]:
-    """The default fleet, fast simulated GPUs, on free ports; stopped after the module."""
-    with started_stack(tmp_path_factory.mktemp("stack"), make_config_doc()) as rs:
+def running_stack(tmp_path_factory: pytest.TempPathFactory, request_path: str) -> Iterator[RunningStack]:
+    """The default fleet, fast simulated GPUs, on free ports, in each request-path mode; stopped after the
+    module."""
+    with started_stack(tmp_path_factory.mktemp("stack"), in_mode(make_config_doc(), request_path)) as rs:
         yield rs
 
 

@@ -19,7 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from inferlb.config.schema import Config
 from tests.conftest import make_config_doc
-from tests.e2e.conftest import RunningStack, http_request, started_stack
+from tests.e2e.conftest import RunningStack, http_request, skip_in, started_stack
 
 pytestmark = pytest.mark.e2e
 
@@ -55,7 +55,9 @@ def wait_charged(
 
 
 @pytest.fixture(scope="module")
-def accounting_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningStack]:
+def accounting_stack(tmp_path_factory: pytest.TempPathFactory, request_path: str) -> Iterator[RunningStack]:
+    # settling a reservation with the response's usage needs the response, which ext_authz never sees
+    skip_in("ext_authz", request_path, "responses are not metered (the reservation is the charge)")
     """The default fleet with the default config's response accounting, decode slowed to 2,000 tokens/s
     per V100 sequence (an abort mid-stream must come before the end), plus one tenant per test."""
     work = tmp_path_factory.mktemp("acct")

@@ -1,8 +1,8 @@
-"""Fail-open through real Envoy with ext_proc stopped: Envoy itself routes each request by its body's
-``model`` (aliases included) to that model's main version, answers an unknown model with OpenAI's 404,
-and checks the API key against the tenants' keys (401 OpenAI JSON without a known one); a client cannot
-skip the check with ext_proc's own headers, the keys do not show in Envoy's config dump, and while ext_proc
-answers nothing of this runs."""
+"""Fail-open through real Envoy with the request-path process (ext_proc, or ext_authz in that mode)
+stopped: Envoy itself routes each request by its body's ``model`` (aliases included) to that model's main
+version, answers an unknown model with OpenAI's 404, and checks the API key against the tenants' keys (401
+OpenAI JSON without a known one); a client cannot skip the check with the request path's own headers, the
+keys do not show in Envoy's config dump, and while the request path answers nothing of this runs."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import pytest
 
 from inferlb.request import headers
 from tests.conftest import make_config_doc
-from tests.e2e.conftest import Reply, RunningStack, http_request, started_stack
+from tests.e2e.conftest import Reply, RunningStack, http_request, in_mode, started_stack
 from xds_server import resources as r
 
 pytestmark = pytest.mark.e2e
@@ -26,9 +26,9 @@ CLIENT_TIMEOUT_S = 15.0
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningStack]:
-    """Every path fails open; no ``fail_open_model``."""
-    doc = make_config_doc()
+def stack(tmp_path_factory: pytest.TempPathFactory, request_path: str) -> Iterator[RunningStack]:
+    """Every path fails open; no ``fail_open_model``; in each request-path mode."""
+    doc = in_mode(make_config_doc(), request_path)
     doc["ext_proc"].update(failure_mode_allow=True, message_timeout_ms=1_000)
     with started_stack(tmp_path_factory.mktemp("fail-open"), doc) as rs:
         yield rs
@@ -36,8 +36,8 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningStack]:
 
 @pytest.fixture(scope="module")
 def ext_proc_down(stack: RunningStack) -> RunningStack:
-    """The same stack after its ext_proc process is killed."""
-    proc = stack.stack.child("ext_proc").proc
+    """The same stack after its request-path process (ext_proc or ext_authz) is killed."""
+    proc = stack.stack.child(stack.config.ext_proc.protocol).proc
     assert proc is not None
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait(timeout=10)
@@ -121,7 +121,8 @@ def test_failed_open_requests_go_to_the_bodys_model_main_version(ext_proc_down: 
     assert emb.status == 200, emb.body
     assert emb.headers[r.FAILED_OPEN_HEADER] == "true"
     assert _served_by(rs, emb)[0] == "qwen2.5-7b-instruct"
-    assert _stat(rs, "ext_proc.failure_mode_allowed") > 0
+    # the request-path filter's own count of requests let through (ext_proc.* or ext_authz.*)
+    assert _stat(rs, f"{rs.config.ext_proc.protocol}.failure_mode_allowed") > 0
 
 
 def test_failed_open_unknown_or_missing_model_gets_openai_errors(ext_proc_down: RunningStack) -> None:

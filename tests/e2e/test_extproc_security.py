@@ -19,7 +19,7 @@ import pytest
 
 from inferlb.ops.stack import Stack
 from tests.conftest import make_config_doc, write_config
-from tests.e2e.conftest import RunningStack
+from tests.e2e.conftest import RunningStack, in_mode
 
 pytestmark = pytest.mark.e2e
 
@@ -56,13 +56,13 @@ class _Recorder(BaseHTTPRequestHandler):
 
 @pytest.fixture(scope="module")
 def recorder_stack(
-    tmp_path_factory: pytest.TempPathFactory,
+    tmp_path_factory: pytest.TempPathFactory, request_path: str
 ) -> Iterator[tuple[RunningStack, type[_Recorder]]]:
     server = ThreadingHTTPServer(("127.0.0.1", 0), _Recorder)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     work = tmp_path_factory.mktemp("security")
-    doc = make_config_doc()
+    doc = in_mode(make_config_doc(), request_path)
     doc["models"].append({"name": RECORDER})
     doc["endpoints"].append(
         {"address": f"127.0.0.1:{server.server_address[1]}", "model": RECORDER, "gpu": "A100"}

@@ -18,7 +18,7 @@ import pytest
 
 from inferlb.ops.stack import Stack
 from tests.conftest import make_config_doc, write_config
-from tests.e2e.conftest import RunningStack, http_request
+from tests.e2e.conftest import RunningStack, http_request, in_mode
 
 pytestmark = pytest.mark.e2e
 
@@ -29,15 +29,16 @@ MESSAGES: Any = [{"role": "user", "content": "which model am I talking to?"}]
 
 
 @pytest.fixture(scope="module")
-def alias_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningStack]:
-    """The default fleet (response accounting on) whose config file gains an alias once it is running."""
+def alias_stack(tmp_path_factory: pytest.TempPathFactory, request_path: str) -> Iterator[RunningStack]:
+    """The default fleet (response accounting on in ext_proc mode; ext_authz meters none) whose config
+    file gains an alias once it is running."""
     work = tmp_path_factory.mktemp("alias")
-    doc = make_config_doc()
+    doc = in_mode(make_config_doc(), request_path)
     path = write_config(work / "inferlb.yaml", doc)
     stack = Stack(path, workdir=work, log_level="info")
     stack.start(timeout_s=60)
     try:
-        assert stack.config.ext_proc.account_responses
+        assert stack.config.ext_proc.account_responses == (request_path == "ext_proc")
         rs = RunningStack(stack, stack.config, path, doc)
         model = next(m for m in doc["models"] if m["name"] == LLAMA)
         model["aliases"] = [*model.get("aliases", []), NEW_ALIAS]

@@ -16,7 +16,7 @@ from collections.abc import Iterator
 import openai
 import pytest
 
-from tests.e2e.conftest import RunningStack, saturable_doc, started_stack
+from tests.e2e.conftest import RunningStack, in_mode, saturable_doc, started_stack
 
 pytestmark = pytest.mark.e2e
 
@@ -27,9 +27,9 @@ RETRY_AFTER_S = 2
 
 
 @pytest.fixture(scope="module")
-def small_pool_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningStack]:
+def small_pool_stack(tmp_path_factory: pytest.TempPathFactory, request_path: str) -> Iterator[RunningStack]:
     work = tmp_path_factory.mktemp("priority")
-    doc = saturable_doc(QWEN, DEFAULT_BUDGET, RETRY_AFTER_S)
+    doc = in_mode(saturable_doc(QWEN, DEFAULT_BUDGET, RETRY_AFTER_S), request_path)
     with started_stack(work, doc) as rs:
         yield rs
 

@@ -1,4 +1,4 @@
-"""``ext_proc.__main__.run_event_loop``: uvloop when installed (with a real grpc aio ext_proc round trip on
+"""``ext_proc.process.run_event_loop``: uvloop when installed (with a real grpc aio ext_proc round trip on
 it), asyncio's loop on request or when uvloop is missing, and a clear ImportError when uvloop is demanded
 but missing."""
 
@@ -13,7 +13,7 @@ from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 
-from ext_proc.__main__ import run_event_loop
+from ext_proc.process import run_event_loop
 from ext_proc.servicer import ExtProcState, add_to_server, make_server
 from inferlb.config.schema import parse_config
 

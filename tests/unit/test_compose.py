@@ -41,7 +41,10 @@ def test_compose_config_is_the_local_config_with_service_addresses() -> None:
 def test_compose_services_are_the_stack_services() -> None:
     doc = yaml.safe_load((ROOT / "docker-compose.yml").read_text(encoding="utf-8"))
     services = doc["services"]
-    assert set(services) == {"gpusim", "xds-server", "ext-proc", "envoy"}
+    assert set(services) == {"gpusim", "xds-server", "ext-proc", "ext-authz", "envoy"}
+    # the ext_authz request path is opt-in, on ext-proc's ports
+    assert services["ext-authz"]["profiles"] == ["ext_authz"]
+    assert services["ext-authz"]["expose"] == services["ext-proc"]["expose"]
     modules = {name: svc["command"][0] for name, svc in services.items() if name != "envoy"}
     # the same modules inferlb.ops.stack.Stack starts with `python -m`
     assert modules == {name: SERVICE_MODULES[name.replace("-", "_")] for name in modules}

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-PACKAGES = ("inferlb", "xds_server", "ext_proc", "simulation")
+PACKAGES = ("inferlb", "xds_server", "ext_proc", "ext_authz", "simulation")
 
 #: Layer of each module prefix; the longest matching prefix wins.
 LAYER_OF = {
@@ -30,6 +30,7 @@ LAYER_OF = {
     "inferlb.adapters": "adapters",
     "xds_server": "services",
     "ext_proc": "services",
+    "ext_authz": "services",
     "inferlb.ops": "ops",
     "inferlb.__main__": "ops",
     "simulation": "simulation",
@@ -43,7 +44,7 @@ MAY_IMPORT = {
     "core": CORE,
     "adapters": (*CORE, "inferlb.adapters"),
     # each service its own package only: see FORBIDDEN_WITHIN
-    "services": (*CORE, "inferlb.adapters", "xds_server", "ext_proc"),
+    "services": (*CORE, "inferlb.adapters", "xds_server", "ext_proc", "ext_authz"),
     # operator tools run the services as processes; they import only the pure Envoy bootstrap of one
     "ops": (*CORE, "inferlb.adapters", "inferlb.ops", "xds_server.bootstrap"),
     "simulation": (*CORE, "simulation"),
@@ -54,9 +55,11 @@ FORBIDDEN_WITHIN = (
     # the request side knows nothing of the config model or the policies
     ("inferlb.request", ("inferlb.config", "inferlb.policy", "inferlb.traces")),
     ("inferlb.config", ("inferlb.policy", "inferlb.traces")),
-    # the two services never import each other
-    ("xds_server", ("ext_proc",)),
-    ("ext_proc", ("xds_server",)),
+    # the services never import each other, except that ext_authz serves ext_proc's transport-free modules
+    # (handlers, state, process, poller, stores, metrics) over HTTP: never its gRPC servicer or process
+    ("xds_server", ("ext_proc", "ext_authz")),
+    ("ext_proc", ("xds_server", "ext_authz")),
+    ("ext_authz", ("xds_server", "ext_proc.servicer", "ext_proc.__main__")),
     # the fleet simulation takes its serving engines by injection
     ("simulation.fleetsim", ("simulation.gpusim",)),
 )
@@ -68,9 +71,14 @@ FORBIDDEN_LIBRARIES = {
     },
     "adapters": {"grpc", "aiohttp", "envoy", "xds", "udpa", "google", "uvloop", "rich"},
     "services": {"pynvml", "rich", "matplotlib"},
+    # ext_authz is HTTP only: no gRPC, no Envoy protos (checked apart, see EXT_AUTHZ_FORBIDDEN_LIBRARIES)
     "ops": {"grpc", "envoy", "xds", "udpa", "google", "uvloop", "matplotlib"},
     "simulation": {"grpc", "redis", "pynvml", "envoy", "xds", "udpa", "google", "uvloop", "rich"},
 }
+
+
+#: Libraries ext_authz must not import on top of the services' list: it speaks HTTP/1.1 only.
+EXT_AUTHZ_FORBIDDEN_LIBRARIES = {"grpc", "envoy", "xds", "udpa", "google"}
 
 
 def module_name(path: Path) -> str:
@@ -130,7 +138,9 @@ def module_violations(path: Path, text: str, known: set[str]) -> list[str]:
             for importer, banned in FORBIDDEN_WITHIN:
                 if under(here, (importer,)) and under(target, banned):
                     out.append(where)
-        elif top in FORBIDDEN_LIBRARIES[lay]:
+        elif top in FORBIDDEN_LIBRARIES[lay] or (
+            under(here, ("ext_authz",)) and top in EXT_AUTHZ_FORBIDDEN_LIBRARIES
+        ):
             out.append(where)
     return out
 
@@ -160,6 +170,9 @@ def test_dependencies_point_one_way() -> None:
         ("inferlb/adapters/quota_redis.py", "from ext_proc import handlers"),
         ("ext_proc/handlers.py", "from simulation.gpusim import engine"),
         ("ext_proc/servicer.py", "from xds_server import cache"),
+        ("ext_proc/handlers.py", "from ext_authz import check"),
+        ("ext_authz/check.py", "from ext_proc.servicer import ExternalProcessor"),
+        ("ext_authz/server.py", "import grpc"),
         ("xds_server/cache.py", "from inferlb.ops.stack import Stack"),
         ("inferlb/ops/cli.py", "from simulation.gpusim.server import SimulatedEndpoint"),
         ("simulation/gpusim/server.py", "from inferlb.adapters.quota_redis import RedisQuotaStore"),

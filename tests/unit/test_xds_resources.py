@@ -193,7 +193,11 @@ def test_listener_buffer_limit_and_filter_chain(config: Config) -> None:
     assert early.name == r.EARLY_HEADER_MUTATION
     mutation = header_mutation_pb2.HeaderMutation()
     assert early.typed_config.Unpack(mutation)
-    assert {m.remove for m in mutation.mutations} == {
+    # and every other x-inferlb-* name, by prefix
+    matched = [m.remove_on_match for m in mutation.mutations if m.HasField("remove_on_match")]
+    by_prefix = [m.key_matcher.prefix for m in matched]
+    assert by_prefix == [headers.PREFIX]
+    assert {m.remove for m in mutation.mutations if m.remove} == {
         headers.MODEL,
         headers.VERSION,
         headers.TENANT,

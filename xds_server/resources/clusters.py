@@ -24,6 +24,7 @@ from inferlb.config.schema import CircuitBreaker, ClusterPolicy, Config, HealthC
 from inferlb.policy.affinity import HASH_LB_POLICIES
 from inferlb.policy.length_aware import subset_key
 from xds_server.resources.common import (
+    EXT_AUTHZ_CLUSTER,
     EXT_PROC_CLUSTER,
     ads_source,
     duration_ms,
@@ -196,17 +197,23 @@ def build_ext_proc_cluster(config: Config) -> cluster_pb2.Cluster:
     """The ``inferlb_ext_proc`` cluster: HTTP/2 (Envoy 1.40 500s every request over HTTP/1.1, measured
     here), one endpoint per ext_proc process (``ext_proc.listen`` then ``extra_listen``),
     STATIC for IP literals, else LOGICAL_DNS (one host name) or STRICT_DNS (several); with
-    ``ext_proc.listen_unix`` its one endpoint is that socket as a ``pipe`` address (STATIC)."""
+    ``ext_proc.listen_unix`` its one endpoint is that socket as a ``pipe`` address (STATIC).
+
+    With ``ext_proc.protocol: ext_authz`` it is ``inferlb_ext_authz`` instead, on the same addresses, over
+    HTTP/1.1 (Envoy's HTTP authorization client; Envoy pools several keep-alive connections per endpoint
+    and worker, one check in flight on each)."""
+    authz = config.ext_proc.protocol == "ext_authz"
     addresses = (config.ext_proc.grpc_address(), *config.ext_proc.extra_listen)
     if all(isinstance(a, UnixSocket) or a.is_ip for a in addresses):
         kind = cluster_pb2.Cluster.STATIC
     else:  # LOGICAL_DNS takes a single endpoint
         kind = cluster_pb2.Cluster.LOGICAL_DNS if len(addresses) == 1 else cluster_pb2.Cluster.STRICT_DNS
+    name = EXT_AUTHZ_CLUSTER if authz else EXT_PROC_CLUSTER
     return cluster_pb2.Cluster(
-        name=EXT_PROC_CLUSTER,
+        name=name,
         type=kind,
         connect_timeout=duration_ms(EXT_PROC_CONNECT_TIMEOUT_MS),
-        typed_extension_protocol_options=_http2_protocol_options(),
+        typed_extension_protocol_options=None if authz else _http2_protocol_options(),
         circuit_breakers=circuit_breaker_pb2.CircuitBreakers(
             thresholds=[
                 circuit_breaker_pb2.CircuitBreakers.Thresholds(
@@ -219,7 +226,7 @@ def build_ext_proc_cluster(config: Config) -> cluster_pb2.Cluster:
             ]
         ),
         load_assignment=endpoint_pb2.ClusterLoadAssignment(
-            cluster_name=EXT_PROC_CLUSTER,
+            cluster_name=name,
             endpoints=[
                 endpoint_components_pb2.LocalityLbEndpoints(
                     lb_endpoints=[
@@ -235,7 +242,8 @@ def build_ext_proc_cluster(config: Config) -> cluster_pb2.Cluster:
 
 
 def build_clusters(config: Config) -> list[cluster_pb2.Cluster]:
-    """Every Cluster: one EDS cluster per model version (config order), then ``inferlb_ext_proc``."""
+    """Every Cluster: one EDS cluster per model version (config order), then ``inferlb_ext_proc`` (or
+    ``inferlb_ext_authz``)."""
     out = [build_model_cluster(m.cluster_name(v.name), m.cluster) for m in config.models for v in m.versions]
     out.append(build_ext_proc_cluster(config))
     return out

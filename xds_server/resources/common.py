@@ -34,6 +34,13 @@ PUSH_ORDER: Final[tuple[str, ...]] = (CLUSTER_TYPE, ENDPOINT_TYPE, LISTENER_TYPE
 LISTENER_NAME: Final = "inferlb_gateway"
 ROUTE_CONFIG_NAME: Final = "inferlb_routes"
 EXT_PROC_CLUSTER: Final = "inferlb_ext_proc"
+#: The cluster of the ext_authz HTTP service (``ext_proc.protocol: ext_authz``), in place of
+#: :data:`EXT_PROC_CLUSTER`.
+EXT_AUTHZ_CLUSTER: Final = "inferlb_ext_authz"
+#: The ext_authz HTTP filter's name in the chain.
+EXT_AUTHZ_FILTER: Final = "envoy.filters.http.ext_authz"
+#: The Lua HTTP filter's name in the chain (ext_authz mode: it applies the service's body splices).
+LUA_FILTER: Final = "envoy.filters.http.lua"
 VIRTUAL_HOST_NAME: Final = "inferlb"
 NO_ROUTE_NAME: Final = "no_route"
 #: The ext_proc HTTP filter's name in the chain; per-route ``ExtProcPerRoute`` configs are keyed by it.

@@ -1,8 +1,10 @@
 """The gateway Listener ``inferlb_gateway``: its HTTP connection manager, HTTP filters and local replies.
 
 Listener ``inferlb_gateway`` on ``gateway.listen``: HTTP connection manager whose early header mutation
-strips client-sent ``x-inferlb-*`` routing headers, then the ext_proc filter (gRPC cluster
-``inferlb_ext_proc``), then the three filters of the fail-open path (:func:`fail_open_filters`: the
+strips client-sent ``x-inferlb-*`` routing headers, then the request path's filters
+(:func:`request_path_filters`: the ext_proc filter, gRPC cluster ``inferlb_ext_proc``; or with
+``ext_proc.protocol: ext_authz`` the ext_authz filter, HTTP cluster ``inferlb_ext_authz``, and the
+body-splice Lua filter), then the three filters of the fail-open path (:func:`fail_open_filters`: the
 body's ``model`` into a header, an alias replaced by the canonical name, the API key check), then the
 router. Routes come over ADS as RDS ``inferlb_routes``
 (:mod:`xds_server.resources.routes`).
@@ -20,8 +22,10 @@ from envoy.config.accesslog.v3 import accesslog_pb2
 from envoy.config.common.mutation_rules.v3 import mutation_rules_pb2
 from envoy.config.core.v3 import (
     base_pb2,
+    config_source_pb2,
     extension_pb2,
     grpc_service_pb2,
+    http_uri_pb2,
     protocol_pb2,
     substitution_format_string_pb2,
 )
@@ -30,14 +34,17 @@ from envoy.extensions.access_loggers.filters.cel.v3 import cel_pb2
 from envoy.extensions.common.matching.v3 import extension_matcher_pb2
 from envoy.extensions.filters.common.matcher.action.v3 import skip_action_pb2
 from envoy.extensions.filters.http.api_key_auth.v3 import api_key_auth_pb2
+from envoy.extensions.filters.http.ext_authz.v3 import ext_authz_pb2
 from envoy.extensions.filters.http.ext_proc.v3 import ext_proc_pb2, processing_mode_pb2
+from envoy.extensions.filters.http.lua.v3 import lua_pb2
 from envoy.extensions.filters.http.router.v3 import router_pb2
 from envoy.extensions.filters.http.transform.v3 import transform_pb2
 from envoy.extensions.filters.network.http_connection_manager.v3 import http_connection_manager_pb2
 from envoy.extensions.http.early_header_mutation.header_mutation.v3 import (
     header_mutation_pb2 as early_header_mutation_pb2,
 )
-from envoy.type.matcher.v3 import http_inputs_pb2
+from envoy.type.matcher.v3 import http_inputs_pb2, string_pb2
+from envoy.type.v3 import http_status_pb2
 from google.protobuf import struct_pb2, wrappers_pb2
 from xds.core.v3 import extension_pb2 as xds_extension_pb2
 from xds.type.matcher.v3 import matcher_pb2, regex_pb2
@@ -51,9 +58,12 @@ from xds_server.resources.common import (
     API_KEY_FILTER,
     BODY_MODEL_FILTER,
     CANONICAL_MODEL_FILTER,
+    EXT_AUTHZ_CLUSTER,
+    EXT_AUTHZ_FILTER,
     EXT_PROC_CLUSTER,
     EXT_PROC_FILTER,
     LISTENER_NAME,
+    LUA_FILTER,
     ROUTE_CONFIG_NAME,
     ads_source,
     duration_ms,
@@ -165,10 +175,20 @@ EXT_PROC_REPLY_DETAILS_PREFIX: Final = "inferlb_"
 #: Envoy's own code details when the ext_proc filter failed (gRPC error: ``ext_proc_error_gRPC_error_14{...}``
 #: for a processor that is down; message timeout: a 504). Measured on Envoy 1.40.
 EXT_PROC_FAILURE_DETAILS_PREFIX: Final = "ext_proc"
-#: CEL: the reply is not one of ext_proc's immediate replies, nor a route's direct_response (our 404/503
-#: routes already send JSON).
+#: Envoy's code details of a denial by the ext_authz service (``ext_proc.protocol: ext_authz``): the
+#: service's own OpenAI JSON refusal (measured on Envoy 1.40).
+EXT_AUTHZ_DENIED_DETAILS: Final = "ext_authz_denied"
+#: Envoy's code details when the ext_authz check failed (service down, timeout, a 5xx answer): Envoy
+#: answers ``status_on_error`` with an empty body (measured on Envoy 1.40).
+EXT_AUTHZ_FAILURE_DETAILS_PREFIX: Final = "ext_authz_error"
+#: The 5xx statuses the ext_authz service refuses with (as 403 + ``x-inferlb-status``, see
+#: :mod:`ext_authz.check`): 500 internal error, 503 ``quota_backend_*`` / ``overloaded``, 413 is a 4xx.
+EXT_AUTHZ_5XX_STATUSES: Final = (500, 503)
+#: CEL: the reply is not one of ext_proc's immediate replies, nor an ext_authz denial, nor a route's
+#: direct_response (our 404/503 routes already send JSON).
 _NOT_OURS: Final = (
     f"!response.code_details.startsWith('{EXT_PROC_REPLY_DETAILS_PREFIX}')"
+    f" && response.code_details != '{EXT_AUTHZ_DENIED_DETAILS}'"
     " && response.code_details != 'direct_response'"
 )
 
@@ -250,14 +270,18 @@ def build_local_reply_config(config: Config) -> http_connection_manager_pb2.Loca
     5. an upstream-failure flag, one mapper per flag of :data:`UPSTREAM_FAILURE_CODES` (503 no healthy
        upstream, 504 timeout, ...): ``{"error": {"message": "<Envoy's text> (Envoy response flags:
        <flags>)", "type": "server_error", "param": null, "code": <the flag's code>}}``.
+    0. (``ext_proc.protocol: ext_authz`` only, first) a denial of the ext_authz service carrying
+       ``x-inferlb-status: 500|503`` gets that status (the service's JSON body stays); a failed check
+       (``ext_authz_error``: service down or slow, Envoy's empty ``status_on_error`` 503):
+       ``gateway_processor_unavailable``.
     6. / 7. any other reply of Envoy's with status 4xx / 5xx (codec errors: 400 malformed request, 431
        headers too large, 426 HTTP/1.0; 408 stream idle; ...): ``invalid_request_error`` /
        ``server_error`` with Envoy's text as message, ``param`` null and its response code details as
        ``code`` (``http1.codec_error``, ``http1.headers_too_large``, ...).
 
-    ext_proc's own immediate replies (code details ``inferlb_*``) and our direct responses are already
-    JSON: mappers 1-3 and 6-7 exclude them by a CEL filter on ``response.code_details``; they never carry
-    an upstream flag (4-5).
+    ext_proc's own immediate replies (code details ``inferlb_*``), ext_authz denials (``ext_authz_denied``:
+    the service's JSON) and our direct responses are already JSON: mappers 1-3 and 6-7 exclude them by a
+    CEL filter on ``response.code_details``; they never carry an upstream flag (4-5).
     """
     json_text = substitution_format_string_pb2.SubstitutionFormatString(
         text_format_source=base_pb2.DataSource(inline_string="%LOCAL_REPLY_BODY%"),
@@ -325,8 +349,30 @@ def build_local_reply_config(config: Config) -> http_connection_manager_pb2.Loca
             (f"response.code_details in [{details}]", unknown_api_key_body()),
         )
     )
+    authz: list[http_connection_manager_pb2.ResponseMapper] = []
+    if config.ext_proc.protocol == "ext_authz":
+        # a 5xx refusal of the service comes as 403 + x-inferlb-status: give it back its status (its body
+        # and headers stay); a failed check (service down, timeout) gets the processor-unavailable JSON
+        authz = [
+            http_connection_manager_pb2.ResponseMapper(
+                filter=_cel(
+                    f"response.code_details == '{EXT_AUTHZ_DENIED_DETAILS}'"
+                    f" && response.headers['{headers.STATUS}'] == '{status}'"
+                ),
+                status_code=wrappers_pb2.UInt32Value(value=status),
+            )
+            for status in EXT_AUTHZ_5XX_STATUSES
+        ]
+        authz.append(
+            http_connection_manager_pb2.ResponseMapper(
+                filter=_cel(f"response.code_details.startsWith('{EXT_AUTHZ_FAILURE_DETAILS_PREFIX}')"),
+                body=base_pb2.DataSource(inline_string=processor_unavailable_body()),
+                body_format_override=json_text,
+            )
+        )
     return http_connection_manager_pb2.LocalReplyConfig(
         mappers=[
+            *authz,
             processor_timeout,
             processor_failed,
             too_large,
@@ -459,24 +505,96 @@ def fail_open_filters() -> list[http_connection_manager_pb2.HttpFilter]:
     ]
 
 
-# -- listener -------------------------------------------------------------------------------------------
-def build_listener(config: Config) -> listener_pb2.Listener:
-    """The gateway Listener ``inferlb_gateway`` (see the module docstring for its filter chain).
+# -- ext_authz mode ---------------------------------------------------------------------------------------
+#: The Lua filter after ext_authz: applies the body splices the ext_authz service computed
+#: (``x-inferlb-body-splice: LENGTH;OFFSET:REMOVED:INSERTED;...``,
+#: :func:`inferlb.request.rewrite.encode_splices`: offsets in increasing order, ``INSERTED`` percent-encoded)
+#: and removes the header; ``setBytes`` sets the new ``content-length`` (measured on Envoy 1.40). A request
+#: without the header only pays the header lookup. A body of another length than the service saw is
+#: refused 500 (the generic 5xx mapper shapes it).
+BODY_SPLICE_LUA: Final = f"""
+local SPLICE = "{headers.BODY_SPLICE}"
+local function unescape(text)
+  return (string.gsub(text, "%%(%x%x)", function(hex) return string.char(tonumber(hex, 16)) end))
+end
+function envoy_on_request(handle)
+  local request_headers = handle:headers()
+  local spec = request_headers:get(SPLICE)
+  if spec == nil then return end
+  request_headers:remove(SPLICE)
+  local body = handle:body()
+  local length = 0
+  if body ~= nil then length = body:length() end
+  local fields = {{}}
+  for field in string.gmatch(spec, "[^;]+") do fields[#fields + 1] = field end
+  if tonumber(fields[1]) ~= length or length == 0 then
+    handle:respond({{[":status"] = "500"}}, "the gateway could not rewrite the request body")
+    return
+  end
+  local raw = body:getBytes(0, length)
+  local parts, cursor = {{}}, 0
+  for i = 2, #fields do
+    local offset, removed, inserted = string.match(fields[i], "^(%d+):(%d+):(.*)$")
+    offset, removed = tonumber(offset), tonumber(removed)
+    parts[#parts + 1] = string.sub(raw, cursor + 1, offset)
+    parts[#parts + 1] = unescape(inserted)
+    cursor = offset + removed
+  end
+  parts[#parts + 1] = string.sub(raw, cursor + 1)
+  body:setBytes(table.concat(parts))
+end
+"""
+#: Headers of the ext_authz service's 200 answer set on the upstream request (exact names): the routing
+#: headers the routes match on (or hash on) and the body splices for the Lua filter.
+EXT_AUTHZ_UPSTREAM_HEADERS: Final[tuple[str, ...]] = (*STRIPPED_REQUEST_HEADERS, headers.BODY_SPLICE)
+#: Headers of the ext_authz service's refusal sent to the client (``x-inferlb-status``: the status of a
+#: 5xx refusal, read by the local-reply mapper).
+EXT_AUTHZ_CLIENT_HEADERS: Final[tuple[str, ...]] = ("content-type", "retry-after", headers.STATUS)
+#: The host of the check requests' URI (Envoy sends them to the cluster; the name is only a label).
+EXT_AUTHZ_URI: Final = "http://inferlb-ext-authz"
 
-    ``per_connection_buffer_limit_bytes`` = ``gateway.max_request_body_bytes``: ext_proc buffers the request
-    body (BUFFERED mode), and a body above the buffer limit makes Envoy answer 413 before ext_proc sees it.
-    """
-    gw = config.gateway
-    # Early header mutation runs before route selection and before any filter. The HTTP header_mutation
-    # *filter* does not do: it looks up its per-route config first, which caches a route chosen on the
-    # client's own x-inferlb-* headers, and with ext_proc failing open (no clear_route_cache) that cached
-    # route is used (measured on Envoy 1.40: a client's x-inferlb-model reached the model cluster).
-    strip = early_header_mutation_pb2.HeaderMutation(
-        mutations=[
-            mutation_rules_pb2.HeaderMutation(remove=h)
-            for h in (*STRIPPED_REQUEST_HEADERS, *REPLACED_CLIENT_HEADERS, *ENVOY_CONTROL_HEADERS)
-        ]
+
+def _exact_names(names: tuple[str, ...]) -> string_pb2.ListStringMatcher:
+    return string_pb2.ListStringMatcher(patterns=[string_pb2.StringMatcher(exact=n) for n in names])
+
+
+def build_ext_authz_filter(config: Config) -> ext_authz_pb2.ExtAuthz:
+    """The ``envoy.filters.http.ext_authz`` filter of ``ext_proc.protocol: ext_authz`` (Envoy docs, ext_authz
+    filter, ``HttpService``): one HTTP check per request to ``inferlb_ext_authz`` with the client's method,
+    path, ``authorization`` (and ``ext_proc.session_header``) and the whole body
+    (``with_request_body.max_request_bytes`` = ``gateway.max_request_body_bytes``, no partial bodies: a
+    larger one is Envoy's 413), within ``ext_proc.message_timeout_ms``. A 200 answer sets the routing
+    headers upstream and the route is picked again (``clear_route_cache``); a refusal goes to the client
+    with ``content-type``, ``retry-after`` and ``x-inferlb-status``. A failed check (down, timeout, 5xx)
+    fails open or closed by ``ext_proc.failure_mode_allow``, closed as 503 (``status_on_error``, shaped by
+    the local-reply mappers)."""
+    ep = config.ext_proc
+    allowed = ("authorization", *((ep.session_header,) if ep.session_header else ()))
+    return ext_authz_pb2.ExtAuthz(
+        http_service=ext_authz_pb2.HttpService(
+            server_uri=http_uri_pb2.HttpUri(
+                uri=EXT_AUTHZ_URI, cluster=EXT_AUTHZ_CLUSTER, timeout=duration_ms(ep.message_timeout_ms)
+            ),
+            authorization_response=ext_authz_pb2.AuthorizationResponse(
+                allowed_upstream_headers=_exact_names(EXT_AUTHZ_UPSTREAM_HEADERS),
+                allowed_client_headers=_exact_names(EXT_AUTHZ_CLIENT_HEADERS),
+            ),
+        ),
+        transport_api_version=config_source_pb2.ApiVersion.V3,
+        allowed_headers=_exact_names(allowed),
+        with_request_body=ext_authz_pb2.BufferSettings(
+            max_request_bytes=config.gateway.max_request_body_bytes,
+            allow_partial_message=False,
+            pack_as_bytes=True,
+        ),
+        clear_route_cache=True,
+        failure_mode_allow=ep.failure_mode_allow,
+        status_on_error=http_status_pb2.HttpStatus(code=http_status_pb2.ServiceUnavailable),
     )
+
+
+def _ext_proc_filter(config: Config) -> http_connection_manager_pb2.HttpFilter:
+    """The ext_proc filter of ``ext_proc.protocol: ext_proc`` (disabled here, enabled per route)."""
     ext_proc = ext_proc_pb2.ExternalProcessor(
         grpc_service=grpc_service_pb2.GrpcService(
             envoy_grpc=grpc_service_pb2.GrpcService.EnvoyGrpc(cluster_name=EXT_PROC_CLUSTER)
@@ -511,6 +629,55 @@ def build_listener(config: Config) -> listener_pb2.Listener:
         # small JSON response one buffered body message; each message skipped is one gRPC round trip less
         allow_mode_override=True,
     )
+    # disabled here, enabled by the virtual host (ext_proc_per_route): a reply Envoy makes before any route
+    # exists (HTTP/1 codec errors: 400 malformed, 431 headers too large, 426) then skips ext_proc. Enabled,
+    # ext_proc would be asked for the response headers of a stream it never saw and Envoy closed the
+    # connection with no reply at all (measured on Envoy 1.40).
+    return http_connection_manager_pb2.HttpFilter(
+        name=EXT_PROC_FILTER, typed_config=pack(ext_proc), disabled=True
+    )
+
+
+def request_path_filters(config: Config) -> list[http_connection_manager_pb2.HttpFilter]:
+    """The HTTP filters before the router: ext_proc (``ext_proc.protocol: ext_proc``), or ext_authz then the
+    body-splice Lua filter (``ext_authz``)."""
+    if config.ext_proc.protocol == "ext_authz":
+        lua = lua_pb2.Lua(default_source_code=base_pb2.DataSource(inline_string=BODY_SPLICE_LUA))
+        return [
+            http_connection_manager_pb2.HttpFilter(
+                name=EXT_AUTHZ_FILTER, typed_config=pack(build_ext_authz_filter(config))
+            ),
+            http_connection_manager_pb2.HttpFilter(name=LUA_FILTER, typed_config=pack(lua)),
+        ]
+    return [_ext_proc_filter(config)]
+
+
+# -- listener -------------------------------------------------------------------------------------------
+def build_listener(config: Config) -> listener_pb2.Listener:
+    """The gateway Listener ``inferlb_gateway`` (see the module docstring for its filter chain).
+
+    ``per_connection_buffer_limit_bytes`` = ``gateway.max_request_body_bytes``: ext_proc buffers the request
+    body (BUFFERED mode), and a body above the buffer limit makes Envoy answer 413 before ext_proc sees it.
+    """
+    gw = config.gateway
+    # Early header mutation runs before route selection and before any filter. The HTTP header_mutation
+    # *filter* does not do: it looks up its per-route config first, which caches a route chosen on the
+    # client's own x-inferlb-* headers, and with ext_proc failing open (no clear_route_cache) that cached
+    # route is used (measured on Envoy 1.40: a client's x-inferlb-model reached the model cluster).
+    strip = early_header_mutation_pb2.HeaderMutation(
+        mutations=[
+            *(
+                mutation_rules_pb2.HeaderMutation(remove=h)
+                for h in (*STRIPPED_REQUEST_HEADERS, *REPLACED_CLIENT_HEADERS, *ENVOY_CONTROL_HEADERS)
+            ),
+            # and every other x-inferlb-* name (the body splices, names added later): measured on Envoy 1.40
+            mutation_rules_pb2.HeaderMutation(
+                remove_on_match=mutation_rules_pb2.HeaderMutation.RemoveOnMatch(
+                    key_matcher=string_pb2.StringMatcher(prefix=headers.PREFIX)
+                )
+            ),
+        ]
+    )
     hcm = http_connection_manager_pb2.HttpConnectionManager(
         stat_prefix=LISTENER_NAME,
         codec_type=http_connection_manager_pb2.HttpConnectionManager.AUTO,
@@ -524,13 +691,7 @@ def build_listener(config: Config) -> listener_pb2.Listener:
         **downstream_timeouts(config),
         local_reply_config=build_local_reply_config(config),
         http_filters=[
-            # disabled here, enabled by the virtual host (ext_proc_per_route): a reply Envoy makes before
-            # any route exists (HTTP/1 codec errors: 400 malformed, 431 headers too large, 426) then skips
-            # ext_proc. Enabled, ext_proc would be asked for the response headers of a stream it never saw
-            # and Envoy closed the connection with no reply at all (measured on Envoy 1.40).
-            http_connection_manager_pb2.HttpFilter(
-                name=EXT_PROC_FILTER, typed_config=pack(ext_proc), disabled=True
-            ),
+            *request_path_filters(config),
             *fail_open_filters(),
             http_connection_manager_pb2.HttpFilter(
                 name="envoy.filters.http.router",

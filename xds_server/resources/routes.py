@@ -33,7 +33,7 @@ from inferlb.config.schema import Config, ModelConfig, cluster_name
 from inferlb.errors import RequestError
 from inferlb.policy.affinity import HASH_LB_POLICIES
 from inferlb.policy.length_aware import ENVOY_LB_NAMESPACE, ConfinedClass, confined_classes
-from inferlb.policy.routing import model_not_found
+from inferlb.policy.routing import model_not_found, model_object_bodies, models_list_body
 from inferlb.request import headers
 from inferlb.request.parsing import INFERENCE_PATHS
 from xds_server.resources.common import (
@@ -66,6 +66,7 @@ UPSTREAM_REMOVED_HEADERS: Final[tuple[str, ...]] = (
     headers.LENGTH_CLASS,
     headers.STREAM,
     headers.BODY_MODEL,
+    headers.BODY_SPLICE,
 )
 #: The affinity keys ext_proc sets (digests of the session and of the conversation's opening, not their
 #: text). Kept on ring_hash/maglev routes, whose ``hash_policy`` reads them whenever Envoy picks a host
@@ -361,7 +362,10 @@ def _failed_open_route(
                 append_action=base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD,
             )
         ],
-        typed_per_filter_config={EXT_PROC_FILTER: ext_proc_per_route(True)},
+        # the ext_proc filter's fail-open mode (ext_proc only: ext_authz has no per-route failure mode)
+        typed_per_filter_config=(
+            {EXT_PROC_FILTER: ext_proc_per_route(True)} if config.ext_proc.protocol == "ext_proc" else {}
+        ),
     )
 
 
@@ -420,6 +424,8 @@ def failure_mode_routes(config: Config) -> list[route_components_pb2.Route]:
     first); its action is the same 404 as the catch-all.
     """
     fallback = config.ext_proc.fail_open_model
+    # the ext_proc filter's per-route config; ext_authz (``ext_proc.protocol``) has one failure mode for all
+    ext_proc = config.ext_proc.protocol == "ext_proc"
     out = []
     for path, fail_open in path_failure_modes(config).items():
         name = f"{FAILURE_MODE_ROUTE_PREFIX}{path}"
@@ -429,7 +435,7 @@ def failure_mode_routes(config: Config) -> list[route_components_pb2.Route]:
                 route_components_pb2.Route(
                     name=name,
                     match=match,
-                    typed_per_filter_config={EXT_PROC_FILTER: ext_proc_per_route(False)},
+                    typed_per_filter_config={EXT_PROC_FILTER: ext_proc_per_route(False)} if ext_proc else {},
                     **_json_direct_response(404, no_route_body()),
                 )
             )
@@ -446,7 +452,8 @@ def failure_mode_routes(config: Config) -> list[route_components_pb2.Route]:
                 canonical_model_transform(model.name)
             )
         route.typed_per_filter_config[BODY_MODEL_FILTER].CopyFrom(body_model_transform())
-        route.typed_per_filter_config[EXT_PROC_FILTER].CopyFrom(ext_proc_per_route(True))
+        if ext_proc:
+            route.typed_per_filter_config[EXT_PROC_FILTER].CopyFrom(ext_proc_per_route(True))
         out.append(route)
     return out
 
@@ -476,6 +483,34 @@ def _stream_and_whole(
             request_headers_to_remove=upstream_removed_headers(hashed=hashed),
         )
         for stream in (True, False)
+    ]
+
+
+#: Name prefix of the ``GET /v1/models`` routes of the ext_authz mode (:func:`models_routes`).
+MODELS_ROUTE_PREFIX: Final = "models:"
+
+
+def models_routes(config: Config) -> list[route_components_pb2.Route]:
+    """``ext_proc.protocol: ext_authz`` only: direct responses for ``GET /v1/models`` and
+    ``GET /v1/models/{name or alias}`` (200, the JSON :func:`inferlb.policy.routing.models_list_body` and
+    :func:`~inferlb.policy.routing.model_object_bodies` build, the bodies ext_proc answers with). An
+    authorization service cannot answer 200 itself (200 lets the request through), so the service checks
+    the key and the model, refuses what ext_proc would (401, 404, 405), and lets the rest reach these.
+    Empty in ext_proc mode (ext_proc answers them)."""
+    if config.ext_proc.protocol != "ext_authz":
+        return []
+    get = [
+        route_components_pb2.HeaderMatcher(name=":method", string_match=string_pb2.StringMatcher(exact="GET"))
+    ]
+    bodies = {"/v1/models": models_list_body(config)}
+    bodies.update({f"/v1/models/{name}": body for name, body in model_object_bodies(config).items()})
+    return [
+        route_components_pb2.Route(
+            name=f"{MODELS_ROUTE_PREFIX}{path}",
+            match=route_components_pb2.RouteMatch(path=path, headers=get),
+            **_json_direct_response(200, body.decode()),
+        )
+        for path, body in bodies.items()
     ]
 
 
@@ -526,6 +561,7 @@ def build_route_configuration(config: Config) -> route_pb2.RouteConfiguration:
                 config, cluster, base, cluster, model=model.name, high=False, hashed=hashed
             )
     routes += fail_open_routes(config)
+    routes += models_routes(config)
     routes += failure_mode_routes(config)
     routes.append(
         route_components_pb2.Route(
@@ -534,19 +570,20 @@ def build_route_configuration(config: Config) -> route_pb2.RouteConfiguration:
             **_json_direct_response(404, no_route_body()),
         )
     )
+    # enables ext_proc for every route (the failure-mode routes override it per path; the ext_authz
+    # filter is enabled in the listener itself), and the fail-open API key check when some path fails open
+    per_filter = (
+        {EXT_PROC_FILTER: ext_proc_per_route(config.ext_proc.failure_mode_allow)}
+        if config.ext_proc.protocol == "ext_proc"
+        else {}
+    )
+    if fails_open(config):
+        per_filter[API_KEY_FILTER] = api_key_per_route(config)
     return route_pb2.RouteConfiguration(
         name=ROUTE_CONFIG_NAME,
         virtual_hosts=[
             route_components_pb2.VirtualHost(
-                name=VIRTUAL_HOST_NAME,
-                domains=["*"],
-                routes=routes,
-                # enables ext_proc for every route (the failure-mode routes override it per path), and
-                # the fail-open API key check when some path fails open
-                typed_per_filter_config={
-                    EXT_PROC_FILTER: ext_proc_per_route(config.ext_proc.failure_mode_allow),
-                    **({API_KEY_FILTER: api_key_per_route(config)} if fails_open(config) else {}),
-                },
+                name=VIRTUAL_HOST_NAME, domains=["*"], routes=routes, typed_per_filter_config=per_filter
             )
         ],
     )

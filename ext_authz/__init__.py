@@ -1,0 +1,15 @@
+"""inferlb's Envoy external authorization service in HTTP-service mode (``ext_proc.protocol: ext_authz``):
+the same decisions as ext_proc (:mod:`ext_proc.handlers`: key, quota, model, prompt tokens, routing
+headers), asked once per request by Envoy's ``envoy.filters.http.ext_authz`` filter with the buffered body,
+answered over HTTP/1.1 on asyncio (uvloop when installed).
+
+- :mod:`ext_authz.check`: one check -> the handlers -> the HTTP answer (no sockets).
+- :mod:`ext_authz.server`: the asyncio protocol over httptools (keep-alive, pipelining, bounds, shutdown).
+- ``__main__``: the process (``python -m ext_authz --config PATH``).
+
+May import: the core (:mod:`inferlb.errors`, :mod:`inferlb.config`, :mod:`inferlb.request`,
+:mod:`inferlb.policy`), :mod:`inferlb.adapters`, ext_proc's transport-free modules (:mod:`ext_proc.handlers`,
+:mod:`ext_proc.state`, :mod:`ext_proc.process`, :mod:`ext_proc.poller`, :mod:`ext_proc.stores`,
+:mod:`ext_proc.metrics`), httptools, prometheus_client; never grpc or the Envoy protos, never
+:mod:`ext_proc.servicer`, ``xds_server``, ``simulation`` or :mod:`inferlb.ops`.
+"""

@@ -1,0 +1,275 @@
+"""One ext_authz check: Envoy's HTTP authorization request (the client's method, path, allowed headers and
+buffered body) -> :mod:`ext_proc.handlers` -> the HTTP answer Envoy acts on. No sockets here:
+:mod:`ext_authz.server` parses the bytes and writes the answer.
+
+Envoy's HTTP-service protocol (Envoy docs, "External Authorization", ``HttpService``): a 200 answer lets the
+request go upstream with the answer's headers listed in ``authorization_response.allowed_upstream_headers``
+set on it (``x-envoy-auth-headers-to-remove`` names request headers to drop); any other status is a denial
+sent to the client with the answer's body and its ``allowed_client_headers``. A 5xx is not a denial but an
+error, which Envoy answers with ``status_on_error`` and an empty body (measured on Envoy 1.40), so a 5xx
+refusal (503 ``quota_backend_unavailable``, 500 internal) is sent as 403 with
+:data:`~inferlb.request.headers.STATUS` naming its status; the gateway's local-reply mapper restores it
+(:func:`xds_server.resources.listener.build_local_reply_config`).
+
+What each decision becomes:
+
+- :class:`~ext_proc.handlers.ContinueRequest` -> 200 with the routing headers; when the body is rewritten
+  (an alias renamed to the canonical model) also :data:`~inferlb.request.headers.BODY_SPLICE`, the splices
+  Envoy's Lua filter applies after ext_authz (ext_authz cannot change a body).
+- :class:`~ext_proc.handlers.PassThrough` -> 200 (``x-envoy-auth-headers-to-remove`` for the headers to drop).
+- :class:`~ext_proc.handlers.ImmediateReply` with status 200 (the ``/v1/models`` answers) -> 200 with no
+  headers: the request goes on to the route that answers it (the xDS server builds those direct responses
+  from the same config).
+- any other :class:`~ext_proc.handlers.ImmediateReply` -> its status (5xx as above), headers and JSON body.
+
+Quota: admission reserves prompt + output cap; nothing of the response comes back in this mode, so the
+reservation is settled at once as the charge (the concurrency lease is released with it: configs that set
+``max_concurrent_requests`` are refused for this mode).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Coroutine, Mapping
+from dataclasses import dataclass
+from typing import Any, Final
+
+from ext_proc import handlers
+from ext_proc.state import OFFLOAD_BODY_BYTES, ExtProcState
+from inferlb.errors import RequestError
+from inferlb.policy.quota import Admitted, MemoryQuotaStore, Refused
+from inferlb.request import headers as h
+from inferlb.request.rewrite import encode_splices
+
+log = logging.getLogger("ext_authz")
+
+#: Envoy's HTTP authorization answer header naming request headers to remove before the upstream (Envoy
+#: docs, ext_authz ``HttpService``; comma-separated).
+HEADERS_TO_REMOVE: Final = "x-envoy-auth-headers-to-remove"
+#: Longest :data:`~inferlb.request.headers.BODY_SPLICE` value sent (bytes); a longer one (an enormous
+#: rewrite) is refused 400 rather than sent in a header Envoy may refuse.
+MAX_SPLICE_HEADER_BYTES: Final = 8192
+_JSON: Final = (("content-type", "application/json"),)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class CheckRequest:
+    """Envoy's authorization request.
+
+    Attributes:
+        method: the client request's method (Envoy sends the check with it).
+        path: the client request's path with its query string (no ``path_prefix`` configured).
+        headers: the allowed headers, lower-case names (the last of a repeated name).
+        body: the client's buffered body (``with_request_body``; empty when it had none).
+    """
+
+    method: str
+    path: str
+    headers: Mapping[str, str]
+    body: bytes
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class CheckAnswer:
+    """The HTTP answer to one check: 200 lets the request through with ``headers`` set upstream; any
+    other status refuses it, and Envoy sends ``status``, ``headers`` and ``body`` to the client.
+
+    Attributes:
+        status: HTTP status (never 5xx: see the module docstring).
+        headers: response headers.
+        body: response body (OpenAI JSON on a refusal, empty on 200).
+        details: the reason token of a refusal (:attr:`ext_proc.handlers.ImmediateReply.details`), "" else.
+    """
+
+    status: int
+    headers: tuple[tuple[str, str], ...] = ()
+    body: bytes = b""
+    details: str = ""
+
+
+ALLOWED: Final = CheckAnswer(status=200)
+
+INTERNAL_ERROR: Final = handlers.refusal(
+    RequestError(
+        500,
+        "The gateway failed to process the request; it was not sent to a model server.",
+        type="server_error",
+    ),
+    "inferlb_ext_authz_internal_error",
+)
+
+
+def refused(reply: handlers.ImmediateReply) -> CheckAnswer:
+    """The answer refusing the request with ``reply``: its status, headers and body, or, for a 5xx, 403
+    with :data:`~inferlb.request.headers.STATUS` carrying the real status."""
+    if reply.status >= 500:
+        return CheckAnswer(
+            status=403, headers=(*reply.headers, (h.STATUS, str(reply.status))), body=reply.body,
+            details=reply.details,
+        )  # fmt: skip
+    return CheckAnswer(status=reply.status, headers=reply.headers, body=reply.body, details=reply.details)
+
+
+def _unsplicable() -> handlers.ImmediateReply:
+    return handlers.refusal(
+        RequestError(
+            400,
+            "The gateway must rewrite this request body (its model is an alias) and can do so only for a "
+            "UTF-8 JSON body of ordinary size; send the body in UTF-8, or name the model by its canonical "
+            "name.",
+            type="invalid_request_error",
+            code="unsupported_request_body",
+        ),
+        "inferlb_unsplicable_body",
+    )
+
+
+def allowed(decision: handlers.ContinueRequest, body_length: int) -> CheckAnswer:
+    """The 200 answer of an admitted request: its routing headers (never ``content-length``: Envoy's Lua
+    filter fixes that when it applies the body splices) and, for a rewritten body, the splices.
+
+    Raises:
+        ValueError: the body is rewritten but has no splices (not UTF-8) or they do not fit
+            :data:`MAX_SPLICE_HEADER_BYTES`; the caller refuses the request (400).
+    """
+    out = [(k, v) for k, v in decision.set_headers if k != "content-length"]
+    if decision.body is not None:
+        if decision.body_splices is None:
+            raise ValueError("the rewritten body has no splices (not UTF-8)")
+        value = encode_splices(body_length, decision.body_splices)
+        if len(value) > MAX_SPLICE_HEADER_BYTES:
+            raise ValueError(f"the body splices take {len(value)} bytes")
+        out.append((h.BODY_SPLICE, value))
+    if decision.remove_headers:
+        out.append((HEADERS_TO_REMOVE, ",".join(decision.remove_headers)))
+    return CheckAnswer(status=200, headers=tuple(out))
+
+
+class CheckService:
+    """Answers checks from an :class:`~ext_proc.state.ExtProcState` (swap its config with
+    ``state.apply_config``).
+
+    :meth:`check` answers synchronously when it can: with the in-process quota store and a body below
+    :data:`~ext_proc.state.OFFLOAD_BODY_BYTES` nothing awaits, and the HTTP protocol writes the answer
+    without a task. Otherwise it returns a future (Redis, or a big body counted in a worker thread).
+    A check whose client connection is gone still runs to its end (its reservation is settled the same);
+    :meth:`drain` waits for the ones left at shutdown.
+
+    Args:
+        state: the config, quota store and metrics served from.
+        offload_body_bytes: bodies at least this large are parsed and counted in a worker thread.
+    """
+
+    def __init__(self, state: ExtProcState, *, offload_body_bytes: int = OFFLOAD_BODY_BYTES) -> None:
+        self.state = state
+        self.offload_body_bytes = offload_body_bytes
+        self._running: set[asyncio.Future[Any]] = set()
+
+    def check(self, request: CheckRequest) -> CheckAnswer | asyncio.Future[CheckAnswer]:
+        """The answer to ``request``, or a future of it (see the class docstring). Never raises: a bug
+        answers 500 (as 403 + status header) with an OpenAI ``server_error`` body, logged."""
+        started = time.perf_counter()
+        try:
+            out = self._check(request, started)
+        except Exception:
+            log.exception("ext_authz check failed; answering 500")
+            return self._internal_error()
+        if isinstance(out, CheckAnswer):
+            self.state.metrics.processed("check", time.perf_counter() - started)
+        return out
+
+    def _internal_error(self) -> CheckAnswer:
+        self.state.metrics.request_ended("", "", "500")
+        return refused(INTERNAL_ERROR)
+
+    def _check(self, request: CheckRequest, started: float) -> CheckAnswer | asyncio.Future[CheckAnswer]:
+        state = self.state
+        gateway = state.gateway
+        headers = {**request.headers, ":method": request.method, ":path": request.path}
+        first = handlers.on_request_headers(gateway, headers, end_of_stream=not request.body)
+        if isinstance(first, handlers.ImmediateReply):
+            state.metrics.request_ended("", "", str(first.status))
+            if first.status == 200:
+                return ALLOWED  # the /v1/models routes answer it
+            return refused(first)
+        if isinstance(first, handlers.PassThrough):
+            if not first.remove_headers:
+                return ALLOWED
+            return CheckAnswer(status=200, headers=((HEADERS_TO_REMOVE, ",".join(first.remove_headers)),))
+        arrived = time.monotonic()
+        if len(request.body) >= self.offload_body_bytes or not isinstance(state.quotas, MemoryQuotaStore):
+            return self._track(self._check_async(first.pending, request.body, arrived, started))
+        prepared = handlers.prepare_body(
+            gateway, first.pending, request.body, deadline=arrived + gateway.counting_budget_s
+        )
+        if isinstance(prepared, handlers.ImmediateReply):
+            return self._refuse(prepared, first.pending.tenant.name, "")
+        decision = state.quotas.admit_now(first.pending.tenant.name, prepared.reserved_tokens)
+        answer = self._admitted(prepared, decision, len(request.body))
+        if isinstance(decision, Admitted):
+            state.quotas.settle_now(decision, decision.tokens)
+        return answer
+
+    async def _check_async(
+        self, pending: handlers.PendingRequest, body: bytes, arrived: float, started: float
+    ) -> CheckAnswer:
+        state = self.state
+        gateway = state.gateway
+        try:
+            deadline = arrived + gateway.counting_budget_s
+            if len(body) >= self.offload_body_bytes:
+                prepared = await asyncio.to_thread(
+                    handlers.prepare_body, gateway, pending, body, deadline=deadline
+                )
+            else:
+                prepared = handlers.prepare_body(gateway, pending, body, deadline=deadline)
+            if isinstance(prepared, handlers.ImmediateReply):
+                return self._refuse(prepared, pending.tenant.name, "")
+            decision = await state.quotas.admit(
+                pending.tenant.name, prepared.reserved_tokens, deadline=arrived + gateway.admit_budget_s
+            )
+            answer = self._admitted(prepared, decision, len(body))
+            if isinstance(decision, Admitted):
+                try:
+                    await state.quotas.settle(decision, decision.tokens)
+                except Exception:
+                    log.exception("settling the quota of tenant %r failed", decision.tenant)
+        except Exception:
+            log.exception("ext_authz check failed; answering 500")
+            return self._internal_error()
+        state.metrics.processed("check", time.perf_counter() - started)
+        return answer
+
+    def _refuse(self, reply: handlers.ImmediateReply, tenant: str, model: str) -> CheckAnswer:
+        self.state.metrics.request_ended(tenant, model, str(reply.status))
+        return refused(reply)
+
+    def _admitted(
+        self, prepared: handlers.PreparedRequest, decision: Admitted | Refused, body_length: int
+    ) -> CheckAnswer:
+        """The answer after the quota decision (the caller settles an admission with its reservation)."""
+        state = self.state
+        tenant, model = prepared.pending.tenant.name, prepared.model.name
+        if isinstance(decision, Refused):
+            state.metrics.quota_rejections.labels(tenant, decision.limit.value).inc()
+            return self._refuse(handlers.quota_refusal(decision), tenant, model)
+        cont = handlers.route(state.gateway, prepared, decision, rng=state.rng)
+        try:
+            answer = allowed(cont, body_length)
+        except ValueError:
+            return self._refuse(_unsplicable(), tenant, model)
+        state.metrics.request_ended(tenant, model, "forwarded")
+        return answer
+
+    def _track(self, work: Coroutine[Any, Any, CheckAnswer]) -> asyncio.Future[CheckAnswer]:
+        task: asyncio.Future[CheckAnswer] = asyncio.ensure_future(work)
+        self._running.add(task)
+        task.add_done_callback(self._running.discard)
+        return task
+
+    async def drain(self) -> None:
+        """Wait for the checks still running (their connection may be gone)."""
+        while self._running:
+            await asyncio.gather(*self._running, return_exceptions=True)

@@ -884,6 +884,12 @@ class XdsServer:
                 down = True
                 await asyncio.sleep(poll_s)
                 continue
+            except (FleetStoreError, ValueError, OSError) as exc:
+                # never let the follower die: a server that stops following serves stale state silently
+                self.store_errors += 1
+                log.error("fleet store %s: following it failed, retrying: %s", store.where, exc)
+                await asyncio.sleep(poll_s)
+                continue
             self.store_reachable = True
             if down:
                 log.info("fleet store %s reachable again (version %d)", store.where, store.seen.version)

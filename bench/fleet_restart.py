@@ -17,6 +17,9 @@ register, and then:
    seconds (4 polls of each service at 0.5 s), then the rest appended (the whole file adds a tenant, so the
    completed file is seen to apply); counts answers by status and the refusals each service logged.
 
+The two-server case (two xDS servers sharing a Redis fleet store, an Envoy on each) is
+``bench/fleet_shared.py``.
+
 Usage: ``.venv/bin/python bench/fleet_restart.py [--requests 200] [--hold-s 2] [--threads 4] [--json PATH]``
 (about a minute; ``--json`` also writes both trials' figures to ``PATH``, what ``bench/faults.py`` reads).
 Every request goes to 127.0.0.1; every loop is bounded in count and time.

@@ -14,8 +14,9 @@ Layers, each importing only the ones before it (as envoyproxy/go-control-plane's
   over ADS).
 - :mod:`xds_server.cache`: immutable versioned snapshots, their consistency check, the snapshot cache.
 - :mod:`xds_server.fleet_state`: fleet API changes (register, drain, undrain, deregister, weight pins) as
-  pure values, and their JSON document; :mod:`xds_server.fleet_store`: that document in the state file
-  (atomic replace, one server per file by lock, a bad file refused naming it).
+  pure values, and their JSON document; :mod:`xds_server.fleet_store`: that document stored, in the state
+  file (atomic replace, one server per file by lock, a bad file refused naming it) or in Redis, shared by
+  several servers (compare-and-set, announced and polled; over :mod:`inferlb.adapters.state_redis`).
 - :mod:`xds_server.sotw` / :mod:`xds_server.delta`: the state-of-the-world and Delta protocol state of one
   stream (no I/O).
 - :mod:`xds_server.coalesce`: push coalescing (debounce with a staleness bound).

@@ -1,13 +1,16 @@
-"""``python -m xds_server --config PATH [--state-file PATH] [--log-level info]``: serve ADS for one inferlb
-config file.
+"""``python -m xds_server --config PATH [--state-file PATH | --state-redis-url URL] [--log-level info]``:
+serve ADS for one inferlb config file.
 
 The fleet API's bearer token comes from ``INFERLB_XDS_API_TOKEN`` when set (else ``xds.api_token``).
 ``--state-file`` stores the fleet API's changes there (overriding ``xds.state_file``) so a restart, clean or
-``kill -9``, keeps them (:mod:`xds_server.fleet_store`).
+``kill -9``, keeps them (:mod:`xds_server.fleet_store`); ``--state-redis-url`` (overriding
+``xds.state_redis_url``) keeps them in Redis instead, shared by every server started on it, which all serve
+them.
 The telemetry loop (:mod:`xds_server.collector`: ``/metrics`` scrape, GPU reports, weights) runs beside it.
 
 Exits 1 when the config is invalid, the state file is in use by another server, unreadable or corrupt (the
-file named), or the listen address cannot be bound at start-up; at run time a bad
+file named), the Redis store cannot be reached or holds something else (the store named), or the listen
+address cannot be bound at start-up; at run time a bad
 config change is logged and the last good snapshot keeps serving. SIGINT/SIGTERM stop it cleanly.
 """
 
@@ -37,23 +40,33 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--config", type=Path, default=default_config_path(), help="inferlb YAML config (default: embedded)"
     )
-    p.add_argument(
+    store = p.add_mutually_exclusive_group()
+    store.add_argument(
         "--state-file",
         type=Path,
         default=None,
         help="store fleet API changes in this file (default: xds.state_file; none: in memory only)",
     )
+    store.add_argument(
+        "--state-redis-url",
+        default=None,
+        help="store fleet API changes in this Redis, shared with other xDS servers (default: "
+        "xds.state_redis_url)",
+    )
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return p.parse_args(argv)
 
 
-async def _serve(config_path: Path, state_file: Path | None = None) -> int:
+async def _serve(
+    config_path: Path, state_file: Path | None = None, state_redis_url: str | None = None
+) -> int:
     telemetry = TelemetryCollector()
     server = XdsServer(
         config_path,
         api_token=os.environ.get(API_TOKEN_ENV) or None,
         api_routes=telemetry.routes(),
         state_file=state_file,
+        state_redis_url=state_redis_url,
     )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -90,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     # grpc and asyncio are chatty at DEBUG; our own loggers carry the protocol detail
     for noisy in ("grpc", "asyncio"):
         logging.getLogger(noisy).setLevel(max(logging.INFO, logging.getLogger().level))
-    return asyncio.run(_serve(args.config, args.state_file))
+    return asyncio.run(_serve(args.config, args.state_file, args.state_redis_url))
 
 
 if __name__ == "__main__":

@@ -6,8 +6,9 @@ Routes (JSON in and out; errors are OpenAI-style ``{"error": {"message", "type",
 - ``GET /metrics``: Prometheus text exposition (no auth, as scrapers expect).
 - ``GET /v1/endpoints``: the served fleet: every endpoint with its source (``config``/``api``), weight pin
   and drain state (``draining``, ``drain_ends_at`` ISO 8601 UTC, ``removed_in_ms``); ``deregistered``: the
-  config-file endpoints the API removed (registering one brings it back); ``state_file``: where changes are
-  stored (null: nowhere).
+  config-file endpoints the API removed (registering one brings it back); ``state_file``: the state file
+  (null: none); ``state_store``: where changes are stored, ``{"where", "shared", "version", "reachable"}``
+  (null: nowhere; ``version`` the shared store's last version this server adopted).
 - ``POST /v1/endpoints``: register an endpoint (the config file's endpoint shape); 201. Registering an
   address again replaces the endpoint and cancels its drain and weight pin.
 - ``POST /v1/endpoints/{key}/drain``: send it as DRAINING, remove it after ``drain_ms`` (body, optional;
@@ -25,9 +26,12 @@ Every ``/v1`` route needs ``Authorization: Bearer <token>`` (compared in constan
 configured, every ``/v1`` route answers 503 so an unconfigured server is never open. ``{key}`` is the
 endpoint's ``host:port`` as written in the config (:func:`xds_server.resources.endpoints.endpoint_key`).
 
-Each change is answered only once it is stored (when the server has a state file) and logged as one INFO
+Each change is answered only once it is stored (when the server has a fleet store) and logged as one INFO
 line naming who (the peer address and its ``User-Agent``), what and the endpoint. A change the server
-cannot store answers 500 ``fleet_state_not_stored`` and changes nothing.
+cannot store answers 500 ``fleet_state_not_stored`` and changes nothing; with a shared (Redis) store that
+cannot be reached, 503 ``fleet_store_unavailable`` naming the store, with ``retry-after`` (nothing changed,
+or, for a write that timed out, the message says it may have landed), and 503 ``fleet_store_busy`` when
+other servers' changes kept winning the write race.
 
 The server is known by what the routes need of it (:class:`FleetApiServer`), not by its class:
 :class:`xds_server.server.XdsServer` imports this module, not the other way round.
@@ -44,10 +48,11 @@ from typing import Any, Protocol
 
 from aiohttp import web
 
+from inferlb.adapters.state_redis import SharedStateUnavailableError
 from inferlb.config.schema import Config, EndpointConfig
 from inferlb.errors import ConfigError, RequestError
 from xds_server.fleet_state import FleetState, UnknownEndpointError, parse_endpoint
-from xds_server.fleet_store import StateFileError
+from xds_server.fleet_store import FleetStoreBusyError, FleetStoreError
 from xds_server.metrics import HasMetrics, render_metrics
 from xds_server.resources.endpoints import endpoint_key
 
@@ -72,6 +77,11 @@ class FleetApiServer(HasMetrics, Protocol):
     @property
     def state_path(self) -> Path | None: ...
     @property
+    def state_store(self) -> str | None: ...
+    @property
+    def store_reachable(self) -> bool: ...
+    def store_version(self) -> int | None: ...
+    @property
     def fleet(self) -> FleetState: ...
     @property
     def telemetry_weights(self) -> Mapping[str, int]: ...
@@ -90,13 +100,33 @@ def _error(status: int, message: str, code: str, param: str | None = None) -> we
     return web.json_response(err.to_openai_json(), status=status)
 
 
-def _not_stored(exc: StateFileError) -> web.Response:
-    return web.json_response(
-        RequestError(
-            500, f"{exc}; nothing changed", type="server_error", code="fleet_state_not_stored"
-        ).to_openai_json(),
-        status=500,
-    )
+#: The errors of a change that could not be stored (:func:`_not_stored` answers them).
+STORE_ERRORS = (FleetStoreError, SharedStateUnavailableError)
+
+#: ``retry-after`` (s) of the 503s a shared store's outage or write races give.
+STORE_RETRY_AFTER_S = 1
+
+
+def _not_stored(exc: FleetStoreError | SharedStateUnavailableError) -> web.Response:
+    """500 ``fleet_state_not_stored`` (the store refused the write); 503 ``fleet_store_unavailable`` (a
+    shared store unreachable) or ``fleet_store_busy`` (write races lost), with ``retry-after``."""
+    if isinstance(exc, SharedStateUnavailableError):
+        outcome = (
+            "the write was sent but not answered: it may have been stored (GET /v1/endpoints shows it once "
+            "the store answers)"
+            if exc.maybe_applied
+            else "nothing changed"
+        )
+        status, code = 503, "fleet_store_unavailable"
+        message = f"fleet store {exc.where} unavailable ({exc.operation}: {exc.reason}); {outcome}; the last "
+        message += "known fleet keeps serving, try again shortly"
+    elif isinstance(exc, FleetStoreBusyError):
+        status, code, message = 503, "fleet_store_busy", f"{exc}; nothing changed"
+    else:
+        status, code, message = 500, "fleet_state_not_stored", f"{exc}; nothing changed"
+    body = RequestError(status, message, type="server_error", code=code).to_openai_json()
+    headers = {"Retry-After": str(STORE_RETRY_AFTER_S)} if status == 503 else None
+    return web.json_response(body, status=status, headers=headers)
 
 
 #: Characters of a client's ``User-Agent`` kept in the change log line.
@@ -238,9 +268,13 @@ class HttpApi:
                 }
             )
         state = None if srv.state_path is None else str(srv.state_path)
-        return web.json_response(
-            {"endpoints": rows, "deregistered": sorted(fleet.hidden), "state_file": state}
-        )
+        store = None
+        if srv.state_store is not None:
+            version = srv.store_version()
+            store = {"where": srv.state_store, "shared": version is not None, "version": version,
+                     "reachable": srv.store_reachable}  # fmt: skip
+        listing = {"endpoints": rows, "deregistered": sorted(fleet.hidden), "state_file": state}
+        return web.json_response({**listing, "state_store": store})
 
     async def _register(self, request: web.Request) -> web.Response:
         data = await self._json_body(request)
@@ -249,7 +283,7 @@ class HttpApi:
             await self._server.register_endpoint(endpoint, actor=actor(request))
         except ConfigError as exc:
             return _config_error(exc)
-        except StateFileError as exc:
+        except STORE_ERRORS as exc:
             return _not_stored(exc)
         return web.json_response({"endpoint": endpoint_key(endpoint)}, status=201)
 
@@ -265,7 +299,7 @@ class HttpApi:
             remove_at = await self._server.drain_endpoint(key, drain_ms, actor=actor(request))
         except UnknownEndpointError as exc:
             return _error(404, str(exc), "unknown_endpoint")
-        except StateFileError as exc:
+        except STORE_ERRORS as exc:
             return _not_stored(exc)
         left = max(0, round((remove_at - time.time()) * 1000))
         return web.json_response(
@@ -280,7 +314,7 @@ class HttpApi:
         except UnknownEndpointError as exc:
             hint = "an endpoint whose drain ended was removed: register it again"
             return _error(404, f"{exc} ({hint})", "unknown_endpoint")
-        except StateFileError as exc:
+        except STORE_ERRORS as exc:
             return _not_stored(exc)
         return web.json_response({"endpoint": key, "draining": False, "was_draining": was})
 
@@ -290,7 +324,7 @@ class HttpApi:
             await self._server.deregister_endpoint(key, actor=actor(request))
         except UnknownEndpointError as exc:
             return _error(404, str(exc), "unknown_endpoint")
-        except StateFileError as exc:
+        except STORE_ERRORS as exc:
             return _not_stored(exc)
         return web.json_response({"endpoint": key, "removed": True})
 
@@ -306,7 +340,7 @@ class HttpApi:
             await self._server.override_weight(key, weight, actor=actor(request))
         except UnknownEndpointError as exc:
             return _error(404, str(exc), "unknown_endpoint")
-        except StateFileError as exc:
+        except STORE_ERRORS as exc:
             return _not_stored(exc)
         return web.json_response({"endpoint": key, "weight_override": weight})
 
@@ -323,7 +357,7 @@ class HttpApi:
             await self._server.override_weights(weights, actor=actor(request))
         except UnknownEndpointError as exc:
             return _error(404, str(exc), "unknown_endpoint")
-        except StateFileError as exc:
+        except STORE_ERRORS as exc:
             return _not_stored(exc)
         return web.json_response({"updated": len(weights)})
 

@@ -28,7 +28,7 @@ import contextlib
 import hashlib
 import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -37,6 +37,7 @@ import grpc
 import yaml
 from aiohttp import web
 
+from inferlb.adapters.state_redis import RedisDocument, SharedStateUnavailableError
 from inferlb.adapters.unix_socket import bind_unix_socket
 from inferlb.config.changes import StableContent, check_not_emptied
 from inferlb.config.checks import (
@@ -60,7 +61,7 @@ from xds_server.fleet_state import (
     effective_overrides,
     known_keys,
 )
-from xds_server.fleet_store import FleetStateFile, StateFileError
+from xds_server.fleet_store import FileFleetStore, FleetChange, FleetStore, FleetStoreError, RedisFleetStore
 from xds_server.http_api import HttpApi, utc_iso
 from xds_server.metrics import XdsMetrics
 from xds_server.per_type import add_per_type_services
@@ -129,6 +130,12 @@ class XdsServer:
         state_file: where fleet API changes are stored, overriding ``xds.state_file`` (``__main__``'s
             ``--state-file``); None: the config's (a relative path there is relative to the config file's
             directory), or nowhere when it sets none.
+        state_redis_url: a Redis fleet store shared with other servers, overriding the config's
+            (``xds.state_redis_url``; ``__main__``'s ``--state-redis-url``); its key, timeout and poll
+            interval are the config's. Not with ``state_file``.
+
+    Raises:
+        ValueError: both ``state_file`` and ``state_redis_url`` given.
 
     Attributes:
         cache, servicer: the snapshot cache and the ADS servicer (its ``stats`` and ``clients``).
@@ -136,7 +143,11 @@ class XdsServer:
         config: the last good config file (None before :meth:`start`); fleet changes apply on top.
         effective: what is served: ``config`` with the fleet API's endpoint changes (None before start).
         fleet: the fleet API's changes (:class:`~xds_server.fleet_state.FleetState`).
-        state_path: the state file in use (None: changes are not stored), set by :meth:`start`.
+        state_path: the state file in use (None: changes are not stored in a file), set by :meth:`start`.
+        state_store: the fleet store in use, as logs name it (the file, or ``redis://host:port/db key K``);
+            None: changes are not stored.
+        store_errors: failed calls to the store (unreachable, a state this config cannot serve);
+            ``store_reachable``: whether the last call to a shared store got an answer.
         resolved_hosts: ``{host name: IP}`` of the endpoints written with a host name.
         port: the bound ADS port (0 before :meth:`start`, and on a Unix socket); ``api_port``: the HTTP
             API's (0 when off).
@@ -157,11 +168,22 @@ class XdsServer:
         api_routes: Sequence[web.RouteDef] = (),
         resolve: HostResolver = system_resolve,
         state_file: str | Path | None = None,
+        state_redis_url: str | None = None,
     ) -> None:
         self.config_path = Path(config_path)
         self.state_path: Path | None = None
         self._state_file = Path(state_file) if state_file is not None else None
-        self._store: FleetStateFile | None = None
+        self._state_redis_url = state_redis_url
+        if state_file is not None and state_redis_url is not None:
+            raise ValueError("state_file and state_redis_url: give one (the file, or the shared Redis store)")
+        self._store: FleetStore | None = None
+        self.state_store: str | None = None
+        self.store_errors = 0
+        self.store_reachable = True
+        self._follower: asyncio.Task[None] | None = None
+        #: the last fleet :meth:`_validate` checked, with its effective config and resolved hosts
+        self._validated: tuple[FleetState, Config, Mapping[str, str]] | None = None
+        self._started_store: tuple[str | None, ...] = ()
         self._fleet_lock = asyncio.Lock()
         self._stable = StableContent()
         self.cache = cache or SnapshotCache()
@@ -209,8 +231,9 @@ class XdsServer:
         Raises:
             ConfigError: the config file is missing or invalid, or the stored fleet changes do not fit it
                 (start-up fails fast; the source names the state file too).
-            StateFileError: the state file is in use by another server, unreadable, corrupt or cannot be
-                written.
+            FleetStoreError: the state file is in use by another server, unreadable, corrupt or cannot be
+                written, or the Redis store holds something that is not a fleet state (the store named).
+            SharedStateUnavailableError: the Redis store cannot be reached.
             SnapshotInconsistentError: the config yields resources Envoy would reject.
             RuntimeError: a listen address cannot be bound.
         """
@@ -222,7 +245,7 @@ class XdsServer:
             config = await self._restore_and_accept(data)
         except BaseException:
             if self._store is not None:
-                self._store.close()
+                await self._store.close()
                 self._store = None
             raise
         # the first snapshot goes out at once: Envoy must not wait a debounce to start
@@ -257,6 +280,8 @@ class XdsServer:
         self._poller = asyncio.create_task(self._follow_config(), name="xds-config-poller")
         self._drainer = asyncio.create_task(self._expire_drains(), name="xds-drain-timer")
         self._resolver = asyncio.create_task(self._follow_dns(), name="xds-host-resolver")
+        if isinstance(self._store, RedisFleetStore):
+            self._follower = asyncio.create_task(self._follow_store(self._store), name="xds-fleet-store")
         log.info("xds_server ready on %s", address)
 
     async def _start_api(self, config: Config) -> None:
@@ -272,12 +297,12 @@ class XdsServer:
     async def stop(self, grace_s: float = DEFAULT_GRACE_S) -> None:
         """Stop following the file, the timers and the HTTP API, and stop the gRPC server, giving
         streams ``grace_s`` seconds."""
-        for task in (self._poller, self._drainer, self._resolver):
+        for task in (self._poller, self._drainer, self._resolver, self._follower):
             if task is not None:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
-        self._poller = self._drainer = self._resolver = None
+        self._poller = self._drainer = self._resolver = self._follower = None
         if self.coalescer is not None:
             await self.coalescer.close()
         if self._api is not None:
@@ -287,7 +312,7 @@ class XdsServer:
             await self._server.stop(grace_s)
             self._server = None
         if self._store is not None:
-            self._store.close()
+            await self._store.close()
             self._store = None
 
     async def wait_for_termination(self) -> None:
@@ -295,66 +320,75 @@ class XdsServer:
         if self._server is not None:
             await self._server.wait_for_termination()
 
-    # -- the state file -------------------------------------------------------------------------------
+    # -- the fleet store ------------------------------------------------------------------------------
     def _state_path_for(self, config: Config) -> Path | None:
         if self._state_file is not None:
             return self._state_file
-        if config.xds.state_file is None:
+        if self._state_redis_url is not None or config.xds.state_file is None:
             return None
         path = Path(config.xds.state_file)
         return path if path.is_absolute() else self.config_path.parent / path
 
+    def _store_for(self, config: Config) -> FleetStore | None:
+        """The store the arguments or the config name: a file, a shared Redis document, or none."""
+        path = self._state_path_for(config)
+        if path is not None:
+            self.state_path = path
+            return FileFleetStore(path)
+        url = self._state_redis_url or (None if self._state_file is not None else config.xds.state_redis_url)
+        if url is None:
+            return None
+        x = config.xds
+        timeout_s = x.state_redis_timeout_ms / 1000
+        doc = RedisDocument.from_url(url, x.state_redis_key, timeout_s=timeout_s, connect_timeout_s=timeout_s)
+        return RedisFleetStore(doc)
+
     async def _restore_and_accept(self, data: bytes) -> Config:
-        """Start-up: lock and read the state file (when one is configured), end the drains whose time
-        passed, then accept the config file with the restored changes on top and store the result."""
+        """Start-up: take and read the fleet store (when one is configured), end the drains whose time
+        passed, then accept the config file with the restored changes on top and store the result (with a
+        shared store, on top of whatever other servers stored meanwhile)."""
         source = str(self.config_path)
         config = parse_config_bytes(data, source)
-        path = self._state_path_for(config)
+        store = self._store_for(config)
+        self._started_store = _store_fields(config)
         fleet_source = source
-        if path is not None:
-            store = FleetStateFile(path)
-            store.lock()
-            self._store, self.state_path = store, path
-            restored = await asyncio.to_thread(store.load)
+        if store is not None:
+            self._store, self.state_store = store, store.where
+            restored = await store.open()
             if restored is None:
-                log.info("fleet state file %s does not exist yet: starting with no fleet API changes", path)
+                log.info("fleet store %s holds nothing yet: starting with no fleet API changes", store.where)
                 restored = FleetState()
             now = time.time()
             ended = sorted(k for k, until in restored.draining.items() if until <= now)
             self.fleet = restored.expire(now)
             if ended:
                 log.info("fleet state: drains that ended while the server was down, removing %s", ended)
-            fleet_source = f"{source} with the fleet API changes stored in {path}"
+            fleet_source = f"{source} with the fleet API changes stored in {store.where}"
         else:
-            log.info("no xds.state_file: fleet API changes are kept in memory only (a restart forgets them)")
+            log.info("no xds.state_file or xds.state_redis_url: fleet API changes are kept in memory only "
+                     "(a restart forgets them)")  # fmt: skip
         await self._accept_file(data, config=config, fleet_source=fleet_source)
-        if self._store is not None:
-            await asyncio.to_thread(self._store.save, self.fleet)  # fails fast when it cannot be written
+        if store is not None:
+            now = time.time()
+
+            async def derive(base: FleetState) -> FleetState:
+                fleet = base.reconcile(config).expire(now)
+                await self._validate(fleet, fleet_source)
+                return fleet
+
+            # the file is written even when nothing changed, so a file that cannot be written fails now
+            try:
+                fleet = await store.update(derive, self.fleet, always=not store.shared)
+                await self._adopt(fleet, fleet_source)
+            finally:
+                self._validated = None
             f = self.fleet
             log.info(
                 "fleet state restored from %s: %d registered, %d draining, %d deregistered, %d weight pins",
-                self.state_path, len(f.registered), len(f.draining), len(f.hidden), len(f.weight_overrides),
+                store.where, len(f.registered), len(f.draining), len(f.hidden), len(f.weight_overrides),
             )  # fmt: skip
         self._stable = StableContent(taken=self._digest)
         return config
-
-    async def _store_fleet(self, fleet: FleetState) -> None:
-        """Write ``fleet`` to the state file (when there is one; the caller holds the fleet lock).
-
-        Raises:
-            StateFileError: it cannot be written.
-        """
-        if self._store is not None:
-            await asyncio.to_thread(self._store.save, fleet)
-
-    async def _store_derived(self, fleet: FleetState) -> None:
-        """Store a state derived from the stored one and the config or the clock (a reload's
-        reconciliation, a drain's end): a restart derives it again, so a failed write is logged, not
-        raised."""
-        try:
-            await self._store_fleet(fleet)
-        except StateFileError as exc:
-            log.error("%s (the next change retries)", exc)
 
     # -- the config file ------------------------------------------------------------------------------
     async def _accept_file(
@@ -410,9 +444,17 @@ class XdsServer:
                 log.error("config change refused, the last good config keeps serving: %s", exc)
                 return None
             if self.fleet != before:
-                await self._store_derived(self.fleet)
-        if self._state_path_for(loaded.config) != self.state_path:
-            log.warning("xds.state_file changed: takes effect on restart (still: %s)", self.state_path)
+                config, reconciled = loaded.config, self.fleet
+
+                async def change(base: FleetState) -> FleetState:
+                    fleet = base.reconcile(config)
+                    await self._validate(fleet, "<config reload>")
+                    return fleet
+
+                await self._adopt_derived(await self._store_derived(change, reconciled), reconciled)
+        if _store_fields(loaded.config) != self._started_store:
+            log.warning("xds.state_file/state_redis_url changed: takes effect on restart (still: %s)",
+                        self.state_store or "none")  # fmt: skip
         if (
             self._bind is None
             and self._started_listen is not None
@@ -554,31 +596,100 @@ class XdsServer:
             self._known_owner = self.effective
         return self._known_keys
 
-    def _require_known(self, key: str) -> None:
-        if key not in self._known():
+    def _require_known(self, key: str, base: FleetState) -> None:
+        """Refuse a change of ``key`` unless ``base`` (the state the change runs on) serves it."""
+        assert self.config is not None
+        known = self._known() if base is self.fleet else known_keys(self.config, base)
+        if key not in known:
             raise UnknownEndpointError(key)
 
-    def _apply_fleet(self, fleet: FleetState) -> None:
-        """Adopt a fleet state that adds no new host name (removals, drains, pins): no resolution."""
+    async def _validate(self, fleet: FleetState, source: str, *, fresh: bool = False) -> None:
+        """Check that this server can serve ``fleet``: when its endpoint list differs from the served one
+        (or ``fresh``), the effective config is validated and its host names resolved (``fresh``: every
+        name looked up again), and kept for :meth:`_adopt`.
+
+        Raises:
+            ConfigError: the fleet is invalid with this config (fields named), or a host name does not
+                resolve.
+        """
         assert self.config is not None
-        # re-validating the whole fleet costs ~0.5 s at 10,000 endpoints: only when its list changed
+        if not fresh and fleet.registered == self.fleet.registered and fleet.hidden == self.fleet.hidden:
+            return
+        effective = effective_config(self.config, fleet, source)
+        known = None if fresh else self.resolved_hosts
+        resolved = await resolve_endpoint_hosts(effective, source, self._resolve, known=known)
+        self._validated = (fleet, effective, resolved)
+
+    async def _adopt(self, fleet: FleetState, source: str) -> None:
+        """Serve ``fleet`` (the caller holds the fleet lock): re-validate the effective config only when its
+        endpoint list changed (~0.5 s at 10,000 endpoints), unless :meth:`_validate` just did, and push.
+
+        Raises:
+            ConfigError: the fleet is invalid with this config; nothing changes.
+        """
+        assert self.config is not None
         if fleet.registered != self.fleet.registered or fleet.hidden != self.fleet.hidden:
-            self.effective = effective_config(self.config, fleet, "<fleet api>")
+            memo = self._validated
+            if memo is None or memo[0] is not fleet:
+                await self._validate(fleet, source)
+                memo = self._validated
+            assert memo is not None and memo[0] is fleet
+            self.effective, self.resolved_hosts = memo[1], memo[2]
+        self._validated = None
         self.fleet = fleet
         self._drain_wake.set()
         self._changed()
 
-    async def _commit(self, fleet: FleetState, actor: str, what: str) -> None:
-        """Store, apply and log one fleet API change (the caller holds the fleet lock and has validated
-        it): stored first, so a change is applied only once it is durable.
+    async def _commit(
+        self, change: FleetChange, actor: str, what: str, *, logged: Callable[[], bool] | None = None
+    ) -> FleetState:
+        """Run one fleet API change on the stored state (the caller holds the fleet lock; ``change``
+        validates), store the result and only then serve it and log it (unless ``logged()`` says it
+        changed nothing); returns it.
 
         Raises:
-            StateFileError: it cannot be stored; nothing changes.
+            whatever ``change`` raises; FleetStoreError, SharedStateUnavailableError: it cannot be stored;
+            nothing changes (unless the error's ``maybe_applied``: the follower adopts it if it landed).
         """
-        await self._store_fleet(fleet)
-        self._apply_fleet(fleet)
-        stored = "stored" if self.state_path is not None else "not stored (no xds.state_file)"
+        self._validated = None
+        try:
+            fleet = (
+                await change(self.fleet)
+                if self._store is None
+                else await self._store.update(change, self.fleet)
+            )
+            await self._adopt(fleet, "<fleet api>")
+        finally:
+            self._validated = None
+        if logged is not None and not logged():
+            return fleet
+        if self._store is None:
+            stored = "not stored (no xds.state_file or xds.state_redis_url)"
+        else:
+            stored = "stored" if not self._store.shared else f"stored (version {self.store_version()})"
         log.info("fleet api: who=%s what=%s %s", actor, what, stored)
+        return fleet
+
+    async def _store_derived(self, change: FleetChange, fallback: FleetState) -> FleetState:
+        """Store a state derived from the stored one and the config or the clock (a reload's
+        reconciliation, a drain's end; ``change`` derives it): every server, and this one after a restart,
+        derives it again, so a failure is logged and ``fallback`` (derived from this server's view) is
+        served meanwhile."""
+        if self._store is None:
+            return fallback
+        self._validated = None
+        try:
+            return await self._store.update(change, self.fleet)
+        except (FleetStoreError, SharedStateUnavailableError, ConfigError) as exc:
+            self.store_errors += 1
+            log.error("%s (the next change retries)", exc)
+            self._validated = None
+            return fallback
+
+    def store_version(self) -> int | None:
+        """The shared store's version this server last read or wrote (None: no shared store)."""
+        store = self._store
+        return store.seen.version if isinstance(store, RedisFleetStore) else None
 
     async def register_endpoint(self, endpoint: EndpointConfig, *, actor: str = "-") -> None:
         """Add an endpoint (or replace the one at its address, cancelling its drain and weight pin), store
@@ -587,23 +698,20 @@ class XdsServer:
         Raises:
             ConfigError: the fleet with it is invalid (unknown model, version or GPU type, an address
                 already taken by another socket, a host name that does not resolve); nothing changes.
-            StateFileError: it cannot be stored; nothing changes.
+            FleetStoreError, SharedStateUnavailableError: it cannot be stored; nothing changes.
         """
+
+        async def change(base: FleetState) -> FleetState:
+            fleet = base.register(endpoint)
+            await self._validate(fleet, "<fleet api>", fresh=True)
+            return fleet
+
+        what = (
+            f"register endpoint={endpoint_key(endpoint)} model={endpoint.model} "
+            f"version={endpoint.version or '-'} gpu={endpoint.gpu} name={endpoint.display_name}"
+        )
         async with self._fleet_lock:
-            assert self.config is not None
-            fleet = self.fleet.register(endpoint)
-            effective = effective_config(self.config, fleet, "<fleet api>")
-            resolved = await resolve_endpoint_hosts(effective, "<fleet api>", self._resolve)
-            what = (
-                f"register endpoint={endpoint_key(endpoint)} model={endpoint.model} "
-                f"version={endpoint.version or '-'} gpu={endpoint.gpu} name={endpoint.display_name}"
-            )
-            previous, self.resolved_hosts = self.resolved_hosts, resolved
-            try:
-                await self._commit(fleet, actor, what)
-            except StateFileError:
-                self.resolved_hosts = previous
-                raise
+            await self._commit(change, actor, what)
 
     async def drain_endpoint(self, key: str, drain_ms: int | None = None, *, actor: str = "-") -> float:
         """Send an endpoint as DRAINING now and remove it after ``drain_ms`` (``xds.drain_period_ms`` by
@@ -612,16 +720,22 @@ class XdsServer:
 
         Raises:
             UnknownEndpointError: no such endpoint.
-            StateFileError: it cannot be stored; nothing changes.
+            FleetStoreError, SharedStateUnavailableError: it cannot be stored; nothing changes.
         """
         async with self._fleet_lock:
             assert self.config is not None
-            self._require_known(key)
             period = self.config.xds.drain_period_ms if drain_ms is None else drain_ms
-            fleet = self.fleet.drain(key, time.time() + period / 1000)
-            until = fleet.draining[key]
-            await self._commit(fleet, actor, f"drain endpoint={key} drain_ms={period} until={utc_iso(until)}")
-        return until
+            remove_at = time.time() + period / 1000
+
+            async def change(base: FleetState) -> FleetState:
+                self._require_known(key, base)
+                fleet = base.drain(key, remove_at)
+                await self._validate(fleet, "<fleet api>")
+                return fleet
+
+            what = f"drain endpoint={key} drain_ms={period} until={utc_iso(remove_at)}"
+            fleet = await self._commit(change, actor, what)
+        return fleet.draining.get(key, remove_at)
 
     async def undrain_endpoint(self, key: str, *, actor: str = "-") -> bool:
         """Cancel the drain of an endpoint still draining: it is served again as before. Returns whether
@@ -630,25 +744,45 @@ class XdsServer:
         Raises:
             UnknownEndpointError: no such endpoint (one whose drain already ended was removed: register
                 it again).
-            StateFileError: it cannot be stored; nothing changes.
+            FleetStoreError, SharedStateUnavailableError: it cannot be stored; nothing changes.
         """
+        was = False
+
+        async def change(base: FleetState) -> FleetState:
+            nonlocal was
+            self._require_known(key, base)
+            was = key in base.draining
+            if not was:
+                return base  # nothing to store
+            fleet = base.undrain(key)
+            await self._validate(fleet, "<fleet api>")
+            return fleet
+
         async with self._fleet_lock:
-            self._require_known(key)
-            if key not in self.fleet.draining:
-                return False
-            await self._commit(self.fleet.undrain(key), actor, f"undrain endpoint={key}")
-        return True
+            if self._store is None or not self._store.shared:
+                # this server's view is the stored state: nothing to cancel, nothing to store or log
+                self._require_known(key, self.fleet)
+                if key not in self.fleet.draining:
+                    return False
+            await self._commit(change, actor, f"undrain endpoint={key}", logged=lambda: was)
+        return was
 
     async def deregister_endpoint(self, key: str, *, actor: str = "-") -> None:
         """Remove an endpoint now (no drain).
 
         Raises:
             UnknownEndpointError: no such endpoint.
-            StateFileError: it cannot be stored; nothing changes.
+            FleetStoreError, SharedStateUnavailableError: it cannot be stored; nothing changes.
         """
+
+        async def change(base: FleetState) -> FleetState:
+            self._require_known(key, base)
+            fleet = base.deregister(key)
+            await self._validate(fleet, "<fleet api>")
+            return fleet
+
         async with self._fleet_lock:
-            self._require_known(key)
-            await self._commit(self.fleet.deregister(key), actor, f"deregister endpoint={key}")
+            await self._commit(change, actor, f"deregister endpoint={key}")
 
     async def override_weight(self, key: str, weight: int | None, *, actor: str = "-") -> None:
         """Pin an endpoint's Envoy weight (>= 1), or clear the pin with None.
@@ -656,31 +790,35 @@ class XdsServer:
         Raises:
             UnknownEndpointError: no such endpoint.
             ValueError: weight below 1.
-            StateFileError: it cannot be stored; nothing changes.
+            FleetStoreError, SharedStateUnavailableError: it cannot be stored; nothing changes.
         """
-        async with self._fleet_lock:
-            self._require_known(key)
-            fleet = self.fleet.override_weight(key, weight)
-            await self._commit(fleet, actor, f"weight endpoint={key} weight={_weight_text(weight)}")
+        await self.override_weights(
+            {key: weight}, actor=actor, what=f"weight endpoint={key} weight={_weight_text(weight)}"
+        )
 
-    async def override_weights(self, weights: Mapping[str, int | None], *, actor: str = "-") -> None:
+    async def override_weights(
+        self, weights: Mapping[str, int | None], *, actor: str = "-", what: str | None = None
+    ) -> None:
         """Pin (or with None clear) the Envoy weights of many endpoints in one change (one push, one
-        write, one log line).
+        write, one log line; ``what`` overrides the line's description).
 
         Raises:
             UnknownEndpointError: one of the keys names no endpoint (nothing changes).
             ValueError: a weight below 1 (nothing changes).
-            StateFileError: it cannot be stored; nothing changes.
+            FleetStoreError, SharedStateUnavailableError: it cannot be stored; nothing changes.
         """
-        async with self._fleet_lock:
-            known = self._known()
-            fleet = self.fleet
+
+        async def change(base: FleetState) -> FleetState:
+            fleet = base
             for key, weight in weights.items():
-                if key not in known:
-                    raise UnknownEndpointError(key)
+                self._require_known(key, base)
                 fleet = fleet.override_weight(key, weight)
-            pins = ",".join(f"{k}={_weight_text(w)}" for k, w in weights.items())
-            await self._commit(fleet, actor, f"weights endpoints={pins or '-'}")
+            await self._validate(fleet, "<fleet api>")
+            return fleet
+
+        pins = ",".join(f"{k}={_weight_text(w)}" for k, w in weights.items())
+        async with self._fleet_lock:
+            await self._commit(change, actor, what or f"weights endpoints={pins or '-'}")
 
     async def _expire_drains(self) -> None:
         while True:
@@ -695,13 +833,103 @@ class XdsServer:
                     await asyncio.wait_for(self._drain_wake.wait(), min(delay, DRAIN_RECHECK_S))
                 continue
             async with self._fleet_lock:
-                expired = self.fleet.expire(time.time())
+                now = time.time()
+                expired = self.fleet.expire(now)
                 gone = sorted(set(self.fleet.draining) - set(expired.draining))
                 if not gone:
                     continue
                 log.info("drain period over, removing %s", gone)
-                await self._store_derived(expired)
-                self._apply_fleet(expired)
+
+                async def change(base: FleetState, now: float = now) -> FleetState:
+                    fleet = base.expire(now)
+                    await self._validate(fleet, "<drain end>")
+                    return fleet
+
+                await self._adopt_derived(await self._store_derived(change, expired), expired)
+
+    async def _adopt_derived(self, fleet: FleetState, fallback: FleetState) -> None:
+        """Serve a derived state; one that this config cannot serve (another server's registration of a
+        model this config lacks) is logged and ``fallback`` (a subset of this server's view) served."""
+        try:
+            await self._adopt(fleet, "<fleet store>")
+        except ConfigError as exc:
+            self.store_errors += 1
+            log.error("fleet state from %s does not fit this config, serving this server's own: %s",
+                      self.state_store, exc)  # fmt: skip
+            self._validated = None
+            await self._adopt(fallback, "<fleet store>")
+
+    # -- following a shared store ---------------------------------------------------------------------
+    async def _follow_store(self, store: RedisFleetStore) -> None:
+        """Adopt every state another server stores: wait for an announcement (or the poll interval), read
+        the version, adopt a new state. A store that is down is retried every poll (logged once when it
+        goes, once when it is back); meanwhile the last adopted state keeps serving."""
+        down = False
+        while True:
+            assert self.config is not None
+            poll_s = self.config.xds.state_redis_poll_ms / 1000
+            try:
+                await store.wait_for_change(poll_s)
+                async with self._fleet_lock:
+                    stored = await store.changed(self.fleet)
+                    if stored is not None:
+                        await self._adopt_stored(store, stored)
+            except SharedStateUnavailableError as exc:
+                self.store_errors += 1
+                self.store_reachable = False
+                await store.resubscribe()  # its connection is as broken as the one that failed
+                if not down:
+                    log.error("%s: fleet API changes are refused (503) and the last state keeps serving; "
+                              "retrying every %d ms", exc, self.config.xds.state_redis_poll_ms)  # fmt: skip
+                down = True
+                await asyncio.sleep(poll_s)
+                continue
+            except (FleetStoreError, ValueError, OSError) as exc:
+                # never let the follower die: a server that stops following serves stale state silently
+                self.store_errors += 1
+                log.error("fleet store %s: following it failed, retrying: %s", store.where, exc)
+                await asyncio.sleep(poll_s)
+                continue
+            self.store_reachable = True
+            if down:
+                log.info("fleet store %s reachable again (version %d)", store.where, store.seen.version)
+                down = False
+
+    async def _adopt_stored(self, store: RedisFleetStore, stored: FleetState) -> None:
+        """Serve a state another server stored (the caller holds the fleet lock), on top of this config:
+        reconciled with it and its ended drains removed (both stored back when they change it)."""
+        assert self.config is not None
+        config, now = self.config, time.time()
+        fleet = stored.reconcile(config).expire(now)
+        try:
+            await self._adopt(fleet, f"the fleet state in {store.where}")
+        except ConfigError as exc:
+            self.store_errors += 1
+            self._validated = None
+            log.error("fleet state version %d in %s does not fit this server's config, the last good state "
+                      "keeps serving: %s", store.seen.version, store.where, exc)  # fmt: skip
+            return
+        f = fleet
+        log.info(
+            "fleet state version %d from %s applied: %d registered, %d draining, %d deregistered, "
+            "%d weight pins",
+            store.seen.version, store.where, len(f.registered), len(f.draining), len(f.hidden),
+            len(f.weight_overrides),
+        )  # fmt: skip
+        if fleet.draining != stored.draining:
+
+            async def change(base: FleetState) -> FleetState:
+                derived = base.expire(now)
+                await self._validate(derived, "<drain end>")
+                return derived
+
+            await self._adopt_derived(await self._store_derived(change, fleet), fleet)
+
+
+def _store_fields(config: Config) -> tuple[str | None, ...]:
+    """The config fields that choose the fleet store (read at start only)."""
+    x = config.xds
+    return (x.state_file, x.state_redis_url, x.state_redis_key)
 
 
 def _weight_text(weight: int | None) -> str:

@@ -2,6 +2,8 @@
 
 - :mod:`inferlb.adapters.quota_redis`: the quota store over Redis (atomic Lua scripts), shared by several
   ext_proc replicas.
+- :mod:`inferlb.adapters.state_redis`: one versioned JSON document in Redis shared by several processes
+  (compare-and-set writes, announced on a channel): the xDS server replicas' fleet store.
 - :mod:`inferlb.adapters.nvml`: GPU readings through NVML (nvidia-ml-py) behind a ``typing.Protocol``.
 - :mod:`inferlb.adapters.unix_socket`: the gRPC services' Unix domain sockets (owner-only file mode).
 

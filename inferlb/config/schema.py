@@ -4,7 +4,7 @@ Shape (see README "Config reference" and ``examples/local.yaml``)::
 
     gateway:    {listen, admin, max_request_body_bytes, ...}   # the Envoy side
     xds:        {listen, push_debounce_ms, push_max_delay_ms, api_listen, api_token, drain_period_ms,
-                 node_groups, state_file}
+                 node_groups, state_file, state_redis_url, ...}
     ext_proc:   {listen, message_timeout_ms, failure_mode_allow, account_responses, quota_backend, ...}
     gpu_profiles: {H100: {relative_capacity: 3.4, ...}, ...}
     models:     [{name, aliases, context_length, versions: [{name, traffic_percent}],
@@ -289,6 +289,36 @@ class XdsConfig(_Frozen):
     #: change, see xds_server/fleet_store.py); a relative path is relative to the config file's directory.
     #: None: the changes live in memory only and a restart forgets them. Read at start-up only.
     state_file: Annotated[str, Field(min_length=1, max_length=4096)] | None = None
+    #: redis-py URL (``redis://``, ``rediss://`` or ``unix://``) of a fleet store several xDS servers share
+    #: instead of ``state_file`` (xds_server/fleet_store.py): each change is a compare-and-set on one
+    #: versioned document, announced to every server, which all serve it. None: ``state_file`` (or memory).
+    #: Read at start-up only; Redis must persist it (``appendonly yes``).
+    state_redis_url: Annotated[str, Field(min_length=1, max_length=4096)] | None = None
+    #: The Redis key of the shared fleet document (a hash; announcements on ``<key>:changed``). Servers
+    #: that serve the same Envoy fleet use the same key.
+    state_redis_key: Annotated[str, Field(min_length=1, max_length=128)] = "inferlb:fleet"
+    #: Timeout of one command to the fleet store, and of opening a connection to it (ms): slower counts as
+    #: the store being down (fleet changes answer 503, the last state keeps serving).
+    state_redis_timeout_ms: Annotated[int, Field(strict=True, ge=1, le=60_000)] = 1_000
+    #: How often each server reads the store's version besides listening for announcements (which a
+    #: reconnecting subscriber can miss), and retries a store that is down (ms).
+    state_redis_poll_ms: Annotated[int, Field(strict=True, ge=10, le=60_000)] = 500
+
+    @field_validator("state_redis_url")
+    @classmethod
+    def _check_state_redis_url(cls, value: str | None) -> str | None:
+        if value is not None and not value.startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError(f"expected a redis://, rediss:// or unix:// URL, got {value!r}")
+        return value
+
+    @model_validator(mode="after")
+    def _check_one_state_store(self) -> Self:
+        if self.state_file is not None and self.state_redis_url is not None:
+            raise ValueError(
+                "state_file and state_redis_url are both set: the fleet API's changes go to one store, "
+                "the file (one server) or Redis (shared by several servers); drop one"
+            )
+        return self
 
     @model_validator(mode="after")
     def _check_reconnect(self) -> Self:

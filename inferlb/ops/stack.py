@@ -7,8 +7,9 @@ each of ``ext_proc.extra_listen``), each its own endpoint of Envoy's ext_proc (e
 gets a bootstrap rendered from the same config (:func:`xds_server.bootstrap.render_bootstrap`) and takes
 everything else (listeners, routes, clusters, endpoints) from the xDS server.
 
-The xDS server stores the fleet API's changes where the config's ``xds.state_file`` says; when it says
-nothing and the stack runs in a work directory of the caller's (``inferlb up --workdir DIR``), in
+The xDS server stores the fleet API's changes where the config's ``xds.state_file`` (or the shared Redis
+store of ``xds.state_redis_url``) says; when it says nothing and the stack runs in a work directory of the
+caller's (``inferlb up --workdir DIR``), in
 ``DIR/xds-fleet-state.json`` (:data:`STATE_FILE_NAME`), so the next ``inferlb up --workdir DIR`` serves the
 fleet as the API left it. A temporary work directory is removed on a clean stop, so it gets no state file.
 """
@@ -258,7 +259,8 @@ class Stack:
 
     Use as a context manager or call :meth:`start` / :meth:`stop`. ``workdir`` receives the rendered
     Envoy bootstrap, one log file per child (``<name>.log``) and, when the caller gave it and the config
-    names no ``xds.state_file``, the xDS server's fleet state (:data:`STATE_FILE_NAME`).
+    names no ``xds.state_file`` or ``xds.state_redis_url``, the xDS server's fleet state
+    (:data:`STATE_FILE_NAME`).
     """
 
     def __init__(
@@ -413,8 +415,10 @@ class Stack:
     @property
     def state_file(self) -> Path | None:
         """Where the xDS server stores fleet API changes when this stack passes it one (the caller's work
-        directory and no ``xds.state_file``), else None (the config's own, or none)."""
-        if self._own_tmp or self.config.xds.state_file is not None:
+        directory and no ``xds.state_file`` or ``xds.state_redis_url``), else None (the config's own, or
+        none)."""
+        x = self.config.xds
+        if self._own_tmp or x.state_file is not None or x.state_redis_url is not None:
             return None
         return self.workdir / STATE_FILE_NAME
 

@@ -27,6 +27,7 @@ from inferlb.policy.telemetry import (
 from inferlb.policy.weights import WeightParams, WeightState, step
 from simulation.gpusim.faults import THROTTLE_TEMPERATURE_C
 from simulation.gpusim.server import SimulatedEndpoint
+from tests.conftest import wait_until
 
 MODEL = "sim-model"
 
@@ -242,8 +243,8 @@ async def test_utilization_and_memory_follow_the_load(endpoint: Fixture) -> None
     assert idle.utilization_percent == 0.0
     # keep the GPU busy for ~0.3 s with 4 concurrent requests, reading telemetry while they run
     tasks = [asyncio.create_task(chat(http, base, max_tokens=120)) for _ in range(4)]
-    await asyncio.sleep(0.05)
-    assert srv.engine.stats().kv_usage > 0
+    # wait for them to reach the engine (a fixed sleep loses that race on a loaded machine)
+    await wait_until(lambda: srv.engine.stats().kv_usage > 0, "the requests in the engine", poll_s=0.005)
     during = await gpu(http, base)
     assert during.memory_used_bytes > idle.memory_used_bytes
     await asyncio.gather(*tasks)

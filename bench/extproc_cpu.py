@@ -147,15 +147,15 @@ def envoy_messages(body: bytes, *, sse: bool) -> list[ep.ProcessingRequest]:
 
 
 # -- the server process ---------------------------------------------------------------------------
-async def _serve(profile_path: str | None) -> None:
+async def _serve(profile_path: str | None, reset_wait_s: float | None) -> None:
     # imported here so the client process does not pay for tiktoken and the config models
-    from ext_proc.servicer import ExtProcState, add_to_server, make_server  # noqa: PLC0415
+    from ext_proc.servicer import RESET_WAIT_S, ExtProcState, add_to_server, make_server  # noqa: PLC0415
     from inferlb.config.schema import parse_config  # noqa: PLC0415
 
     state = ExtProcState(parse_config(CONFIG))
     state.gateway.counter.count("warm up the encoding")
     server = make_server()
-    add_to_server(server, state)
+    add_to_server(server, state, reset_wait_s=RESET_WAIT_S if reset_wait_s is None else reset_wait_s)
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     stop = asyncio.Event()
@@ -190,10 +190,25 @@ class Server:
                 self.proc.wait()
 
 
-def start_server(prefix: list[str], *, profile_path: str | None = None, timeout_s: float = 30) -> Server:
+def start_server(
+    prefix: list[str],
+    *,
+    profile_path: str | None = None,
+    timeout_s: float = 30,
+    reset_wait_s: float | None = None,
+) -> Server:
+    """The ext_proc server in a subprocess (``prefix``: a command to run it under, e.g. valgrind), once it
+    listens; ``reset_wait_s``: the servicer's wait for a reset after a stream's last answer (seconds; None:
+    its default).
+
+    Raises:
+        RuntimeError: it did not print its port within ``timeout_s``.
+    """
     cmd = [*prefix, sys.executable, __file__, "--serve"]
     if profile_path:
         cmd += ["--profile-out", profile_path]
+    if reset_wait_s is not None:
+        cmd += ["--reset-wait-s", str(reset_wait_s)]
     proc = subprocess.Popen(
         cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=Path(__file__).parents[1]
     )
@@ -261,7 +276,7 @@ def _cpu(proc: psutil.Process) -> float:
 
 
 def measure_cpu(args: argparse.Namespace, work: Workload) -> dict[str, float]:
-    server = start_server([])
+    server = start_server([], reset_wait_s=args.reset_wait_s)
     try:
         sproc = psutil.Process(server.pid)
         asyncio.run(run_requests(server.port, args.warmup, args.concurrency, work))
@@ -300,7 +315,7 @@ def measure_instructions(args: argparse.Namespace, work: Workload) -> float | No
     with tempfile.TemporaryDirectory(prefix="extproc-cg-") as tmp:
         out = Path(tmp) / "callgrind.out"
         prefix = [valgrind, "--tool=callgrind", "--instr-atstart=no", f"--callgrind-out-file={out}.%p"]
-        server = start_server(prefix, timeout_s=600)
+        server = start_server(prefix, timeout_s=600, reset_wait_s=args.reset_wait_s)
         try:
             asyncio.run(run_requests(server.port, args.callgrind_warmup, 4, work))
             subprocess.run([control, "-i", "on", str(server.pid)], check=True, capture_output=True)
@@ -321,7 +336,7 @@ def measure_instructions(args: argparse.Namespace, work: Workload) -> float | No
 def profile(args: argparse.Namespace, work: Workload, console: Console) -> None:
     with tempfile.TemporaryDirectory(prefix="extproc-prof-") as tmp:
         path = os.path.join(tmp, "server.prof")
-        server = start_server([], profile_path=path)
+        server = start_server([], profile_path=path, reset_wait_s=args.reset_wait_s)
         try:
             asyncio.run(run_requests(server.port, args.warmup, args.concurrency, work))
             os.kill(server.pid, signal.SIGUSR1)
@@ -363,10 +378,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--profile", type=int, default=0, help="profile N requests (0: no profile)")
     p.add_argument("--profile-top", type=int, default=30)
     p.add_argument("--label", default="", help="a name for this run in the table title")
+    p.add_argument(
+        "--reset-wait-s",
+        type=float,
+        default=None,
+        help="the servicer's wait for the reset after a stream's last answer (default its own; 0: none)",
+    )
     args = p.parse_args(argv)
     if args.serve:
         # the same event loop `python -m ext_proc` runs on (uvloop when installed)
-        run_event_loop(_serve(args.profile_out))
+        run_event_loop(_serve(args.profile_out, args.reset_wait_s))
         return 0
 
     console = Console(width=150)

@@ -18,10 +18,11 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 from prometheus_client import generate_latest
 
-from ext_proc.servicer import ExternalProcessor, ExtProcState, add_to_server
+from ext_proc.servicer import RESET_WAIT_S, ExternalProcessor, ExtProcState, add_to_server
 from inferlb.config.schema import parse_config
 from inferlb.policy.quota import MemoryQuotaStore
 from inferlb.request.tokens import default_counter
+from tests.conftest import wait_until
 
 TPM = 1_000
 CONFIG: dict[str, Any] = {
@@ -102,15 +103,17 @@ class Harness:
 
 
 @contextlib.asynccontextmanager
-async def serving(config: dict[str, Any], quotas: Any = None) -> AsyncIterator[Harness]:
-    """The real servicer over ``config`` (and ``quotas``, else the store the config names) on a free
-    loopback port, and a client to it. The monotonic clock is frozen unless a test moves it: nothing
-    leaves the quota window during a test, so the quota bounds are exact. Settlements still running are
-    waited for on exit."""
+async def serving(
+    config: dict[str, Any], quotas: Any = None, *, reset_wait_s: float = RESET_WAIT_S
+) -> AsyncIterator[Harness]:
+    """The real servicer over ``config`` (and ``quotas``, else the store the config names; waiting
+    ``reset_wait_s`` for a reset after a stream's last answer) on a free loopback port, and a client to it.
+    The monotonic clock is frozen unless a test moves it: nothing leaves the quota window during a test,
+    so the quota bounds are exact. Settlements still running are waited for on exit."""
     clock = [1000.0]
     state = ExtProcState(parse_config(config), clock=lambda: clock[0], quotas=quotas)
     server = grpc.aio.server()
-    servicer = add_to_server(server, state)
+    servicer = add_to_server(server, state, reset_wait_s=reset_wait_s)
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     try:
@@ -371,14 +374,33 @@ async def test_response_headers_pick_the_body_mode(
     assert tokens_left(hx) == TPM - 18
 
 
-@pytest.mark.parametrize("end", ["body", "trailers"])
-async def test_the_stream_ends_with_its_last_message_without_waiting_for_the_client(
-    harness: Harness, end: str
-) -> None:
-    """After answering the last message (the response body's end_of_stream, or trailers) the servicer
-    closes the stream itself with OK, so no read is in flight when Envoy resets it (a read cancelled by
-    the reset leaks native memory in grpcio aio, grpc/grpc#43360). Until then it keeps reading."""
-    hx = harness
+@pytest.fixture
+def stream_ends(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """How each ``Process`` call of a server started after this fixture ended: ``returned`` (grpc then
+    sends the final status) or ``cancelled`` (by the client's reset: grpc sends nothing)."""
+    ends: list[str] = []
+    process = ExternalProcessor.Process
+
+    async def recorded(self: ExternalProcessor, request_iterator: Any, context: Any) -> None:
+        try:
+            await process(self, request_iterator, context)
+        except asyncio.CancelledError:
+            ends.append("cancelled")
+            raise
+        ends.append("returned")
+
+    monkeypatch.setattr(ExternalProcessor, "Process", recorded)
+    return ends
+
+
+async def last_answer(hx: Harness, end: str) -> Any:
+    """A stream through to the answer Envoy needs last: the response body's end_of_stream, the response
+    trailers, or an immediate response (an unknown API key); the stream stays open on the client side."""
+    if end == "refused":
+        call = hx.stub.Process()
+        r = await hx.send(call, req_headers("sk-unknown-0"))
+        assert r.immediate_response.status.code == 401
+        return call
     call, _ = await admit(hx, "sk-metered-1", chat(stream=True))
     await hx.send(call, resp_headers())
     await hx.send(call, resp_body(sse(delta("hi"))))  # not the last: the stream stays open
@@ -388,7 +410,31 @@ async def test_the_stream_ends_with_its_last_message_without_waiting_for_the_cli
         await hx.send(call, resp_body(sse(USAGE, "[DONE]")))
         await call.write(ep.ProcessingRequest(response_trailers=ep.HttpTrailers()))
         assert (await asyncio.wait_for(call.read(), timeout=10)).HasField("response_trailers")
-    # no done_writing, no cancel: the server ends the call
-    assert await asyncio.wait_for(call.read(), timeout=10) is grpc.aio.EOF
-    assert await asyncio.wait_for(call.code(), timeout=10) == grpc.StatusCode.OK
-    assert tokens_left(hx) == TPM - 18
+    assert tokens_left(hx) == TPM - 18  # settled with the last answer, not when the stream ends
+    return call
+
+
+@pytest.mark.parametrize("end", ["body", "trailers", "refused"])
+async def test_after_its_last_answer_a_stream_waits_for_the_reset_and_sends_no_status(
+    stream_ends: list[str], end: str
+) -> None:
+    """After the answer Envoy needs last the servicer reads no more (a read in flight when Envoy's reset
+    lands leaks native memory in grpcio aio) and does not end the stream either: a final status sent
+    while Envoy's reset is on its way fails on the reset stream, and grpcio aio leaks that batch. It waits
+    for the reset, which cancels it with nothing in flight."""
+    async with serving(CONFIG) as hx:
+        call = await last_answer(hx, end)
+        call.cancel()  # as Envoy does once it has its last answer
+        await wait_until(lambda: bool(stream_ends), "the stream to end")
+        assert stream_ends == ["cancelled"]
+        assert await call.code() == grpc.StatusCode.CANCELLED
+
+
+@pytest.mark.parametrize("end", ["body", "refused"])
+async def test_a_client_that_never_resets_gets_ok_after_the_wait(stream_ends: list[str], end: str) -> None:
+    async with serving(CONFIG, reset_wait_s=0.05) as hx:
+        call = await last_answer(hx, end)
+        # no done_writing, no cancel: the server ends the call once the wait is over
+        assert await asyncio.wait_for(call.read(), timeout=10) is grpc.aio.EOF
+        assert await asyncio.wait_for(call.code(), timeout=10) == grpc.StatusCode.OK
+        assert stream_ends == ["returned"]

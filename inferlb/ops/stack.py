@@ -106,14 +106,16 @@ def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
 def on_free_ports(doc: dict[str, Any], host: str = "127.0.0.1") -> dict[str, Any]:
     """The config document ``doc`` (modified in place and returned) with every address it listens on
     moved to a free port on ``host``: the gateway and its admin, the xDS server and its API, ext_proc and
-    its metrics, and each endpoint, so tests and benchmarks run a stack beside another one."""
-    ports = iter(free_ports(6 + len(doc["endpoints"]), host))
+    its metrics and settler (``meter_listen``), and each endpoint, so tests and benchmarks run a stack
+    beside another one."""
+    ports = iter(free_ports(7 + len(doc["endpoints"]), host))
     doc["gateway"]["listen"] = f"{host}:{next(ports)}"
     doc["gateway"]["admin"] = f"{host}:{next(ports)}"
     doc["xds"]["listen"] = f"{host}:{next(ports)}"
     doc["ext_proc"]["listen"] = f"{host}:{next(ports)}"
     doc["xds"]["api_listen"] = f"{host}:{next(ports)}"
     doc["ext_proc"]["metrics_listen"] = f"{host}:{next(ports)}"
+    doc["ext_proc"]["meter_listen"] = f"{host}:{next(ports)}"
     for ep in doc["endpoints"]:
         ep["address"] = f"{host}:{next(ports)}"
     return doc
@@ -404,8 +406,12 @@ class Stack:
             zip(cfg.extra_listen, cfg.extra_metrics_addresses(), strict=True), start=2
         ):
             child = self._python_child(
-                f"{service}-{i}", SERVICE_MODULES[service], "--listen", str(listen), "--metrics-listen",
-                str(metrics)
+                f"{service}-{i}",
+                SERVICE_MODULES[service],
+                "--listen",
+                str(listen),
+                "--metrics-listen",
+                str(metrics),
             )
             out.append((child, listen))
         return out

@@ -1,9 +1,13 @@
-"""Response accounting through a real Envoy, the official ``openai`` SDK as the client.
+"""Response accounting through a real Envoy, the official ``openai`` SDK as the client, in both
+request-path modes.
 
-With ``ext_proc.account_responses`` on (the default), Envoy sends ext_proc the response headers and
-streams it the response body; ext_proc settles each quota reservation with the response's real usage.
-What is charged is read back from ext_proc's own ``/metrics`` (``inferlb_prompt_tokens_total``,
-``inferlb_completion_tokens_total`` by tenant and model).
+With ``ext_proc.account_responses`` on (the default): in ``ext_proc`` mode Envoy sends ext_proc the response
+headers and streams it the response body; in ``ext_authz`` mode Envoy's Lua filter reads the usage as the
+body streams by and its batched gRPC access log brings it to the settler in the ext_authz process. Either way
+each quota reservation is settled once with the response's real usage. What is charged is read back from the
+service's own ``/metrics`` (``inferlb_prompt_tokens_total``, ``inferlb_completion_tokens_total`` by tenant and
+model). Where the modes differ (ext_authz adds no ``include_usage``, so a stream that did not ask for usage,
+or was cut before it, is charged its reservation), the test says so.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from inferlb.config.schema import Config
 from tests.conftest import make_config_doc
-from tests.e2e.conftest import RunningStack, http_request, skip_in, started_stack
+from tests.e2e.conftest import RunningStack, http_request, in_mode, started_stack
 
 pytestmark = pytest.mark.e2e
 
@@ -40,6 +44,17 @@ def charged(config: Config, tenant: str, model: str) -> tuple[int, int]:
     return int(got["inferlb_prompt_tokens_total"]), int(got["inferlb_completion_tokens_total"])
 
 
+def settlements(config: Config) -> dict[str, int]:
+    """``inferlb_meter_settlements_total`` by outcome (ext_authz mode's settler), from ``/metrics``."""
+    text = http_request(str(config.ext_proc.metrics_listen), "GET", "/metrics").body.decode()
+    out: dict[str, int] = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            if s.name == "inferlb_meter_settlements_total":
+                out[s.labels["outcome"]] = int(s.value)
+    return out
+
+
 def wait_charged(
     config: Config, tenant: str, model: str, before: tuple[int, int], timeout_s: float = 10.0
 ) -> tuple[int, int]:
@@ -56,12 +71,11 @@ def wait_charged(
 
 @pytest.fixture(scope="module")
 def accounting_stack(tmp_path_factory: pytest.TempPathFactory, request_path: str) -> Iterator[RunningStack]:
-    # settling a reservation with the response's usage needs the response, which ext_authz never sees
-    skip_in("ext_authz", request_path, "responses are not metered (the reservation is the charge)")
     """The default fleet with the default config's response accounting, decode slowed to 2,000 tokens/s
-    per V100 sequence (an abort mid-stream must come before the end), plus one tenant per test."""
+    per V100 sequence (an abort mid-stream must come before the end), plus one tenant per test, in each
+    request-path mode."""
     work = tmp_path_factory.mktemp("acct")
-    doc = make_config_doc()
+    doc = in_mode(make_config_doc(), request_path)
     doc["ext_proc"].pop("account_responses", None)  # the default is what is under test
     doc["simulation"]["decode_tokens_per_s"] = 2_000
     doc["tenants"] += [{"name": t, "api_keys": [f"sk-{t}-key"]} for t in TENANTS]
@@ -106,7 +120,7 @@ def test_a_stream_that_asked_for_usage_is_charged_it_and_sees_it(accounting_stac
 
 
 def test_a_stream_that_did_not_ask_is_charged_but_never_sees_the_usage_chunk(
-    accounting_stack: RunningStack,
+    accounting_stack: RunningStack, request_path: str
 ) -> None:
     rs = accounting_stack
     messages: Any = [{"role": "user", "content": "stream without usage"}]
@@ -117,13 +131,20 @@ def test_a_stream_that_did_not_ask_is_charged_but_never_sees_the_usage_chunk(
         before = wait_charged(rs.config, "acct-sse-hidden", QWEN, (0, 0))
         chunks = list(c.chat.completions.create(model=QWEN, messages=messages, max_tokens=13, stream=True))
     assert chunks and all(ch.usage is None for ch in chunks)
-    assert all(ch.choices for ch in chunks)  # the gateway's extra usage-only chunk was removed
+    # no usage-only chunk: removed (ext_proc) or never asked for (ext_authz)
+    assert all(ch.choices for ch in chunks)
     text = "".join(ch.choices[0].delta.content or "" for ch in chunks)
     assert text
+    # ext_proc: the usage the gateway asked for; ext_authz: no usage reached Envoy, so the reservation
+    # (the prompt as counted at admission + the output cap), which here is the same pair
     assert wait_charged(rs.config, "acct-sse-hidden", QWEN, before) == (ref.usage.prompt_tokens, 13)
+    if request_path == "ext_authz":
+        assert settlements(rs.config).get("unmetered", 0) >= 1
 
 
-def test_an_aborted_stream_is_charged_for_what_was_produced(accounting_stack: RunningStack) -> None:
+def test_an_aborted_stream_is_charged_for_what_was_produced(
+    accounting_stack: RunningStack, request_path: str
+) -> None:
     rs = accounting_stack
     max_tokens = 4_000  # >= 1.2 s of decode on the fastest GPU at 2,000 tokens/s x 3.4
     before = charged(rs.config, "acct-abort", QWEN)
@@ -142,6 +163,11 @@ def test_an_aborted_stream_is_charged_for_what_was_produced(accounting_stack: Ru
         stream.close()
     prompt, completion = wait_charged(rs.config, "acct-abort", QWEN, before)
     assert prompt > 0
+    if request_path == "ext_authz":
+        # Envoy saw no usage before the cut, and nothing counts deltas there: the whole reservation,
+        # never less than what was produced
+        assert completion == max_tokens
+        return
     # charged what was produced: at least what the client read, well short of the reservation
     assert seen <= completion < max_tokens
 

@@ -352,8 +352,9 @@ class ExtProcConfig(_Frozen):
     #: the charge and the concurrency slot is released at admission.
     account_responses: bool = True
     #: ``protocol: ext_authz`` with ``account_responses``: where the ext_authz process serves Envoy's gRPC
-    #: access-log service (the settler). Unused otherwise.
-    meter_listen: HostPort = HostPort(host="127.0.0.1", port=18082)
+    #: access-log service (the settler). Unused otherwise. (Its default port sits below ``listen``: the
+    #: ports above ``metrics_listen`` are the derived ``extra_metrics_listen``.)
+    meter_listen: HostPort = HostPort(host="127.0.0.1", port=18079)
     #: Envoy's gRPC access log ``buffer_flush_interval`` (ms): the most an entry waits in Envoy before it is
     #: sent, so the most a settlement is late (plus the settler's own time); also what a clean Envoy stop
     #: must wait after the last request (Envoy does not flush the buffer when it exits).

@@ -13,6 +13,7 @@ or was cut before it, is charged its reservation), the test says so.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -20,10 +21,12 @@ from typing import Any
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.samples import Sample
 
 from inferlb.config.schema import Config
-from tests.conftest import make_config_doc
-from tests.e2e.conftest import RunningStack, http_request, in_mode, started_stack
+from inferlb.ops.stack import free_ports
+from tests.conftest import make_config_doc, redis_or_skip
+from tests.e2e.conftest import RunningStack, chat_body, http_request, in_mode, started_stack
 
 pytestmark = pytest.mark.e2e
 
@@ -33,25 +36,31 @@ LLAMA = "llama-3.1-8b-instruct"
 TENANTS = ("acct-json", "acct-sse", "acct-sse-hidden", "acct-abort")
 
 
+def metric_samples(config: Config) -> Iterator[Sample]:
+    """Every sample of every request-path process's ``/metrics`` (``metrics_listen`` and the
+    ``extra_listen`` processes')."""
+    for addr in (config.ext_proc.metrics_listen, *config.ext_proc.extra_metrics_addresses()):
+        text = http_request(str(addr), "GET", "/metrics").body.decode()
+        for fam in text_string_to_metric_families(text):
+            yield from fam.samples
+
+
 def charged(config: Config, tenant: str, model: str) -> tuple[int, int]:
-    """(prompt, completion) tokens ext_proc has charged ``tenant`` on ``model``, from its ``/metrics``."""
-    text = http_request(str(config.ext_proc.metrics_listen), "GET", "/metrics").body.decode()
+    """(prompt, completion) tokens the gateway has charged ``tenant`` on ``model``, from the ``/metrics``
+    of its processes."""
     got = {"inferlb_prompt_tokens_total": 0.0, "inferlb_completion_tokens_total": 0.0}
-    for fam in text_string_to_metric_families(text):
-        for s in fam.samples:
-            if s.name in got and s.labels.get("tenant") == tenant and s.labels.get("model") == model:
-                got[s.name] += s.value
+    for s in metric_samples(config):
+        if s.name in got and s.labels.get("tenant") == tenant and s.labels.get("model") == model:
+            got[s.name] += s.value
     return int(got["inferlb_prompt_tokens_total"]), int(got["inferlb_completion_tokens_total"])
 
 
 def settlements(config: Config) -> dict[str, int]:
     """``inferlb_meter_settlements_total`` by outcome (ext_authz mode's settler), from ``/metrics``."""
-    text = http_request(str(config.ext_proc.metrics_listen), "GET", "/metrics").body.decode()
     out: dict[str, int] = {}
-    for fam in text_string_to_metric_families(text):
-        for s in fam.samples:
-            if s.name == "inferlb_meter_settlements_total":
-                out[s.labels["outcome"]] = int(s.value)
+    for s in metric_samples(config):
+        if s.name == "inferlb_meter_settlements_total":
+            out[s.labels["outcome"]] = out.get(s.labels["outcome"], 0) + int(s.value)
     return out
 
 
@@ -69,17 +78,38 @@ def wait_charged(
         time.sleep(0.05)
 
 
+@pytest.fixture(scope="module", params=("memory", "redis"))
+def quota_backend(request: pytest.FixtureRequest) -> str:
+    """Each quota store in turn: in-process, or a real Redis shared by the replicas."""
+    backend: str = request.param
+    return backend
+
+
 @pytest.fixture(scope="module")
-def accounting_stack(tmp_path_factory: pytest.TempPathFactory, request_path: str) -> Iterator[RunningStack]:
+def accounting_stack(
+    tmp_path_factory: pytest.TempPathFactory, request_path: str, quota_backend: str
+) -> Iterator[RunningStack]:
     """The default fleet with the default config's response accounting, decode slowed to 2,000 tokens/s
     per V100 sequence (an abort mid-stream must come before the end), plus one tenant per test, in each
-    request-path mode."""
+    request-path mode and with each quota store: with Redis, ext_proc mode runs two replicas sharing it
+    (ext_authz meters in one process, so one replica there)."""
     work = tmp_path_factory.mktemp("acct")
     doc = in_mode(make_config_doc(), request_path)
     doc["ext_proc"].pop("account_responses", None)  # the default is what is under test
     doc["simulation"]["decode_tokens_per_s"] = 2_000
     doc["tenants"] += [{"name": t, "api_keys": [f"sk-{t}-key"]} for t in TENANTS]
-    with started_stack(work, doc) as rs:
+    doc["tenants"].append(
+        {"name": "acct-conc", "api_keys": ["sk-acct-conc-key"], "max_concurrent_requests": 1}
+    )
+    with contextlib.ExitStack() as stack:
+        if quota_backend == "redis":
+            redis = stack.enter_context(redis_or_skip(tmp_path_factory.mktemp("redis")))
+            doc["ext_proc"].update(quota_backend="redis", redis_url=redis.url)
+            if request_path == "ext_proc":
+                grpc_port, metrics_port = free_ports(2)
+                doc["ext_proc"]["extra_listen"] = [f"127.0.0.1:{grpc_port}"]
+                doc["ext_proc"]["extra_metrics_listen"] = [f"127.0.0.1:{metrics_port}"]
+        rs = stack.enter_context(started_stack(work, doc))
         assert rs.config.ext_proc.account_responses
         yield rs
 
@@ -214,3 +244,27 @@ def test_a_concurrent_streamed_burst_never_exceeds_the_tokens_per_minute_quota(
     assert sum(admitted) <= quota, admitted
     assert 0 < sum(1 for a in admitted if a) < len(admitted)
     assert refused_retry_after and all(r is not None and int(r) >= 1 for r in refused_retry_after)
+
+
+def test_a_concurrency_slot_is_held_until_the_response_ends(accounting_stack: RunningStack) -> None:
+    rs = accounting_stack
+    body = chat_body(QWEN, max_tokens=3_000, stream=True)
+    key = {"Authorization": "Bearer sk-acct-conc-key"}
+    with rs.openai_client("sk-acct-conc-key") as c:
+        stream = c.chat.completions.create(
+            model=QWEN, messages=body["messages"], max_tokens=3_000, stream=True
+        )
+        next(iter(stream))  # admitted and streaming: its slot is held
+        second = http_request(rs.gateway, "POST", "/v1/chat/completions", chat_body(QWEN), key)
+        assert second.status == 429
+        assert second.json()["error"]["message"].startswith("Too many concurrent requests")
+        for _ in stream:
+            pass
+    # released at the response's end (ext_authz: when its access-log entry arrives, one flush later)
+    deadline = time.monotonic() + 10
+    while (
+        status := http_request(rs.gateway, "POST", "/v1/chat/completions", chat_body(QWEN), key).status
+    ) == 429:
+        assert time.monotonic() < deadline, "the slot was never released"
+        time.sleep(0.1)
+    assert status == 200

@@ -8,7 +8,10 @@ check). Quota state lives where ``ext_proc.quota_backend`` says. It logs ``ext_a
 once it accepts connections and reloads the config file as ext_proc does
 (:func:`ext_proc.process.watch_config`: by content hash, two stable polls, the same checks as xds_server,
 the last good config kept on a bad file). The event loop is uvloop's when installed (``--event-loop``).
-SIGINT/SIGTERM stop it cleanly (:meth:`ext_authz.server.CheckServer.close`). Exit status: 0 after a clean
+With ``ext_proc.account_responses`` it also serves Envoy's gRPC access-log service on
+``ext_proc.meter_listen`` (:mod:`ext_proc.access_log` -> :mod:`ext_authz.meter`, the settler) before it
+takes checks. SIGINT/SIGTERM stop it cleanly (:meth:`ext_authz.server.CheckServer.close`, then the
+settler). Exit status: 0 after a clean
 stop, 1 when the config, the listen address or the event loop is unusable at start-up, or the config's
 ``ext_proc.protocol`` is not ``ext_authz``.
 """
@@ -20,8 +23,12 @@ import logging
 import sys
 from collections.abc import Sequence
 
+import grpc
+
 from ext_authz.check import CheckService
+from ext_authz.meter import Meter
 from ext_authz.server import CheckServer
+from ext_proc.access_log import serve_access_log
 from ext_proc.process import (
     StartUp,
     open_state,
@@ -34,6 +41,9 @@ from ext_proc.process import (
 from inferlb.config.schema import HostPort
 
 log = logging.getLogger("ext_authz")
+
+#: Seconds the settler's gRPC server lets a batch in flight finish at shutdown.
+SETTLER_GRACE_S = 1.0
 
 
 def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -54,15 +64,26 @@ async def serve(start: StartUp, poll_interval_s: float) -> int:
     if state is None:
         return 1
     quotas = state.quotas
-    server = CheckServer(CheckService(state))
+    meter = Meter(state) if config.ext_proc.meters_access_log() else None
+    server = CheckServer(CheckService(state, meter=meter))
     metrics_server = await serve_metrics(state, start.metrics_listen or config.ext_proc.metrics_listen, log)
     if metrics_server is None:
         return 1
     await quotas.start()
+    settler: grpc.aio.Server | None = None
     try:
+        if meter is not None:
+            # before the checks: every metered request's entry must find the settler listening
+            meter_listen = config.ext_proc.meter_listen
+            settler, meter_port = await serve_access_log(
+                meter_listen.host, meter_listen.port, meter.on_entries
+            )
+            meter.start()
+            log.info("ext_authz settler on %s", HostPort(host=meter_listen.host, port=meter_port))
         port = await server.start(listen.host, listen.port)
     except OSError as exc:
         log.error("cannot listen on %s: %s", listen, exc)
+        await _stop_settler(settler, meter)
         await release(state, metrics_server)
         return 1
     log.info("ext_authz ready on %s", HostPort(host=listen.host, port=port))
@@ -71,9 +92,18 @@ async def serve(start: StartUp, poll_interval_s: float) -> int:
         await until_stopped(poller, state, str(listen), poll_interval_s, log)
     finally:
         await server.close()
+        await _stop_settler(settler, meter)
         await release(state, metrics_server)
     log.info("ext_authz stopped")
     return 0
+
+
+async def _stop_settler(settler: grpc.aio.Server | None, meter: Meter | None) -> None:
+    """Stop the access-log receiver after the entries in flight (a short grace), then the sweeps."""
+    if settler is not None:
+        await settler.stop(SETTLER_GRACE_S)
+    if meter is not None:
+        await meter.aclose()
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -22,9 +22,11 @@ What each decision becomes:
   from the same config).
 - any other :class:`~ext_proc.handlers.ImmediateReply` -> its status (5xx as above), headers and JSON body.
 
-Quota: admission reserves prompt + output cap; nothing of the response comes back in this mode, so the
-reservation is settled at once as the charge (the concurrency lease is released with it: configs that set
-``max_concurrent_requests`` are refused for this mode).
+Quota: admission reserves prompt + output cap. With ``ext_proc.account_responses`` (and a
+:class:`~ext_authz.meter.Meter`) the 200 answer also carries the request's meter id
+(:data:`~inferlb.request.headers.METER`, dynamic metadata in Envoy, never sent upstream) and the reservation
+and its concurrency lease wait for Envoy's access-log entry (:mod:`ext_authz.meter`); without it the
+reservation is settled at once as the charge (configs that set ``max_concurrent_requests`` are then refused).
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from collections.abc import Coroutine, Mapping
 from dataclasses import dataclass
 from typing import Any, Final
 
+from ext_authz.meter import Meter
 from ext_proc import handlers
 from ext_proc.state import OFFLOAD_BODY_BYTES, ExtProcState
 from inferlb.errors import RequestError
@@ -160,10 +163,16 @@ class CheckService:
     Args:
         state: the config, quota store and metrics served from.
         offload_body_bytes: bodies at least this large are parsed and counted in a worker thread.
+        meter: with ``ext_proc.account_responses``, where admitted reservations wait for Envoy's
+            access-log entry (:mod:`ext_authz.meter`); None (or ``account_responses`` off): each
+            reservation is settled at admission as the charge.
     """
 
-    def __init__(self, state: ExtProcState, *, offload_body_bytes: int = OFFLOAD_BODY_BYTES) -> None:
+    def __init__(
+        self, state: ExtProcState, *, offload_body_bytes: int = OFFLOAD_BODY_BYTES, meter: Meter | None = None
+    ) -> None:
         self.state = state
+        self.meter = meter
         self.offload_body_bytes = offload_body_bytes
         self._running: set[asyncio.Future[Any]] = set()
 
@@ -209,6 +218,9 @@ class CheckService:
         decision = state.quotas.admit_now(first.pending.tenant.name, prepared.reserved_tokens)
         answer = self._admitted(prepared, decision, len(request.body))
         if isinstance(decision, Admitted):
+            metered = self._metered(prepared, decision, answer)
+            if metered is not None:
+                return metered
             state.quotas.settle_now(decision, decision.tokens)
         return answer
 
@@ -232,15 +244,33 @@ class CheckService:
             )
             answer = self._admitted(prepared, decision, len(body))
             if isinstance(decision, Admitted):
-                try:
-                    await state.quotas.settle(decision, decision.tokens)
-                except Exception:
-                    log.exception("settling the quota of tenant %r failed", decision.tenant)
+                metered = self._metered(prepared, decision, answer)
+                if metered is not None:
+                    answer = metered
+                else:
+                    try:
+                        await state.quotas.settle(decision, decision.tokens)
+                    except Exception:
+                        log.exception("settling the quota of tenant %r failed", decision.tenant)
         except Exception:
             log.exception("ext_authz check failed; answering 500")
             return self._internal_error()
         state.metrics.processed("check", time.perf_counter() - started)
         return answer
+
+    def _metered(
+        self, prepared: handlers.PreparedRequest, decision: Admitted, answer: CheckAnswer
+    ) -> CheckAnswer | None:
+        """``answer`` with the request's meter id when its reservation waits for Envoy's access-log entry
+        (a meter is set, ``account_responses`` is on, the request goes upstream, the store reserved it);
+        None when the caller settles the reservation at once."""
+        meter = self.meter
+        if meter is None or answer.status != 200 or decision.degraded:
+            return None
+        if not self.state.gateway.config.ext_proc.account_responses:
+            return None
+        meter_id = meter.reserve(decision, model=prepared.model.name, prompt_tokens=prepared.prompt_tokens)
+        return CheckAnswer(status=200, headers=(*answer.headers, (h.METER, meter_id)))
 
     def _refuse(self, reply: handlers.ImmediateReply, tenant: str, model: str) -> CheckAnswer:
         self.state.metrics.request_ended(tenant, model, str(reply.status))

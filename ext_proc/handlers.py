@@ -182,8 +182,11 @@ class Gateway:
             (``ext_proc.message_timeout_ms`` x :data:`COUNTING_BUDGET_FRACTION`).
         admit_budget_s: seconds after the body's arrival by which admission must be decided
             (``ext_proc.message_timeout_ms`` x :data:`ADMIT_BUDGET_FRACTION`).
-        account_responses: ``ext_proc.account_responses``: responses are metered, so streams get
-            ``stream_options.include_usage`` added when the client did not ask for it.
+        account_responses: this process meters responses on its own stream (``ext_proc.account_responses``
+            with ``protocol: ext_proc``), so streams get ``stream_options.include_usage`` added when the
+            client did not ask for it and ``low`` tenants are shed by in-flight count. False with
+            ``protocol: ext_authz``: Envoy meters there (:mod:`ext_authz.meter`) and the client's body keeps
+            its own ``stream_options`` (the usage chunk is not hidden from the client in that mode).
         allow_other_paths: ``ext_proc.non_inference_paths == "allow"``.
         low_priority_limits: cluster name -> DEFAULT-priority requests this process may have in flight
             there before it refuses ``low`` tenants (:func:`inferlb.policy.shedding.low_priority_limit`
@@ -235,6 +238,7 @@ class Gateway:
                     raise ValueError(f"models[{m.name}].tokenizer: {exc}") from None
             counters[m.name] = specs[m.tokenizer]
         processes = 1 + len(config.ext_proc.extra_listen)
+        own_stream_meters = config.ext_proc.account_responses and config.ext_proc.protocol == "ext_proc"
         limits = {
             m.cluster_name(v.name): low_priority_limit(
                 m.cluster.circuit_breaker_default.max_requests,
@@ -254,9 +258,9 @@ class Gateway:
             counters=MappingProxyType(counters),
             counting_budget_s=config.ext_proc.message_timeout_ms / 1000 * COUNTING_BUDGET_FRACTION,
             admit_budget_s=config.ext_proc.message_timeout_ms / 1000 * ADMIT_BUDGET_FRACTION,
-            account_responses=config.ext_proc.account_responses,
+            account_responses=own_stream_meters,
             allow_other_paths=config.ext_proc.non_inference_paths == "allow",
-            low_priority_limits=MappingProxyType(limits if config.ext_proc.account_responses else {}),
+            low_priority_limits=MappingProxyType(limits if own_stream_meters else {}),
             overflow_retry_after_s=config.gateway.overflow_retry_after_s,
         )
 

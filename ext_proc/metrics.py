@@ -66,6 +66,22 @@ class ExtProcMetrics:
         self.usage_settled = Counter(
             "inferlb_usage_settled", "Quota settlements by the source of the usage", ("source",), registry=r
         )
+        self.meter_settlements = Counter(
+            "inferlb_meter_settlements",
+            "ext_authz mode: reservations settled from Envoy's access log, by outcome (metered: the "
+            "reported usage; unmetered: the entry had no usage, charged the reservation; not_served: "
+            "non-2xx without usage, charged nothing; expired: no entry within the lease TTL, charged the "
+            "reservation)",
+            ("outcome",),
+            registry=r,
+        )
+        self.meter_entries_ignored = Counter(
+            "inferlb_meter_entries_ignored",
+            "ext_authz mode: access-log entries that settled nothing (duplicate, late: after the TTL settled "
+            "the reservation, unknown: never reserved by this process)",
+            ("reason",),
+            registry=r,
+        )
         self.quota_rejections = Counter(
             "inferlb_quota_rejections", "Requests refused by a quota", ("tenant", "limit"), registry=r
         )

@@ -340,9 +340,10 @@ class ExtProcConfig(_Frozen):
     #: How Envoy calls the request-path service: ``ext_proc`` (``envoy.filters.http.ext_proc``, a gRPC stream
     #: per request; ``python -m ext_proc``) or ``ext_authz`` (``envoy.filters.http.ext_authz`` in HTTP-service
     #: mode, one HTTP/1.1 check per request with the buffered body; ``python -m ext_authz``). Both serve the
-    #: same decisions (:mod:`ext_proc.handlers`) on the addresses below. ``ext_authz`` meters no response
-    #: (a reservation is the charge), so it needs ``account_responses: false`` and no tenant
-    #: ``max_concurrent_requests`` nor ``path_failure_modes`` (refused otherwise, the field named).
+    #: same decisions (:mod:`ext_proc.handlers`) on the addresses below. ``ext_authz`` meters responses in
+    #: Envoy (a Lua filter reads the usage, the gRPC access log brings it to ``meter_listen``), with one
+    #: process only (no ``extra_listen`` with ``account_responses``), and takes no ``path_failure_modes``
+    #: nor ``listen_unix`` (refused otherwise, the field named).
     protocol: Literal["ext_proc", "ext_authz"] = "ext_proc"
     listen: HostPort = HostPort(host="127.0.0.1", port=18080)
     #: Serve ext_proc on this Unix domain socket (an absolute path) instead of ``listen``, the socket file
@@ -373,11 +374,24 @@ class ExtProcConfig(_Frozen):
     #: 400 JSON "you must provide a model parameter".
     fail_open_model: str | None = None
     #: Settle each request's quota reservation with the real usage of its response (and hold its
-    #: concurrency slot until the response ends). Needs Envoy to send response headers (SEND) and bodies
-    #: (STREAMED) to ext_proc; the xDS server derives the filter's ``processing_mode`` from this field.
-    #: False: the reservation (prompt + output cap) is the charge and the concurrency slot is released
-    #: at admission.
+    #: concurrency slot until the response ends). ``protocol: ext_proc``: Envoy sends response headers
+    #: (SEND) and bodies (STREAMED) to ext_proc (the xDS server derives ``processing_mode`` from this
+    #: field). ``protocol: ext_authz``: Envoy's response Lua filter reads the usage and its gRPC access log
+    #: brings it to ``meter_listen``, up to ``meter_flush_interval_ms`` late; an entry that never comes
+    #: settles at the reservation after ``lease_ttl_ms``. False: the reservation (prompt + output cap) is
+    #: the charge and the concurrency slot is released at admission.
     account_responses: bool = True
+    #: ``protocol: ext_authz`` with ``account_responses``: where the ext_authz process serves Envoy's gRPC
+    #: access-log service (the settler). Unused otherwise. (Its default port sits below ``listen``: the
+    #: ports above ``metrics_listen`` are the derived ``extra_metrics_listen``.)
+    meter_listen: HostPort = HostPort(host="127.0.0.1", port=18079)
+    #: Envoy's gRPC access log ``buffer_flush_interval`` (ms): the most an entry waits in Envoy before it is
+    #: sent, so the most a settlement is late (plus the settler's own time); also what a clean Envoy stop
+    #: must wait after the last request (Envoy does not flush the buffer when it exits).
+    meter_flush_interval_ms: Annotated[int, Field(strict=True, ge=10, le=60_000)] = 1_000
+    #: Envoy's gRPC access log ``buffer_size_bytes``: a worker's buffer is sent once it holds this much
+    #: (bytes; ~30 entries of the gateway's at 16 KiB).
+    meter_buffer_bytes: Annotated[int, Field(strict=True, ge=1_024, le=4 * 1024 * 1024)] = 16_384
     #: Where quota state lives: ``memory`` (this process) or ``redis`` (shared by several replicas).
     quota_backend: Literal["memory", "redis"] = "memory"
     #: redis-py URL of the shared quota state (``quota_backend: redis``).
@@ -432,6 +446,11 @@ class ExtProcConfig(_Frozen):
         if not m and n and self.metrics_listen.port + n > 65535:
             raise ValueError("extra_metrics_listen: metrics_listen's port + extra processes passes 65535")
         return self
+
+    def meters_access_log(self) -> bool:
+        """True when responses are metered through Envoy's access log: ``protocol: ext_authz`` with
+        ``account_responses`` (the settler serves on ``meter_listen``)."""
+        return self.protocol == "ext_authz" and self.account_responses
 
     def grpc_address(self) -> GrpcAddress:
         """Where the (first) ext_proc process serves gRPC: ``listen_unix`` when set, else ``listen``."""
@@ -952,10 +971,11 @@ class Config(_Frozen):
         if ep.protocol != "ext_authz":
             return self
         problems: list[str] = []
-        if ep.account_responses:
+        if ep.account_responses and ep.extra_listen:
             problems.append(
-                "ext_proc.account_responses: protocol ext_authz meters no response (the reservation, prompt "
-                "+ output cap, is the charge), so set it to false or use protocol ext_proc"
+                "ext_proc.extra_listen: protocol ext_authz meters responses (account_responses) in one "
+                "process only (its settler holds the reservations Envoy's access log settles), so drop "
+                "extra_listen or set account_responses to false"
             )
         if ep.path_failure_modes:
             problems.append(
@@ -968,10 +988,11 @@ class Config(_Frozen):
                 "ext_proc.listen_unix: protocol ext_authz serves TCP only for now (ext_proc.listen)"
             )
         problems += [
-            f"tenants[{i}].max_concurrent_requests: protocol ext_authz never sees a response end and cannot "
-            "hold a concurrency slot for the request's life, so drop the limit or use protocol ext_proc"
+            f"tenants[{i}].max_concurrent_requests: protocol ext_authz without account_responses never "
+            "learns that a response ended and cannot hold a concurrency slot for the request's life, so "
+            "turn account_responses on, drop the limit or use protocol ext_proc"
             for i, t in enumerate(self.tenants)
-            if t.max_concurrent_requests is not None
+            if t.max_concurrent_requests is not None and not ep.account_responses
         ]
         if problems:
             raise ValueError("; ".join(problems))
@@ -1007,6 +1028,8 @@ class Config(_Frozen):
         if self.ext_proc.listen_unix is None:
             out.append(("ext_proc.listen", self.ext_proc.listen))
         out.append(("ext_proc.metrics_listen", self.ext_proc.metrics_listen))
+        if self.ext_proc.meters_access_log():
+            out.append(("ext_proc.meter_listen", self.ext_proc.meter_listen))
         out += [(f"ext_proc.extra_listen[{i}]", hp) for i, hp in enumerate(self.ext_proc.extra_listen)]
         out += [
             (f"ext_proc.extra_metrics_listen[{i}]", hp)

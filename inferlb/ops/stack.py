@@ -107,14 +107,16 @@ def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
 def on_free_ports(doc: dict[str, Any], host: str = "127.0.0.1") -> dict[str, Any]:
     """The config document ``doc`` (modified in place and returned) with every address it listens on
     moved to a free port on ``host``: the gateway and its admin, the xDS server and its API, ext_proc and
-    its metrics, and each endpoint, so tests and benchmarks run a stack beside another one."""
-    ports = iter(free_ports(6 + len(doc["endpoints"]), host))
+    its metrics and settler (``meter_listen``), and each endpoint, so tests and benchmarks run a stack
+    beside another one."""
+    ports = iter(free_ports(7 + len(doc["endpoints"]), host))
     doc["gateway"]["listen"] = f"{host}:{next(ports)}"
     doc["gateway"]["admin"] = f"{host}:{next(ports)}"
     doc["xds"]["listen"] = f"{host}:{next(ports)}"
     doc["ext_proc"]["listen"] = f"{host}:{next(ports)}"
     doc["xds"]["api_listen"] = f"{host}:{next(ports)}"
     doc["ext_proc"]["metrics_listen"] = f"{host}:{next(ports)}"
+    doc["ext_proc"]["meter_listen"] = f"{host}:{next(ports)}"
     for ep in doc["endpoints"]:
         ep["address"] = f"{host}:{next(ports)}"
     return doc
@@ -252,6 +254,12 @@ class Child:
         if self._log is not None:
             self._log.close()
             self._log = None
+
+
+#: Most seconds :meth:`Stack.drain_envoy` waits for Envoy's requests in flight to end.
+DRAIN_TIMEOUT_S = 10.0
+#: Seconds :meth:`Stack.drain_envoy` waits beyond one access-log flush interval (the batch's trip).
+FLUSH_MARGIN_S = 0.3
 
 
 class Stack:
@@ -406,8 +414,12 @@ class Stack:
             zip(cfg.extra_listen, cfg.extra_metrics_addresses(), strict=True), start=2
         ):
             child = self._python_child(
-                f"{service}-{i}", SERVICE_MODULES[service], "--listen", str(listen), "--metrics-listen",
-                str(metrics)
+                f"{service}-{i}",
+                SERVICE_MODULES[service],
+                "--listen",
+                str(listen),
+                "--metrics-listen",
+                str(metrics),
             )
             out.append((child, listen))
         return out
@@ -480,12 +492,50 @@ class Stack:
         """A child that has exited, if any (the stack is then broken)."""
         return next((c for c in self.children if c.exited() is not None), None)
 
+    def drain_envoy(self, timeout_s: float = DRAIN_TIMEOUT_S) -> bool:
+        """Stop Envoy taking requests without losing metering: drain its listeners gracefully (admin
+        ``POST /drain_listeners?graceful``), wait at most ``timeout_s`` seconds for the requests in flight
+        to end (``http.inferlb_gateway.downstream_rq_active``), then one access-log flush interval
+        (``ext_proc.meter_flush_interval_ms``) plus :data:`FLUSH_MARGIN_S`, so the last batch has gone to
+        the settler: Envoy does not flush its gRPC access-log buffer when it exits (measured on Envoy 1.40:
+        a SIGTERM right after a burst lost the last partial batch). Envoy keeps running.
+
+        Returns:
+            True when no request was left in flight (False: the admin API failed or ``timeout_s`` passed).
+        """
+        try:
+            req = urllib.request.Request(
+                f"http://{self.config.gateway.admin}/drain_listeners?graceful", method="POST"
+            )
+            with urllib.request.urlopen(req, timeout=2.0) as resp:
+                resp.read()
+        except (OSError, urllib.error.URLError):
+            return False
+        deadline = time.monotonic() + timeout_s
+        drained = False
+        while time.monotonic() < deadline:
+            try:
+                text = admin_get(self.config, "/stats?filter=^http.inferlb_gateway.downstream_rq_active$")
+            except (OSError, urllib.error.URLError):
+                return False
+            if text.decode().strip().endswith(": 0"):
+                drained = True
+                break
+            time.sleep(0.05)
+        time.sleep(self.config.ext_proc.meter_flush_interval_ms / 1000 + FLUSH_MARGIN_S)
+        return drained
+
     def stop(self, *, keep_workdir: bool = False) -> None:
-        """Stop every child, Envoy first, then in reverse start order.
+        """Stop every child, Envoy first, then in reverse start order. When Envoy meters into the access
+        log (``ext_proc.protocol: ext_authz`` with ``account_responses``) it is drained first
+        (:meth:`drain_envoy`), so no settlement is lost.
 
         A work directory the stack made itself (no ``workdir`` given) is removed, unless ``keep_workdir``
         (kept when its logs explain a failure).
         """
+        envoy = next((c for c in self.children if c.name == "envoy"), None)
+        if self.config.ext_proc.meters_access_log() and envoy is not None and envoy.exited() is None:
+            self.drain_envoy()
         for c in reversed(self.children):
             c.stop()
         self.children.clear()

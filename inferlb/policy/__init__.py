@@ -10,6 +10,8 @@
   count and its limit, a share of the DEFAULT circuit breaker).
 - :mod:`inferlb.policy.quota`: the quota book (sliding windows, concurrency, daily budgets) and its
   in-process store; the Redis store is an adapter (:mod:`inferlb.adapters.quota_redis`).
+- :mod:`inferlb.policy.settlement`: the exactly-once rule that settles reservations from access-log entries
+  (ext_authz mode's metering).
 
 May import: :mod:`inferlb.errors`, :mod:`inferlb.config`, :mod:`inferlb.request`, prometheus_client's text
 parser; no server, client, Redis, NVML or simulator.

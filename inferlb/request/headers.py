@@ -45,3 +45,7 @@ ENDPOINT: Final = "x-inferlb-endpoint"
 #: open (ext_proc did not answer): the fail-open routes match on it. Never set by ext_proc; a client's own
 #: is removed before routing like every other routing header.
 BODY_MODEL: Final = "x-inferlb-body-model"
+#: The ext_authz answer's meter id of an admitted request (``ext_proc.protocol: ext_authz`` with
+#: ``account_responses``): Envoy turns it into dynamic metadata (``dynamic_metadata_from_headers``, never sent
+#: upstream) that its access-log entry brings back to the settler (:mod:`inferlb.policy.settlement`).
+METER: Final = "x-inferlb-meter"

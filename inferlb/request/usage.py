@@ -175,7 +175,14 @@ def _output_item_texts(item: Any) -> list[str]:
 def _reported(doc: dict[str, Any]) -> tuple[int, int] | None:
     """``(prompt, completion)`` of a ``usage`` member in chat/completions terms, or in Responses API terms
     (``input_tokens``, ``output_tokens``) when it has no ``prompt_tokens``; None when absent or invalid."""
-    usage = doc.get("usage")
+    return usage_counts(doc.get("usage"))
+
+
+def usage_counts(usage: object) -> tuple[int, int] | None:
+    """``(prompt, completion)`` tokens of one OpenAI ``usage`` object: ``prompt_tokens`` /
+    ``completion_tokens`` (0 when absent: embeddings), or the Responses API's ``input_tokens`` /
+    ``output_tokens`` when it has no ``prompt_tokens``; None when ``usage`` is not such an object (not a
+    dict, a count missing, negative or not an integer)."""
     if not isinstance(usage, dict):
         return None
     if "prompt_tokens" not in usage and "input_tokens" in usage:

@@ -1,14 +1,19 @@
-"""Response accounting through a real Envoy, the official ``openai`` SDK as the client.
+"""Response accounting through a real Envoy, the official ``openai`` SDK as the client, in both
+request-path modes.
 
-With ``ext_proc.account_responses`` on (the default), Envoy sends ext_proc the response headers and
-streams it the response body; ext_proc settles each quota reservation with the response's real usage.
-What is charged is read back from ext_proc's own ``/metrics`` (``inferlb_prompt_tokens_total``,
-``inferlb_completion_tokens_total`` by tenant and model).
+With ``ext_proc.account_responses`` on (the default): in ``ext_proc`` mode Envoy sends ext_proc the response
+headers and streams it the response body; in ``ext_authz`` mode Envoy's Lua filter reads the usage as the
+body streams by and its batched gRPC access log brings it to the settler in the ext_authz process. Either way
+each quota reservation is settled once with the response's real usage. What is charged is read back from the
+service's own ``/metrics`` (``inferlb_prompt_tokens_total``, ``inferlb_completion_tokens_total`` by tenant and
+model). Where the modes differ (ext_authz adds no ``include_usage``, so a stream that did not ask for usage,
+or was cut before it, is charged its reservation), the test says so.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -16,10 +21,12 @@ from typing import Any
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.samples import Sample
 
 from inferlb.config.schema import Config
-from tests.conftest import make_config_doc
-from tests.e2e.conftest import RunningStack, http_request, skip_in, started_stack
+from inferlb.ops.stack import free_ports
+from tests.conftest import make_config_doc, redis_or_skip
+from tests.e2e.conftest import RunningStack, chat_body, http_request, in_mode, started_stack
 
 pytestmark = pytest.mark.e2e
 
@@ -29,15 +36,32 @@ LLAMA = "llama-3.1-8b-instruct"
 TENANTS = ("acct-json", "acct-sse", "acct-sse-hidden", "acct-abort")
 
 
+def metric_samples(config: Config) -> Iterator[Sample]:
+    """Every sample of every request-path process's ``/metrics`` (``metrics_listen`` and the
+    ``extra_listen`` processes')."""
+    for addr in (config.ext_proc.metrics_listen, *config.ext_proc.extra_metrics_addresses()):
+        text = http_request(str(addr), "GET", "/metrics").body.decode()
+        for fam in text_string_to_metric_families(text):
+            yield from fam.samples
+
+
 def charged(config: Config, tenant: str, model: str) -> tuple[int, int]:
-    """(prompt, completion) tokens ext_proc has charged ``tenant`` on ``model``, from its ``/metrics``."""
-    text = http_request(str(config.ext_proc.metrics_listen), "GET", "/metrics").body.decode()
+    """(prompt, completion) tokens the gateway has charged ``tenant`` on ``model``, from the ``/metrics``
+    of its processes."""
     got = {"inferlb_prompt_tokens_total": 0.0, "inferlb_completion_tokens_total": 0.0}
-    for fam in text_string_to_metric_families(text):
-        for s in fam.samples:
-            if s.name in got and s.labels.get("tenant") == tenant and s.labels.get("model") == model:
-                got[s.name] += s.value
+    for s in metric_samples(config):
+        if s.name in got and s.labels.get("tenant") == tenant and s.labels.get("model") == model:
+            got[s.name] += s.value
     return int(got["inferlb_prompt_tokens_total"]), int(got["inferlb_completion_tokens_total"])
+
+
+def settlements(config: Config) -> dict[str, int]:
+    """``inferlb_meter_settlements_total`` by outcome (ext_authz mode's settler), from ``/metrics``."""
+    out: dict[str, int] = {}
+    for s in metric_samples(config):
+        if s.name == "inferlb_meter_settlements_total":
+            out[s.labels["outcome"]] = out.get(s.labels["outcome"], 0) + int(s.value)
+    return out
 
 
 def wait_charged(
@@ -54,18 +78,38 @@ def wait_charged(
         time.sleep(0.05)
 
 
+@pytest.fixture(scope="module", params=("memory", "redis"))
+def quota_backend(request: pytest.FixtureRequest) -> str:
+    """Each quota store in turn: in-process, or a real Redis shared by the replicas."""
+    backend: str = request.param
+    return backend
+
+
 @pytest.fixture(scope="module")
-def accounting_stack(tmp_path_factory: pytest.TempPathFactory, request_path: str) -> Iterator[RunningStack]:
-    # settling a reservation with the response's usage needs the response, which ext_authz never sees
-    skip_in("ext_authz", request_path, "responses are not metered (the reservation is the charge)")
+def accounting_stack(
+    tmp_path_factory: pytest.TempPathFactory, request_path: str, quota_backend: str
+) -> Iterator[RunningStack]:
     """The default fleet with the default config's response accounting, decode slowed to 2,000 tokens/s
-    per V100 sequence (an abort mid-stream must come before the end), plus one tenant per test."""
+    per V100 sequence (an abort mid-stream must come before the end), plus one tenant per test, in each
+    request-path mode and with each quota store: with Redis, ext_proc mode runs two replicas sharing it
+    (ext_authz meters in one process, so one replica there)."""
     work = tmp_path_factory.mktemp("acct")
-    doc = make_config_doc()
+    doc = in_mode(make_config_doc(), request_path)
     doc["ext_proc"].pop("account_responses", None)  # the default is what is under test
     doc["simulation"]["decode_tokens_per_s"] = 2_000
     doc["tenants"] += [{"name": t, "api_keys": [f"sk-{t}-key"]} for t in TENANTS]
-    with started_stack(work, doc) as rs:
+    doc["tenants"].append(
+        {"name": "acct-conc", "api_keys": ["sk-acct-conc-key"], "max_concurrent_requests": 1}
+    )
+    with contextlib.ExitStack() as stack:
+        if quota_backend == "redis":
+            redis = stack.enter_context(redis_or_skip(tmp_path_factory.mktemp("redis")))
+            doc["ext_proc"].update(quota_backend="redis", redis_url=redis.url)
+            if request_path == "ext_proc":
+                grpc_port, metrics_port = free_ports(2)
+                doc["ext_proc"]["extra_listen"] = [f"127.0.0.1:{grpc_port}"]
+                doc["ext_proc"]["extra_metrics_listen"] = [f"127.0.0.1:{metrics_port}"]
+        rs = stack.enter_context(started_stack(work, doc))
         assert rs.config.ext_proc.account_responses
         yield rs
 
@@ -106,7 +150,7 @@ def test_a_stream_that_asked_for_usage_is_charged_it_and_sees_it(accounting_stac
 
 
 def test_a_stream_that_did_not_ask_is_charged_but_never_sees_the_usage_chunk(
-    accounting_stack: RunningStack,
+    accounting_stack: RunningStack, request_path: str
 ) -> None:
     rs = accounting_stack
     messages: Any = [{"role": "user", "content": "stream without usage"}]
@@ -117,13 +161,20 @@ def test_a_stream_that_did_not_ask_is_charged_but_never_sees_the_usage_chunk(
         before = wait_charged(rs.config, "acct-sse-hidden", QWEN, (0, 0))
         chunks = list(c.chat.completions.create(model=QWEN, messages=messages, max_tokens=13, stream=True))
     assert chunks and all(ch.usage is None for ch in chunks)
-    assert all(ch.choices for ch in chunks)  # the gateway's extra usage-only chunk was removed
+    # no usage-only chunk: removed (ext_proc) or never asked for (ext_authz)
+    assert all(ch.choices for ch in chunks)
     text = "".join(ch.choices[0].delta.content or "" for ch in chunks)
     assert text
+    # ext_proc: the usage the gateway asked for; ext_authz: no usage reached Envoy, so the reservation
+    # (the prompt as counted at admission + the output cap), which here is the same pair
     assert wait_charged(rs.config, "acct-sse-hidden", QWEN, before) == (ref.usage.prompt_tokens, 13)
+    if request_path == "ext_authz":
+        assert settlements(rs.config).get("unmetered", 0) >= 1
 
 
-def test_an_aborted_stream_is_charged_for_what_was_produced(accounting_stack: RunningStack) -> None:
+def test_an_aborted_stream_is_charged_for_what_was_produced(
+    accounting_stack: RunningStack, request_path: str
+) -> None:
     rs = accounting_stack
     max_tokens = 4_000  # >= 1.2 s of decode on the fastest GPU at 2,000 tokens/s x 3.4
     before = charged(rs.config, "acct-abort", QWEN)
@@ -142,6 +193,11 @@ def test_an_aborted_stream_is_charged_for_what_was_produced(accounting_stack: Ru
         stream.close()
     prompt, completion = wait_charged(rs.config, "acct-abort", QWEN, before)
     assert prompt > 0
+    if request_path == "ext_authz":
+        # Envoy saw no usage before the cut, and nothing counts deltas there: the whole reservation,
+        # never less than what was produced
+        assert completion == max_tokens
+        return
     # charged what was produced: at least what the client read, well short of the reservation
     assert seen <= completion < max_tokens
 
@@ -188,3 +244,27 @@ def test_a_concurrent_streamed_burst_never_exceeds_the_tokens_per_minute_quota(
     assert sum(admitted) <= quota, admitted
     assert 0 < sum(1 for a in admitted if a) < len(admitted)
     assert refused_retry_after and all(r is not None and int(r) >= 1 for r in refused_retry_after)
+
+
+def test_a_concurrency_slot_is_held_until_the_response_ends(accounting_stack: RunningStack) -> None:
+    rs = accounting_stack
+    body = chat_body(QWEN, max_tokens=3_000, stream=True)
+    key = {"Authorization": "Bearer sk-acct-conc-key"}
+    with rs.openai_client("sk-acct-conc-key") as c:
+        stream = c.chat.completions.create(
+            model=QWEN, messages=body["messages"], max_tokens=3_000, stream=True
+        )
+        next(iter(stream))  # admitted and streaming: its slot is held
+        second = http_request(rs.gateway, "POST", "/v1/chat/completions", chat_body(QWEN), key)
+        assert second.status == 429
+        assert second.json()["error"]["message"].startswith("Too many concurrent requests")
+        for _ in stream:
+            pass
+    # released at the response's end (ext_authz: when its access-log entry arrives, one flush later)
+    deadline = time.monotonic() + 10
+    while (
+        status := http_request(rs.gateway, "POST", "/v1/chat/completions", chat_body(QWEN), key).status
+    ) == 429:
+        assert time.monotonic() < deadline, "the slot was never released"
+        time.sleep(0.1)
+    assert status == 200

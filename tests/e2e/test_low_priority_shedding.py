@@ -38,7 +38,7 @@ Result = tuple[int, str | None, str | None]
 def saturated_stack(tmp_path_factory: pytest.TempPathFactory, request_path: str) -> Iterator[RunningStack]:
     # the gateway's own shedding counts each request until its response ends, which ext_authz never sees
     # (a reservation is settled at admission): ext_proc mode only until responses are metered there
-    skip_in("ext_authz", request_path, "low-priority shedding needs the response's end (account_responses)")
+    skip_in("ext_authz", request_path, "no gateway-side low-priority shedding in ext_authz mode (not built)")
     work = tmp_path_factory.mktemp("low-priority")
     doc = saturable_doc(QWEN, DEFAULT_BUDGET, RETRY_AFTER_S)
     # a default-priority tenant without limits (the demo's team-c has a tiny token quota)

@@ -30,15 +30,15 @@ MESSAGES: Any = [{"role": "user", "content": "which model am I talking to?"}]
 
 @pytest.fixture(scope="module")
 def alias_stack(tmp_path_factory: pytest.TempPathFactory, request_path: str) -> Iterator[RunningStack]:
-    """The default fleet (response accounting on in ext_proc mode; ext_authz meters none) whose config
-    file gains an alias once it is running."""
+    """The default fleet (response accounting on: ext_proc meters the stream itself, ext_authz through
+    Envoy's access log and adds no include_usage) whose config file gains an alias once it is running."""
     work = tmp_path_factory.mktemp("alias")
     doc = in_mode(make_config_doc(), request_path)
     path = write_config(work / "inferlb.yaml", doc)
     stack = Stack(path, workdir=work, log_level="info")
     stack.start(timeout_s=60)
     try:
-        assert stack.config.ext_proc.account_responses == (request_path == "ext_proc")
+        assert stack.config.ext_proc.account_responses
         rs = RunningStack(stack, stack.config, path, doc)
         model = next(m for m in doc["models"] if m["name"] == LLAMA)
         model["aliases"] = [*model.get("aliases", []), NEW_ALIAS]

@@ -1,6 +1,7 @@
 """Responses API accounting through a real Envoy: the official ``openai`` SDK's ``client.responses.create``
-(streamed and not) against the simulated fleet; ext_proc must charge exactly the ``usage`` the SDK saw
-(``input_tokens`` as prompt, ``output_tokens`` as completion), read back from its ``/metrics``."""
+(streamed and not) against the simulated fleet, in both request-path modes; the gateway must charge exactly
+the ``usage`` the SDK saw (``input_tokens`` as prompt, ``output_tokens`` as completion), read back from its
+``/metrics``."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from collections.abc import Iterator
 import pytest
 
 from tests.conftest import make_config_doc
-from tests.e2e.conftest import RunningStack, started_stack
+from tests.e2e.conftest import RunningStack, in_mode, started_stack
 from tests.e2e.test_extproc_accounting import charged, wait_charged
 
 pytestmark = pytest.mark.e2e
@@ -19,10 +20,11 @@ TENANTS = ("resp-json", "resp-sse")
 
 
 @pytest.fixture(scope="module")
-def responses_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningStack]:
-    """The default fleet with the default response accounting, plus one tenant per test."""
+def responses_stack(tmp_path_factory: pytest.TempPathFactory, request_path: str) -> Iterator[RunningStack]:
+    """The default fleet with the default response accounting, plus one tenant per test, in each
+    request-path mode (ext_authz: the usage read by Envoy's Lua filter, settled from the access log)."""
     work = tmp_path_factory.mktemp("responses")
-    doc = make_config_doc()
+    doc = in_mode(make_config_doc(), request_path)
     doc["ext_proc"].pop("account_responses", None)  # the default is what is under test
     doc["tenants"] += [{"name": t, "api_keys": [f"sk-{t}-key"]} for t in TENANTS]
     with started_stack(work, doc) as rs:

@@ -65,4 +65,3 @@ def test_model_servers_get_no_client_host_no_internal_headers_and_envoys_peer_ad
     internal = sorted(h for h in hdrs if h.startswith(headers.PREFIX))
     assert internal == [], internal
     assert "someone-else" not in str(hdrs)
-

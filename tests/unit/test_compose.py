@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import yaml
 
-from inferlb.config.schema import default_config_path, load_config
+from inferlb.config.schema import ExtProcConfig, default_config_path, load_config
 from inferlb.ops.stack import SERVICE_MODULES
 
 ROOT = Path(__file__).parents[2]
@@ -44,7 +44,9 @@ def test_compose_services_are_the_stack_services() -> None:
     assert set(services) == {"gpusim", "xds-server", "ext-proc", "ext-authz", "envoy"}
     # the ext_authz request path is opt-in, on ext-proc's ports
     assert services["ext-authz"]["profiles"] == ["ext_authz"]
-    assert services["ext-authz"]["expose"] == services["ext-proc"]["expose"]
+    # ext-proc's ports, and the settler's (ext_proc.meter_listen's default port)
+    settler = str(ExtProcConfig().meter_listen.port)
+    assert services["ext-authz"]["expose"] == [*services["ext-proc"]["expose"], settler]
     modules = {name: svc["command"][0] for name, svc in services.items() if name != "envoy"}
     # the same modules inferlb.ops.stack.Stack starts with `python -m`
     assert modules == {name: SERVICE_MODULES[name.replace("-", "_")] for name in modules}

@@ -77,8 +77,11 @@ FORBIDDEN_LIBRARIES = {
 }
 
 
-#: Libraries ext_authz must not import on top of the services' list: it speaks HTTP/1.1 only.
+#: Libraries ext_authz must not import on top of the services' list: its checks speak HTTP/1.1 only.
 EXT_AUTHZ_FORBIDDEN_LIBRARIES = {"grpc", "envoy", "xds", "udpa", "google"}
+#: The one ext_authz module that may touch grpc: the process, which starts the settler's access-log
+#: receiver (:mod:`ext_proc.access_log`) beside the HTTP checks.
+EXT_AUTHZ_GRPC_MODULES = ("ext_authz.__main__",)
 
 
 def module_name(path: Path) -> str:
@@ -139,7 +142,9 @@ def module_violations(path: Path, text: str, known: set[str]) -> list[str]:
                 if under(here, (importer,)) and under(target, banned):
                     out.append(where)
         elif top in FORBIDDEN_LIBRARIES[lay] or (
-            under(here, ("ext_authz",)) and top in EXT_AUTHZ_FORBIDDEN_LIBRARIES
+            under(here, ("ext_authz",))
+            and top in EXT_AUTHZ_FORBIDDEN_LIBRARIES
+            and not (top == "grpc" and here in EXT_AUTHZ_GRPC_MODULES)
         ):
             out.append(where)
     return out

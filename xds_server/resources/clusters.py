@@ -10,7 +10,7 @@ checks. A length-aware model's clusters get an ``lb_subset_config`` (one selecto
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Final
 
 from envoy.config.cluster.v3 import circuit_breaker_pb2, cluster_pb2, outlier_detection_pb2
@@ -20,12 +20,13 @@ from envoy.extensions.upstreams.http.v3 import http_protocol_options_pb2
 from envoy.type.v3 import percent_pb2
 from google.protobuf import any_pb2, wrappers_pb2
 
-from inferlb.config.schema import CircuitBreaker, ClusterPolicy, Config, HealthCheck, UnixSocket
+from inferlb.config.schema import CircuitBreaker, ClusterPolicy, Config, GrpcAddress, HealthCheck, UnixSocket
 from inferlb.policy.affinity import HASH_LB_POLICIES
 from inferlb.policy.length_aware import subset_key
 from xds_server.resources.common import (
     EXT_AUTHZ_CLUSTER,
     EXT_PROC_CLUSTER,
+    METER_CLUSTER,
     ads_source,
     duration_ms,
     grpc_service_address,
@@ -193,6 +194,23 @@ def length_aware_subsets(policy: ClusterPolicy) -> cluster_pb2.Cluster.LbSubsetC
     )
 
 
+def _static_endpoints(name: str, addresses: Sequence[GrpcAddress]) -> endpoint_pb2.ClusterLoadAssignment:
+    """The load assignment of cluster ``name``: one locality with ``addresses`` in order."""
+    return endpoint_pb2.ClusterLoadAssignment(
+        cluster_name=name,
+        endpoints=[
+            endpoint_components_pb2.LocalityLbEndpoints(
+                lb_endpoints=[
+                    endpoint_components_pb2.LbEndpoint(
+                        endpoint=endpoint_components_pb2.Endpoint(address=grpc_service_address(a))
+                    )
+                    for a in addresses
+                ]
+            )
+        ],
+    )
+
+
 def build_ext_proc_cluster(config: Config) -> cluster_pb2.Cluster:
     """The ``inferlb_ext_proc`` cluster: HTTP/2 (Envoy 1.40 500s every request over HTTP/1.1, measured
     here), one endpoint per ext_proc process (``ext_proc.listen`` then ``extra_listen``),
@@ -225,25 +243,29 @@ def build_ext_proc_cluster(config: Config) -> cluster_pb2.Cluster:
                 for p in (base_pb2.RoutingPriority.DEFAULT, base_pb2.RoutingPriority.HIGH)
             ]
         ),
-        load_assignment=endpoint_pb2.ClusterLoadAssignment(
-            cluster_name=name,
-            endpoints=[
-                endpoint_components_pb2.LocalityLbEndpoints(
-                    lb_endpoints=[
-                        endpoint_components_pb2.LbEndpoint(
-                            endpoint=endpoint_components_pb2.Endpoint(address=grpc_service_address(a))
-                        )
-                        for a in addresses
-                    ]
-                )
-            ],
-        ),
+        load_assignment=_static_endpoints(name, addresses),
     )
 
 
 def build_clusters(config: Config) -> list[cluster_pb2.Cluster]:
     """Every Cluster: one EDS cluster per model version (config order), then ``inferlb_ext_proc`` (or
-    ``inferlb_ext_authz``)."""
+    ``inferlb_ext_authz``, and ``inferlb_meter`` when ext_authz mode meters responses)."""
     out = [build_model_cluster(m.cluster_name(v.name), m.cluster) for m in config.models for v in m.versions]
     out.append(build_ext_proc_cluster(config))
+    if config.ext_proc.meters_access_log():
+        out.append(build_meter_cluster(config))
     return out
+
+
+def build_meter_cluster(config: Config) -> cluster_pb2.Cluster:
+    """The ``inferlb_meter`` cluster (``ext_proc.protocol: ext_authz`` with ``account_responses``): the
+    settler's gRPC access-log service on ``ext_proc.meter_listen``, HTTP/2, STATIC for an IP literal, else
+    LOGICAL_DNS. Envoy keeps one access-log stream per worker on it."""
+    addr = config.ext_proc.meter_listen
+    return cluster_pb2.Cluster(
+        name=METER_CLUSTER,
+        type=cluster_pb2.Cluster.STATIC if addr.is_ip else cluster_pb2.Cluster.LOGICAL_DNS,
+        connect_timeout=duration_ms(EXT_PROC_CONNECT_TIMEOUT_MS),
+        typed_extension_protocol_options=_http2_protocol_options(),
+        load_assignment=_static_endpoints(METER_CLUSTER, (addr,)),
+    )

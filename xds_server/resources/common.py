@@ -37,6 +37,9 @@ EXT_PROC_CLUSTER: Final = "inferlb_ext_proc"
 #: The cluster of the ext_authz HTTP service (``ext_proc.protocol: ext_authz``), in place of
 #: :data:`EXT_PROC_CLUSTER`.
 EXT_AUTHZ_CLUSTER: Final = "inferlb_ext_authz"
+#: The settler's gRPC access-log cluster (``ext_proc.protocol: ext_authz`` with ``account_responses``):
+#: ``ext_proc.meter_listen`` over HTTP/2.
+METER_CLUSTER: Final = "inferlb_meter"
 #: The ext_authz HTTP filter's name in the chain.
 EXT_AUTHZ_FILTER: Final = "envoy.filters.http.ext_authz"
 #: The Lua HTTP filter's name in the chain (ext_authz mode: it applies the service's body splices).

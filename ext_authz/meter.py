@@ -1,0 +1,130 @@
+"""The settler of ``ext_proc.protocol: ext_authz`` with ``ext_proc.account_responses``: reservations made
+by checks wait in a :class:`~inferlb.policy.settlement.SettlementLedger` for the access-log entry Envoy sends
+at each request's end (:mod:`ext_proc.access_log` receives them), and are settled in the quota store once,
+with the real usage or, when no entry arrives within the lease TTL, at the reservation
+(:mod:`inferlb.policy.settlement` states the rule).
+
+Why in the ext_authz process and not a process of its own: the ledger and, with ``quota_backend: memory``,
+the quota book itself live in this process; a separate settler would need both shared (Redis only) and one
+more hop per batch. The receiver's gRPC cost is paid once per batch (Envoy sends ~30 entries per message at
+16 KiB), not per request, and the check path stays HTTP.
+
+Meter ids are ``<nonce>-<n>``: a random nonce per process start and a counter, so an entry of a request
+admitted before a restart never matches a reservation made after it (it is unknown, and ignored).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import secrets
+import time
+from collections.abc import Callable
+from typing import Final
+
+from ext_proc.state import ExtProcState
+from inferlb.policy.quota import Admitted, MemoryQuotaStore, lease_ttl_s
+from inferlb.policy.settlement import MeterEntry, Outcome, Settlement, SettlementLedger
+
+log = logging.getLogger("ext_authz")
+
+#: The ledger's TTL is the lease TTL less this (s, at most half of it), so a reservation settles while
+#: its store lease (taken a moment before, at admission) still stands.
+TTL_GUARD_S: Final = 1.0
+#: Seconds between sweeps for reservations past their TTL.
+SWEEP_INTERVAL_S: Final = 1.0
+#: ``inferlb_usage_settled_total{source}`` of each outcome (ext_proc mode's sources).
+_SOURCE: Final = {
+    Outcome.METERED: "reported",
+    Outcome.UNMETERED: "reserved",
+    Outcome.EXPIRED: "reserved",
+    Outcome.NOT_SERVED: "none",
+}
+
+
+def ledger_ttl_s(lease_s: float) -> float:
+    """The ledger's TTL for a lease TTL of ``lease_s`` seconds (see :data:`TTL_GUARD_S`)."""
+    return lease_s - min(TTL_GUARD_S, lease_s / 2)
+
+
+class Meter:
+    """Reservations awaiting their access-log entry, settled in ``state.quotas`` (module docstring).
+
+    Args:
+        state: the quota store, metrics and current config (its lease TTL sets the ledger's).
+        clock: monotonic seconds (tests inject one).
+    """
+
+    def __init__(self, state: ExtProcState, *, clock: Callable[[], float] = time.monotonic) -> None:
+        self.state = state
+        self.clock = clock
+        self.ledger = SettlementLedger(ledger_ttl_s(lease_ttl_s(state.gateway.config)))
+        self._nonce = secrets.token_hex(6)
+        self._next = 0
+        self._sweeper: asyncio.Task[None] | None = None
+
+    def reserve(self, admitted: Admitted, *, model: str, prompt_tokens: int) -> str:
+        """Record an admitted request; returns its meter id (for the check answer's
+        :data:`~inferlb.request.headers.METER` header)."""
+        self._next += 1
+        meter_id = f"{self._nonce}-{self._next}"
+        self.ledger.ttl_s = ledger_ttl_s(lease_ttl_s(self.state.gateway.config))
+        self.ledger.reserve(meter_id, admitted, model=model, prompt_tokens=prompt_tokens, now=self.clock())
+        return meter_id
+
+    async def on_entries(self, entries: list[MeterEntry]) -> None:
+        """Settle what one batch of access-log entries settles (the receiver's sink)."""
+        metrics = self.state.metrics
+        for entry in entries:
+            outcome, settlement = self.ledger.entry(entry, self.clock())
+            if settlement is not None:
+                await self._apply(settlement)
+            if outcome in (Outcome.DUPLICATE, Outcome.LATE, Outcome.UNKNOWN):
+                metrics.meter_entries_ignored.labels(outcome.value).inc()
+
+    async def sweep(self) -> int:
+        """Settle the reservations past their TTL at the reservation; returns how many."""
+        expired = self.ledger.expire(self.clock())
+        for settlement in expired:
+            await self._apply(settlement)
+        return len(expired)
+
+    async def _apply(self, s: Settlement) -> None:
+        metrics = self.state.metrics
+        admitted = s.reserved.admitted
+        metrics.meter_settlements.labels(s.outcome.value).inc()
+        metrics.usage_settled.labels(_SOURCE[s.outcome]).inc()
+        metrics.tokens_charged(admitted.tenant, s.reserved.model, s.prompt_tokens, s.completion_tokens)
+        quotas = self.state.quotas
+        try:
+            if isinstance(quotas, MemoryQuotaStore):
+                quotas.settle_now(admitted, s.tokens)
+            else:
+                await quotas.settle(admitted, s.tokens)
+        except Exception:
+            log.exception("settling the quota of tenant %r failed", admitted.tenant)
+
+    def start(self, interval_s: float = SWEEP_INTERVAL_S) -> None:
+        """Sweep every ``interval_s`` seconds in a background task until :meth:`aclose`."""
+
+        async def loop() -> None:
+            while True:
+                await asyncio.sleep(interval_s)
+                try:
+                    await self.sweep()
+                except Exception:
+                    log.exception("sweeping expired reservations failed")
+
+        self._sweeper = asyncio.ensure_future(loop())
+
+    async def aclose(self) -> None:
+        """Stop sweeping. Reservations still waiting stay charged at their reservation (the admission
+        counted it) and their leases expire in the store by their TTL."""
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._sweeper
+            self._sweeper = None
+        if self.ledger.pending:
+            log.info("stopping with %d reservations awaiting their access-log entry", self.ledger.pending)

@@ -1,0 +1,102 @@
+"""ext_authz mode's metering in config and Envoy resources: ``account_responses`` and tenant
+``max_concurrent_requests`` are accepted with ``protocol: ext_authz`` (the access log meters), the refusals
+that remain name their field, and the gateway gets the meter id as dynamic metadata (never upstream), the
+response Lua filter, the metadata-filtered batched gRPC access log and its HTTP/2 cluster; without
+metering none of that is built."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import yaml
+from envoy.config.cluster.v3 import cluster_pb2
+from envoy.extensions.access_loggers.grpc.v3 import als_pb2
+from envoy.extensions.filters.http.ext_authz.v3 import ext_authz_pb2
+from envoy.extensions.filters.http.lua.v3 import lua_pb2
+from envoy.extensions.filters.network.http_connection_manager.v3 import http_connection_manager_pb2
+
+from ext_proc.handlers import Gateway
+from inferlb.config.schema import default_config_path, parse_config
+from inferlb.errors import ConfigError
+from inferlb.request import headers
+from xds_server import resources as r
+from xds_server.resources.clusters import build_clusters
+from xds_server.resources.common import METER_CLUSTER
+
+
+def authz_doc(**ext_proc: Any) -> dict[str, Any]:
+    doc = yaml.safe_load(default_config_path().read_text(encoding="utf-8"))
+    doc["ext_proc"].update(protocol="ext_authz", **ext_proc)
+    return doc
+
+
+def hcm_of(doc: dict[str, Any]) -> http_connection_manager_pb2.HttpConnectionManager:
+    hcm = http_connection_manager_pb2.HttpConnectionManager()
+    assert r.build_listener(parse_config(doc)).filter_chains[0].filters[0].typed_config.Unpack(hcm)
+    return hcm
+
+
+def test_metering_and_concurrency_limits_are_accepted_in_ext_authz_mode() -> None:
+    doc = authz_doc()
+    doc["tenants"][0]["max_concurrent_requests"] = 3
+    config = parse_config(doc)
+    assert config.ext_proc.account_responses and config.ext_proc.meters_access_log()
+    assert ("ext_proc.meter_listen", config.ext_proc.meter_listen) in config.listen_sockets()
+    # Envoy meters: the client's body keeps its own stream_options, and no low-priority count
+    gateway = Gateway.from_config(config)
+    assert not gateway.account_responses and dict(gateway.low_priority_limits) == {}
+
+
+@pytest.mark.parametrize(
+    ("ext_proc", "limit", "field"),
+    [
+        ({"extra_listen": ["127.0.0.1:18095"], "quota_backend": "redis"}, False, "ext_proc.extra_listen"),
+        ({"account_responses": False}, True, "tenants[0].max_concurrent_requests"),
+    ],
+)
+def test_what_ext_authz_cannot_meter_is_refused_by_field(
+    ext_proc: dict[str, Any], limit: bool, field: str
+) -> None:
+    doc = authz_doc(**ext_proc)
+    if limit:
+        doc["tenants"][0]["max_concurrent_requests"] = 3
+    with pytest.raises(ConfigError) as info:
+        parse_config(doc)
+    assert field in str(info.value)
+
+
+def test_a_metered_gateway_logs_metered_requests_to_the_settler() -> None:
+    doc = authz_doc(meter_flush_interval_ms=250, meter_buffer_bytes=8192)
+    hcm = hcm_of(doc)
+    [log] = hcm.access_log
+    assert log.name == "envoy.access_loggers.http_grpc"
+    assert log.filter.metadata_filter.matcher.filter == "envoy.filters.http.ext_authz"
+    assert [p.key for p in log.filter.metadata_filter.matcher.path] == [headers.METER]
+    grpc_log = als_pb2.HttpGrpcAccessLogConfig()
+    assert log.typed_config.Unpack(grpc_log)
+    common = grpc_log.common_config
+    assert common.grpc_service.envoy_grpc.cluster_name == METER_CLUSTER
+    assert common.buffer_flush_interval.ToMilliseconds() == 250
+    assert common.buffer_size_bytes.value == 8192
+    authz = ext_authz_pb2.ExtAuthz()
+    assert hcm.http_filters[0].typed_config.Unpack(authz)
+    response = authz.http_service.authorization_response
+    assert [p.exact for p in response.dynamic_metadata_from_headers.patterns] == [headers.METER]
+    assert headers.METER not in [p.exact for p in response.allowed_upstream_headers.patterns]
+    lua = lua_pb2.Lua()
+    assert hcm.http_filters[1].typed_config.Unpack(lua)
+    assert "function envoy_on_response" in lua.default_source_code.inline_string
+    [meter] = [c for c in build_clusters(parse_config(doc)) if c.name == METER_CLUSTER]
+    assert meter.type == cluster_pb2.Cluster.STATIC
+    assert "envoy.extensions.upstreams.http.v3.HttpProtocolOptions" in meter.typed_extension_protocol_options
+
+
+def test_an_unmetered_gateway_has_no_access_log_nor_response_scan() -> None:
+    doc = authz_doc(account_responses=False)
+    hcm = hcm_of(doc)
+    assert list(hcm.access_log) == []
+    lua = lua_pb2.Lua()
+    assert hcm.http_filters[1].typed_config.Unpack(lua)
+    assert "envoy_on_response" not in lua.default_source_code.inline_string
+    assert METER_CLUSTER not in {c.name for c in build_clusters(parse_config(doc))}

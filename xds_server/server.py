@@ -28,7 +28,7 @@ import contextlib
 import hashlib
 import logging
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -74,6 +74,10 @@ log = logging.getLogger("xds_server")
 DEFAULT_POLL_INTERVAL_S = 0.5
 #: Streams get this long to finish on shutdown before they are cancelled (s).
 DEFAULT_GRACE_S = 2.0
+#: The longest one step of :meth:`XdsServer.stop` may take beyond its grace (s): closing the fleet store's
+#: connections, the HTTP API, the gRPC server. A step that runs past it is logged and left behind, so a
+#: stop never hangs on a connection a dead peer (a restarted Redis) leaves half-open.
+STOP_STEP_TIMEOUT_S = 10.0
 #: The drain timer looks at the wall clock at least this often (s), so a clock step is noticed.
 DRAIN_RECHECK_S = 1.0
 
@@ -296,24 +300,24 @@ class XdsServer:
 
     async def stop(self, grace_s: float = DEFAULT_GRACE_S) -> None:
         """Stop following the file, the timers and the HTTP API, and stop the gRPC server, giving
-        streams ``grace_s`` seconds."""
+        streams ``grace_s`` seconds; every step is bounded (:data:`STOP_STEP_TIMEOUT_S` past the grace),
+        so the stop ends in bounded time."""
         for task in (self._poller, self._drainer, self._resolver, self._follower):
             if task is not None:
                 task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
+                await _bounded(asyncio.gather(task, return_exceptions=True), "a follower task")
         self._poller = self._drainer = self._resolver = self._follower = None
         if self.coalescer is not None:
-            await self.coalescer.close()
-        if self._api is not None:
-            await self._api.stop()
-            self._api = None
-        if self._server is not None:
-            await self._server.stop(grace_s)
-            self._server = None
-        if self._store is not None:
-            await self._store.close()
-            self._store = None
+            await _bounded(self.coalescer.close(), "the push coalescer")
+        api, self._api = self._api, None
+        if api is not None:
+            await _bounded(api.stop(), "the fleet HTTP API")
+        server, self._server = self._server, None
+        if server is not None:
+            await _bounded(server.stop(grace_s), "the gRPC server", grace_s)
+        store, self._store = self._store, None
+        if store is not None:
+            await _bounded(store.close(), "the fleet store's connections")
 
     async def wait_for_termination(self) -> None:
         """Wait until the gRPC server stops."""
@@ -924,6 +928,15 @@ class XdsServer:
                 return derived
 
             await self._adopt_derived(await self._store_derived(change, fleet), fleet)
+
+
+async def _bounded(step: Awaitable[object], what: str, grace_s: float = 0.0) -> None:
+    """Await one step of a stop for at most ``grace_s`` + :data:`STOP_STEP_TIMEOUT_S` seconds; past that
+    it is logged and cancelled."""
+    try:
+        await asyncio.wait_for(step, grace_s + STOP_STEP_TIMEOUT_S)
+    except TimeoutError:
+        log.error("stopping %s took over %.0f s; left behind", what, grace_s + STOP_STEP_TIMEOUT_S)
 
 
 def _store_fields(config: Config) -> tuple[str | None, ...]:

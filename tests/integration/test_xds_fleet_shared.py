@@ -22,6 +22,7 @@ from tests.conftest import make_config_doc, redis_or_skip, wait_until, write_con
 from tests.integration.test_ext_proc_grpc import Process
 from tests.integration.test_xds_fleet_durable import AUTH, TOKEN, _eds, _lb, _stable_rows
 from xds_server import resources as r
+from xds_server import server as server_module
 from xds_server.server import XdsServer
 
 QWEN = "qwen2.5-7b-instruct--v1"
@@ -79,7 +80,8 @@ class Pair:
     def __init__(self, redis: RedisServer, config: Path, doc: dict[str, Any]) -> None:
         self.redis, self.config, self.doc = redis, config, doc
         self.servers: list[XdsServer] = []
-        self.session = aiohttp.ClientSession()
+        # a call that gets no answer fails the test in 15 s, naming it, instead of aiohttp's 5-min default
+        self.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=15))
 
     def call(self, i: int) -> Call:
         async def call(method: str, path: str, body: Any = None) -> tuple[int, Any, Any]:
@@ -297,3 +299,22 @@ def test_state_file_and_state_redis_url_together_are_refused() -> None:
     doc["xds"].update(state_file=None, state_redis_url="http://127.0.0.1:6379")
     with pytest.raises(Exception, match=r"xds.state_redis_url.*expected a redis://"):
         parse_config(doc, "<test>")
+
+
+async def test_a_stop_ends_in_bounded_time_when_a_step_hangs(
+    pair: Pair, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A connection a dead peer left half-open must not hold the server's stop: each step is bounded."""
+    a = pair.servers[0]
+    assert a._store is not None
+    hung = asyncio.Event()
+
+    async def close_that_hangs() -> None:
+        await hung.wait()  # never set: the close of a connection whose peer is gone
+
+    monkeypatch.setattr(a._store, "close", close_that_hangs)
+    monkeypatch.setattr(server_module, "STOP_STEP_TIMEOUT_S", 0.5)
+    t0 = time.monotonic()
+    await a.stop(0)
+    assert time.monotonic() - t0 < 5.0
+    assert a._store is None and a._server is None

@@ -320,7 +320,7 @@ def on_request_headers(
     kind = INFERENCE_PATHS.get(path)
     if kind is not None:
         if method != "POST":
-            return refusal(_method_not_allowed(method, path, "POST"), "inferlb_method_not_allowed")
+            return _method_not_allowed(method, path, "POST")
         if end_of_stream:
             return refusal(
                 RequestError(
@@ -338,7 +338,7 @@ def on_request_headers(
 
     if path == MODELS_PATH or path.startswith(MODELS_PATH + "/"):
         if method != "GET":
-            return refusal(_method_not_allowed(method, path, "GET"), "inferlb_method_not_allowed")
+            return _method_not_allowed(method, path, "GET")
         if path == MODELS_PATH:
             return _ok(gateway.models_list_body, "inferlb_models_list")
         model_id = path[len(MODELS_PATH) + 1 :]
@@ -365,13 +365,16 @@ def _spoofed(headers: Mapping[str, str]) -> tuple[str, ...]:
     return tuple(sorted({k for k in headers if k.startswith(h.PREFIX)}))
 
 
-def _method_not_allowed(method: str, path: str, allowed: str) -> RequestError:
-    return RequestError(
+def _method_not_allowed(method: str, path: str, allowed: str) -> ImmediateReply:
+    """The 405 refusal, with the ``allow`` header RFC 9110 (section 15.5.6) requires of a 405."""
+    err = RequestError(
         405,
         f"Method {echo(method, 32)} is not allowed on {echo(path)}; use {allowed}.",
         type="invalid_request_error",
         code="method_not_allowed",
     )
+    reply = refusal(err, "inferlb_method_not_allowed")
+    return dataclasses.replace(reply, headers=(*reply.headers, ("allow", allowed)))
 
 
 def prepare_body(

@@ -154,6 +154,16 @@ def test_refusals_reach_the_client_and_never_a_gpu(
     assert backend_requests(running_stack) == before
 
 
+def test_a_wrong_method_gets_405_with_allow(running_stack: RunningStack) -> None:
+    """RFC 9110 15.5.6: a 405 names the methods the path takes (``allow``), in both request-path modes."""
+    key = {"Authorization": "Bearer sk-demo-a"}
+    for method, path, allowed in (("GET", "/v1/chat/completions", "POST"), ("POST", "/v1/models", "GET")):
+        r = http_request(running_stack.gateway, method, path, {} if method == "POST" else None, key)
+        assert r.status == 405, (method, path, r.body)
+        assert r.headers["allow"] == allowed
+        assert r.json()["error"]["code"] == "method_not_allowed"
+
+
 def test_a_body_over_the_limit_gets_413_before_any_gpu(running_stack: RunningStack) -> None:
     before = backend_requests(running_stack)
     limit = running_stack.config.gateway.max_request_body_bytes

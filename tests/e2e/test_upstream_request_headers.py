@@ -1,6 +1,7 @@
 """Through real Envoy: what a model server receives. The simulated GPUs record the headers of each
 inference request (``GET /sim/requests``); the client's Host, its forwarded-for claim, the API key and
-every internal ``x-inferlb-*`` header never get there."""
+every internal ``x-inferlb-*`` header, and every ``x-envoy-*`` header (Envoy's or a client's) never get
+there."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ CLIENT_HEADERS = {
     "X-Forwarded-For": "203.0.113.7",
     "X-Inferlb-Prompt-Tokens": "1",
     "X-Inferlb-Tenant": "someone-else",
+    "X-Envoy-Made-Up": "by-the-client",
 }
 
 
@@ -62,6 +64,6 @@ def test_model_servers_get_no_client_host_no_internal_headers_and_envoys_peer_ad
     xff = hdrs["x-forwarded-for"]
     assert "," not in xff and _is_own_address(xff), hdrs
     assert "authorization" not in hdrs
-    internal = sorted(h for h in hdrs if h.startswith(headers.PREFIX))
-    assert internal == [], internal
+    internal = sorted(h for h in hdrs if h.startswith((headers.PREFIX, "x-envoy-")))
+    assert internal == [], internal  # the gateway's, Envoy's (x-envoy-external-address), the client's
     assert "someone-else" not in str(hdrs)

@@ -390,6 +390,7 @@ def test_error_messages_echo_at_most_256_characters_of_a_value(gateway: Gateway,
         assert isinstance(reply, ImmediateReply) and reply.status == 404 and len(reply.body) < 1024
     reply = handlers.on_request_headers(gateway, req_headers(method="X" * 10_000), end_of_stream=False)
     assert isinstance(reply, ImmediateReply) and reply.status == 405 and len(reply.body) < 1024
+    assert ("allow", "POST") in reply.headers  # RFC 9110: a 405 names the methods the path takes
     # the backstop: any message is cut at MAX_ERROR_MESSAGE_CHARS
     long_err = RequestError(400, "y" * 100_000, type="invalid_request_error", param="z" * 10_000)
     doc = json.loads(handlers.refusal(long_err, "inferlb_x").body)["error"]

@@ -196,7 +196,7 @@ def test_listener_buffer_limit_and_filter_chain(config: Config) -> None:
     # and every other x-inferlb-* name, by prefix
     matched = [m.remove_on_match for m in mutation.mutations if m.HasField("remove_on_match")]
     by_prefix = [m.key_matcher.prefix for m in matched]
-    assert by_prefix == [headers.PREFIX]
+    assert by_prefix == [headers.PREFIX, "x-envoy-"]  # every other x-inferlb-* and client x-envoy-* name
     assert {m.remove for m in mutation.mutations if m.remove} == {
         headers.MODEL,
         headers.VERSION,

@@ -103,6 +103,9 @@ REPLACED_CLIENT_HEADERS: Final[tuple[str, ...]] = ("x-forwarded-for",)
 #: timeout, retries or hedging. Envoy 1.40 here deems no loopback peer internal and drops them itself
 #: (measured: a client's 1 ms ``x-envoy-upstream-rq-timeout-ms`` had no effect); removing them before
 #: routing keeps that true on builds or ``internal_address_config`` settings that trust local peers.
+#: Every other client-sent ``x-envoy-*`` header goes too (a prefix match in the same mutation): no client
+#: speaks Envoy's internal protocol to the gateway, and a model server must not see one.
+ENVOY_HEADER_PREFIX: Final = "x-envoy-"
 ENVOY_CONTROL_HEADERS: Final[tuple[str, ...]] = (
     "x-envoy-max-retries",
     "x-envoy-retry-on",
@@ -650,7 +653,7 @@ def build_meter_access_log(config: Config) -> accesslog_pb2.AccessLog:
 EXT_AUTHZ_UPSTREAM_HEADERS: Final[tuple[str, ...]] = (*STRIPPED_REQUEST_HEADERS, headers.BODY_SPLICE)
 #: Headers of the ext_authz service's refusal sent to the client (``x-inferlb-status``: the status of a
 #: 5xx refusal, read by the local-reply mapper).
-EXT_AUTHZ_CLIENT_HEADERS: Final[tuple[str, ...]] = ("content-type", "retry-after", headers.STATUS)
+EXT_AUTHZ_CLIENT_HEADERS: Final[tuple[str, ...]] = ("content-type", "retry-after", "allow", headers.STATUS)
 #: The host of the check requests' URI (Envoy sends them to the cluster; the name is only a label).
 EXT_AUTHZ_URI: Final = "http://inferlb-ext-authz"
 
@@ -777,11 +780,15 @@ def build_listener(config: Config) -> listener_pb2.Listener:
                 mutation_rules_pb2.HeaderMutation(remove=h)
                 for h in (*STRIPPED_REQUEST_HEADERS, *REPLACED_CLIENT_HEADERS, *ENVOY_CONTROL_HEADERS)
             ),
-            # and every other x-inferlb-* name (the body splices, names added later): measured on Envoy 1.40
-            mutation_rules_pb2.HeaderMutation(
-                remove_on_match=mutation_rules_pb2.HeaderMutation.RemoveOnMatch(
-                    key_matcher=string_pb2.StringMatcher(prefix=headers.PREFIX)
+            # and every other x-inferlb-* name (the body splices, names added later) and every other
+            # client-sent x-envoy-* name: measured on Envoy 1.40
+            *(
+                mutation_rules_pb2.HeaderMutation(
+                    remove_on_match=mutation_rules_pb2.HeaderMutation.RemoveOnMatch(
+                        key_matcher=string_pb2.StringMatcher(prefix=prefix)
+                    )
                 )
+                for prefix in (headers.PREFIX, ENVOY_HEADER_PREFIX)
             ),
         ]
     )

@@ -66,6 +66,8 @@ UPSTREAM_REMOVED_HEADERS: Final[tuple[str, ...]] = (
     headers.LENGTH_CLASS,
     headers.STREAM,
     headers.BODY_MODEL,
+    # Envoy's own, added with use_remote_address (the client's peer address): gateway internals
+    "x-envoy-external-address",
     headers.BODY_SPLICE,
 )
 #: The affinity keys ext_proc sets (digests of the session and of the conversation's opening, not their

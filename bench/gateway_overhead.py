@@ -4,7 +4,7 @@ peers, all in front of the same nginx backend, in one run.
 Run: ``.venv/bin/python bench/gateway_overhead.py [--duration 4] [--rounds 2] [--connections 1,16,64]
 [--no-peers]`` (needs ``wrk`` and ``nginx``: ``apt-get install wrk nginx``; the peers are installed from PyPI
 into bench-only venvs under ``~/.cache/inferlb-bench/peers/``, never into the project's). Prints one table;
-not a test. ~6 min with the defaults (plus the peers' first install).
+not a test. ~9 min with the defaults (plus the peers' first install).
 
 Set-up, all on 127.0.0.1, every gateway started before the first measurement and kept up to the last:
 

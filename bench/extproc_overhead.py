@@ -159,12 +159,17 @@ def start_envoy(work: Path, name: str, bootstrap: dict[str, Any], port: int, con
     path.write_text(yaml.safe_dump(bootstrap), encoding="utf-8")
     base_id = (os.getpid() % 10_000) * 10 + (3 if name == "backend" else 4)
     argv = [find_envoy(), "-c", str(path), "--base-id", str(base_id), "--concurrency", str(concurrency)]
-    child = Child(name, [*argv, "--log-level", "warning"], work / f"{name}.log")
+    return start_listening(Child(name, [*argv, "--log-level", "warning"], work / f"{name}.log"), port)
+
+
+def start_listening(child: Child, port: int, timeout_s: float = 20) -> Child:
+    """Start ``child`` and wait until 127.0.0.1:``port`` accepts connections (RuntimeError with its log
+    after ``timeout_s`` or when it exits)."""
     child.start(dict(os.environ))
-    deadline = time.monotonic() + 20
+    deadline = time.monotonic() + timeout_s
     while not port_open(HostPort(host="127.0.0.1", port=port)):
         if child.exited() is not None or time.monotonic() > deadline:
-            raise RuntimeError(f"{name} did not start:\n{child.log_tail()}")
+            raise RuntimeError(f"{child.name} did not start:\n{child.log_tail()}")
         time.sleep(0.05)
     return child
 
@@ -199,38 +204,47 @@ def _ms(text: str) -> float:
     return float(m[1]) * _UNIT[m[2]]
 
 
-def run_wrk(
-    url: str, script: Path, connections: int, duration_s: int
-) -> tuple[float, float, float, int, int]:
-    """(req/s, p50 ms, p99 ms, non-2xx, requests) of one wrk run."""
+@dataclass(frozen=True, kw_only=True)
+class WrkResult:
+    """What one wrk run printed."""
+
+    rps: float
+    p50_ms: float
+    p99_ms: float
+    non_2xx: int
+    socket_errors: int
+    requests: int
+
+
+def wrk(url: str, script: Path, connections: int, duration_s: int, timeout_s: int = 2) -> WrkResult:
+    """One bounded wrk run (2 threads, 1 at one connection) against ``url`` with ``script``; a request
+    unanswered after ``timeout_s`` counts as a socket error."""
     threads = 1 if connections == 1 else 2
+    argv = ["wrk", "-t", str(threads), "-c", str(connections), "-d", f"{duration_s}s", "--latency"]
+    argv += ["--timeout", f"{timeout_s}s", "-s", str(script), url]
     out = subprocess.run(
-        [
-            "wrk",
-            "-t",
-            str(threads),
-            "-c",
-            str(connections),
-            "-d",
-            f"{duration_s}s",
-            "--latency",
-            "-s",
-            str(script),
-            url,
-        ],
-        capture_output=True,
-        text=True,
-        timeout=duration_s + 30,
-        check=True,
+        argv, capture_output=True, text=True, timeout=duration_s + timeout_s + 30, check=True
     ).stdout
     if "Latency Distribution" not in out:
         raise RuntimeError(f"wrk measured nothing at {url}:\n{out}")
-    rps = float(re.search(r"Requests/sec:\s+([\d.]+)", out)[1])  # type: ignore[index]
-    p50 = _ms(re.search(r"^\s+50%\s+(\S+)", out, re.M)[1])  # type: ignore[index]
-    p99 = _ms(re.search(r"^\s+99%\s+(\S+)", out, re.M)[1])  # type: ignore[index]
     bad = re.search(r"Non-2xx or 3xx responses:\s+(\d+)", out)
-    total = int(re.search(r"(\d+) requests in", out)[1])  # type: ignore[index]
-    return rps, p50, p99, int(bad[1]) if bad else 0, total
+    errors = re.search(r"Socket errors: connect (\d+), read (\d+), write (\d+), timeout (\d+)", out)
+    return WrkResult(
+        rps=float(re.search(r"Requests/sec:\s+([\d.]+)", out)[1]),  # type: ignore[index]
+        p50_ms=_ms(re.search(r"^\s+50%\s+(\S+)", out, re.M)[1]),  # type: ignore[index]
+        p99_ms=_ms(re.search(r"^\s+99%\s+(\S+)", out, re.M)[1]),  # type: ignore[index]
+        non_2xx=int(bad[1]) if bad else 0,
+        socket_errors=sum(int(x) for x in errors.groups()) if errors else 0,
+        requests=int(re.search(r"(\d+) requests in", out)[1]),  # type: ignore[index]
+    )
+
+
+def run_wrk(
+    url: str, script: Path, connections: int, duration_s: int
+) -> tuple[float, float, float, int, int]:
+    """(req/s, p50 ms, p99 ms, non-2xx, requests) of one wrk run (:func:`wrk`)."""
+    r = wrk(url, script, connections, duration_s)
+    return r.rps, r.p50_ms, r.p99_ms, r.non_2xx, r.requests
 
 
 def measure(

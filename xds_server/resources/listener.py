@@ -80,8 +80,9 @@ from xds_server.resources.common import (
 # -- header mutation -----------------------------------------------------------------------------------
 #: The HCM early header mutation extension that strips client-sent routing headers.
 EARLY_HEADER_MUTATION: Final = "envoy.http.early_header_mutation.header_mutation"
-#: Client-sent headers the gateway strips before routing and before ext_proc runs (ext_proc strips them
-#: too): only ext_proc may set the headers routes match on, or a client could pick its cluster or priority.
+#: The routing headers ext_proc sets and routes match on. Client-sent ones are stripped before routing and
+#: before ext_proc runs (by the early header mutation's ``x-inferlb-`` prefix; ext_proc strips them too):
+#: only ext_proc may set them, or a client could pick its cluster or priority.
 STRIPPED_REQUEST_HEADERS: Final[tuple[str, ...]] = (
     headers.MODEL,
     headers.VERSION,
@@ -98,14 +99,15 @@ STRIPPED_REQUEST_HEADERS: Final[tuple[str, ...]] = (
 #: address to ``x-forwarded-for``; removing the client's value first leaves exactly that address, so a
 #: client cannot pose as another origin to model servers or their logs.
 REPLACED_CLIENT_HEADERS: Final[tuple[str, ...]] = ("x-forwarded-for",)
-#: Envoy's request control headers (Envoy docs, "HTTP header manipulation" and router "HTTP headers
-#: consumed"): Envoy obeys them from a client it deems internal, so such a client could set its own
-#: timeout, retries or hedging. Envoy 1.40 here deems no loopback peer internal and drops them itself
-#: (measured: a client's 1 ms ``x-envoy-upstream-rq-timeout-ms`` had no effect); removing them before
-#: routing keeps that true on builds or ``internal_address_config`` settings that trust local peers.
-#: Every other client-sent ``x-envoy-*`` header goes too (a prefix match in the same mutation): no client
-#: speaks Envoy's internal protocol to the gateway, and a model server must not see one.
+#: Every client-sent header with this prefix is removed by the early header mutation (a prefix match):
+#: no client speaks Envoy's internal protocol to the gateway, and a model server must not see one.
 ENVOY_HEADER_PREFIX: Final = "x-envoy-"
+#: Envoy's request control headers (Envoy docs, "HTTP header manipulation" and router "HTTP headers
+#: consumed"), the reason for :data:`ENVOY_HEADER_PREFIX`'s removal: Envoy obeys them from a client it
+#: deems internal, so such a client could set its own timeout, retries or hedging. Envoy 1.40 here deems
+#: no loopback peer internal and drops them itself (measured: a client's 1 ms
+#: ``x-envoy-upstream-rq-timeout-ms`` had no effect); removing them before routing keeps that true on
+#: builds or ``internal_address_config`` settings that trust local peers.
 ENVOY_CONTROL_HEADERS: Final[tuple[str, ...]] = (
     "x-envoy-max-retries",
     "x-envoy-retry-on",
@@ -776,12 +778,10 @@ def build_listener(config: Config) -> listener_pb2.Listener:
     # route is used (measured on Envoy 1.40: a client's x-inferlb-model reached the model cluster).
     strip = early_header_mutation_pb2.HeaderMutation(
         mutations=[
-            *(
-                mutation_rules_pb2.HeaderMutation(remove=h)
-                for h in (*STRIPPED_REQUEST_HEADERS, *REPLACED_CLIENT_HEADERS, *ENVOY_CONTROL_HEADERS)
-            ),
-            # and every other x-inferlb-* name (the body splices, names added later) and every other
-            # client-sent x-envoy-* name: measured on Envoy 1.40
+            *(mutation_rules_pb2.HeaderMutation(remove=h) for h in REPLACED_CLIENT_HEADERS),
+            # every x-inferlb-* name (STRIPPED_REQUEST_HEADERS, the body splices, names added later) and
+            # every x-envoy-* name a client sent (ENVOY_CONTROL_HEADERS and the rest), by prefix: measured
+            # on Envoy 1.40
             *(
                 mutation_rules_pb2.HeaderMutation(
                     remove_on_match=mutation_rules_pb2.HeaderMutation.RemoveOnMatch(

@@ -253,6 +253,14 @@ def ext_proc_per_route(fail_open: bool) -> any_pb2.Any:
     return pack(route_components_pb2.FilterConfig(config=pack(per_route)))
 
 
+def ext_proc_filter_configs(config: Config, *, fail_open: bool) -> dict[str, any_pb2.Any]:
+    """A route's (or the virtual host's) ``typed_per_filter_config`` for the request path: the ext_proc
+    filter enabled with ``fail_open`` (:func:`ext_proc_per_route`) with ``ext_proc.protocol: ext_proc``;
+    nothing with ``ext_authz``, whose filter is enabled in the listener and has one failure mode for all
+    routes."""
+    return {EXT_PROC_FILTER: ext_proc_per_route(fail_open)} if config.ext_proc.protocol == "ext_proc" else {}
+
+
 #: Name prefix of the routes of failed-open requests by the body's model: ``fail_open:<name or alias>``.
 FAIL_OPEN_ROUTE_PREFIX: Final = "fail_open:"
 #: Name of the route that answers a failed-open request whose body names a model this gateway does not
@@ -364,10 +372,7 @@ def _failed_open_route(
                 append_action=base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD,
             )
         ],
-        # the ext_proc filter's fail-open mode (ext_proc only: ext_authz has no per-route failure mode)
-        typed_per_filter_config=(
-            {EXT_PROC_FILTER: ext_proc_per_route(True)} if config.ext_proc.protocol == "ext_proc" else {}
-        ),
+        typed_per_filter_config=ext_proc_filter_configs(config, fail_open=True),
     )
 
 
@@ -426,8 +431,6 @@ def failure_mode_routes(config: Config) -> list[route_components_pb2.Route]:
     first); its action is the same 404 as the catch-all.
     """
     fallback = config.ext_proc.fail_open_model
-    # the ext_proc filter's per-route config; ext_authz (``ext_proc.protocol``) has one failure mode for all
-    ext_proc = config.ext_proc.protocol == "ext_proc"
     out = []
     for path, fail_open in path_failure_modes(config).items():
         name = f"{FAILURE_MODE_ROUTE_PREFIX}{path}"
@@ -437,7 +440,7 @@ def failure_mode_routes(config: Config) -> list[route_components_pb2.Route]:
                 route_components_pb2.Route(
                     name=name,
                     match=match,
-                    typed_per_filter_config={EXT_PROC_FILTER: ext_proc_per_route(False)} if ext_proc else {},
+                    typed_per_filter_config=ext_proc_filter_configs(config, fail_open=False),
                     **_json_direct_response(404, no_route_body()),
                 )
             )
@@ -454,8 +457,8 @@ def failure_mode_routes(config: Config) -> list[route_components_pb2.Route]:
                 canonical_model_transform(model.name)
             )
         route.typed_per_filter_config[BODY_MODEL_FILTER].CopyFrom(body_model_transform())
-        if ext_proc:
-            route.typed_per_filter_config[EXT_PROC_FILTER].CopyFrom(ext_proc_per_route(True))
+        for filter_name, value in ext_proc_filter_configs(config, fail_open=True).items():
+            route.typed_per_filter_config[filter_name].CopyFrom(value)
         out.append(route)
     return out
 
@@ -574,11 +577,7 @@ def build_route_configuration(config: Config) -> route_pb2.RouteConfiguration:
     )
     # enables ext_proc for every route (the failure-mode routes override it per path; the ext_authz
     # filter is enabled in the listener itself), and the fail-open API key check when some path fails open
-    per_filter = (
-        {EXT_PROC_FILTER: ext_proc_per_route(config.ext_proc.failure_mode_allow)}
-        if config.ext_proc.protocol == "ext_proc"
-        else {}
-    )
+    per_filter = ext_proc_filter_configs(config, fail_open=config.ext_proc.failure_mode_allow)
     if fails_open(config):
         per_filter[API_KEY_FILTER] = api_key_per_route(config)
     return route_pb2.RouteConfiguration(

@@ -82,13 +82,15 @@ from simulation.gpusim.faults import (
     simulated_gpu_telemetry,
     utilization_percent,
 )
+from simulation.gpusim.prompt_ids import prompt_token_ids
 from simulation.gpusim.replies import (
     EMBEDDING_DIMENSIONS,
     MAX_EMBEDDING_DIMENSIONS,
     bad_request,
     choice_count,
 )
-from simulation.gpusim.vllm_metrics import CONTENT_TYPE, EndpointMetrics
+from simulation.gpusim.vllm_metrics import CONTENT_TYPE, CacheConfigInfo, EndpointMetrics
+from simulation.kvcache import PrefixCache, PromptBlocks, block_hashes
 
 log = logging.getLogger("gpusim")
 
@@ -148,7 +150,13 @@ class SimulatedEndpoint:
         self.endpoint = endpoint
         self.model: ModelConfig = model
         self.timing = timing or TimingModel.for_endpoint(config, endpoint)
-        self.engine = BatchEngine(model=self.timing)
+        sim = config.simulation
+        cache = (
+            PrefixCache.for_budget(self.timing.kv_budget_tokens, block_size=sim.block_size)
+            if sim.prefix_caching
+            else None
+        )
+        self.engine = BatchEngine(model=self.timing, prefix_cache=cache)
         self.memory_gb = config.gpu_profiles[endpoint.gpu].memory_gb
         self.fault = FaultState()
         #: set while the endpoint answers; cleared by the ``hang`` fault, set again by any other mode and
@@ -157,7 +165,15 @@ class SimulatedEndpoint:
         self._answering.set()
         self._util_sample: tuple[float, float] | None = None  # (engine time, busy seconds)
         self._util_percent = 0.0
-        self.metrics = EndpointMetrics(model_name=model.name, stats=self._stats_now)
+        self.metrics = EndpointMetrics(
+            model_name=model.name,
+            stats=self._stats_now,
+            cache_config=CacheConfigInfo(
+                block_size=sim.block_size,
+                num_gpu_blocks=self.timing.kv_budget_tokens // sim.block_size,
+                enable_prefix_caching=sim.prefix_caching,
+            ),
+        )
         self._served_names = (model.name, *model.aliases)
         self._flights: dict[str, _Flight] = {}
         self._wake: asyncio.Event | None = None
@@ -493,6 +509,24 @@ class SimulatedEndpoint:
             )
         return _Admission(prompt_tokens=prompt_tokens, tokens_per_choice=tokens, width=width)
 
+    def _prompt_blocks(self, req: InferenceRequest, prompt_tokens: int) -> tuple[PromptBlocks, ...] | None:
+        """The request's prompts as the prefix cache sees them (:mod:`simulation.gpusim.prompt_ids`), or None
+        without a prefix cache. Should the ids ever disagree with the count the request was sized by, it is
+        logged and the request looked up as one prompt of unknown blocks (it hits nothing)."""
+        cache = self.engine.prefix_cache
+        if cache is None:
+            return None
+        ids = prompt_token_ids(req)
+        if sum(len(i) for i in ids) != prompt_tokens:
+            log.warning(
+                "%s: %d prompt token ids for %d counted tokens; prefix cache lookup skipped",
+                self.display_name, sum(len(i) for i in ids), prompt_tokens,
+            )  # fmt: skip
+            return None
+        return tuple(
+            PromptBlocks(tokens=len(i), hashes=block_hashes(i, block_size=cache.block_size)) for i in ids
+        )
+
     def _check_context(self, prompt_tokens: int, completion_tokens: int, *, param: str) -> None:
         """400 ``context_length_exceeded`` when one sequence outgrows the model's context (vLLM's message)."""
         if prompt_tokens + completion_tokens > self.model.context_length:
@@ -533,6 +567,7 @@ class SimulatedEndpoint:
             prompt_tokens=admission.prompt_tokens,
             completion_tokens=admission.tokens_per_choice,
             width=admission.width,
+            prompts=self._prompt_blocks(req, admission.prompt_tokens),
         )
         if isinstance(outcome, Refused):
             self.metrics.request_refused("queue_full")

@@ -23,6 +23,11 @@ rules are those of vLLM's design doc "Automatic Prefix Caching"
 * **A cache hit** is the longest run of leading blocks whose hashes are cached (``find_longest_cache_hit``);
   at most ``prompt_tokens - 1`` tokens can hit, since the last prompt token is always recomputed to get
   logits (vLLM's ``get_computed_blocks``). Hit blocks in the free queue leave it (their count goes to 1).
+* **KV events** (with ``record_events``), as vLLM's KV-cache manager emits them for ``--kv-events-config``
+  (``vllm/distributed/kv_events.py``): :class:`BlockRemoved` for the cached hashes an allocation evicted,
+  then :class:`BlockStored` for each prompt's newly cached run of blocks (its hashes, the hash of the block
+  before it, its tokens), and :class:`AllBlocksCleared` when :meth:`PrefixCache.clear` empties the cache.
+  :meth:`PrefixCache.take_events` hands them over in order.
 * **Counters**, in tokens as vLLM's ``PrefixCacheStats`` counts them (``vllm:prefix_cache_queries_total``,
   ``vllm:prefix_cache_hits_total``): every lookup adds its prompt tokens to the queries and its hit blocks
   x ``block_size`` to the hits.
@@ -100,10 +105,38 @@ class PromptBlocks:
         tokens: prompt tokens (>= 0).
         hashes: hashes of its full blocks, in order (at most ``tokens // block_size`` are used; a trace may
             give fewer, then the rest cannot hit nor be cached).
+        token_ids: its token ids when known (for :class:`BlockStored` events; a trace has none).
     """
 
     tokens: int
     hashes: tuple[BlockHash, ...] = ()
+    token_ids: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True, kw_only=True)
+class BlockStored:
+    """Blocks were cached: ``block_hashes`` in prompt order, after the block of ``parent_block_hash`` (None:
+    they start the prompt), holding ``token_ids`` (``block_size`` per block; empty when unknown)."""
+
+    block_hashes: tuple[BlockHash, ...]
+    parent_block_hash: BlockHash | None
+    token_ids: tuple[int, ...]
+    block_size: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class BlockRemoved:
+    """Cached blocks were evicted (their blocks reused): one entry per evicted block."""
+
+    block_hashes: tuple[BlockHash, ...]
+
+
+@dataclass(frozen=True)
+class AllBlocksCleared:
+    """Every cached block was dropped (:meth:`PrefixCache.clear`)."""
+
+
+CacheEvent = BlockStored | BlockRemoved | AllBlocksCleared
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -141,6 +174,7 @@ class PrefixCache:
     Args:
         num_blocks: physical blocks (the KV budget in tokens // ``block_size``, >= 1).
         block_size: tokens per block (>= 1).
+        record_events: keep the KV events for :meth:`take_events` (off: none are kept).
 
     Raises:
         ValueError: ``num_blocks < 1`` or ``block_size < 1``.
@@ -148,6 +182,7 @@ class PrefixCache:
 
     num_blocks: int
     block_size: int = DEFAULT_BLOCK_SIZE
+    record_events: bool = False
     #: tokens of prompts looked up (``vllm:prefix_cache_queries_total``)
     queries_total: int = 0
     #: prompt tokens found cached (``vllm:prefix_cache_hits_total``)
@@ -164,6 +199,8 @@ class PrefixCache:
     #: ``BlockHashToBlockMap.get_one_block``)
     _blocks_of: dict[BlockHash, dict[int, None]] = field(default_factory=dict)
     _seqs: dict[str, list[int]] = field(default_factory=dict)  # sequence -> its blocks, in order
+    _events: list[CacheEvent] = field(default_factory=list)
+    _evicted: list[BlockHash] = field(default_factory=list)  # hashes evicted by the allocation under way
 
     def __post_init__(self) -> None:
         if self.num_blocks < 1:
@@ -266,12 +303,26 @@ class PrefixCache:
         # every new block first (evicting what it must), then the caching, as vLLM's allocate_slots does:
         # a hash that was cached elsewhere and evicted by this very allocation is cached again
         fresh = [self._take_free_block() for _ in range(new_needed)]
+        if self._evicted:
+            if self.record_events:
+                self._events.append(BlockRemoved(block_hashes=tuple(self._evicted)))
+            self._evicted.clear()
         taken = iter(fresh)
         for p, k in zip(prompts, hits, strict=True):
             for i in range(k, p.tokens // bs):
                 b = next(taken)
                 if i < len(p.hashes):
                     self._cache(b, p.hashes[i])
+            stored = min(p.tokens // bs, len(p.hashes))
+            if self.record_events and stored > k:
+                self._events.append(
+                    BlockStored(
+                        block_hashes=p.hashes[k:stored],
+                        parent_block_hash=p.hashes[k - 1] if k else None,
+                        token_ids=p.token_ids[k * bs : stored * bs],
+                        block_size=bs,
+                    )
+                )
         held.extend(fresh)
         self._seqs[seq_id] = held
         return CacheAllocation(
@@ -292,6 +343,22 @@ class PrefixCache:
                 del self._ref[b]
                 self._free[b] = None
         return True
+
+    def clear(self) -> bool:
+        """Drop every cached hash (vLLM's ``reset_prefix_cache``), only when no sequence holds blocks; then
+        an :class:`AllBlocksCleared` event. Returns False (and changes nothing) while blocks are in use."""
+        if self._ref:
+            return False
+        self._hash_of.clear()
+        self._blocks_of.clear()
+        if self.record_events:
+            self._events.append(AllBlocksCleared())
+        return True
+
+    def take_events(self) -> list[CacheEvent]:
+        """The KV events since the last call, in order (empty without ``record_events``)."""
+        out, self._events = self._events, []
+        return out
 
     # -- blocks ---------------------------------------------------------------------------------------------
 
@@ -316,6 +383,7 @@ class PrefixCache:
                 if not holders:
                     del self._blocks_of[old]
                 self.evictions_total += 1
+                self._evicted.append(old)
         self._ref[b] = 1
         return b
 

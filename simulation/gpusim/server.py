@@ -82,6 +82,7 @@ from simulation.gpusim.faults import (
     simulated_gpu_telemetry,
     utilization_percent,
 )
+from simulation.gpusim.kv_events import KvEventPublisher, KvEventsConfig
 from simulation.gpusim.prompt_ids import prompt_token_ids
 from simulation.gpusim.replies import (
     EMBEDDING_DIMENSIONS,
@@ -136,13 +137,21 @@ class SimulatedEndpoint:
         config: the whole config (the endpoint's model, GPU profile and ``simulation`` timing come from it).
         endpoint: the endpoint to simulate; its ``address`` is where :meth:`start` listens by default.
         timing: overrides the timing derived with :meth:`TimingModel.for_endpoint` (tests, benchmarks).
+        kv_events: where to publish the prefix cache's KV events (vLLM's ``--kv-events-config``;
+            :mod:`simulation.gpusim.kv_events`); None or a config that does not publish: nowhere.
 
     Raises:
-        ValueError: ``endpoint.model`` is not a model of ``config``.
+        ValueError: ``endpoint.model`` is not a model of ``config``, or KV events are asked for with
+            ``simulation.prefix_caching`` off.
     """
 
     def __init__(
-        self, *, config: Config, endpoint: EndpointConfig, timing: TimingModel | None = None
+        self,
+        *,
+        config: Config,
+        endpoint: EndpointConfig,
+        timing: TimingModel | None = None,
+        kv_events: KvEventsConfig | None = None,
     ) -> None:
         model = next((m for m in config.models if m.name == endpoint.model), None)
         if model is None:
@@ -151,11 +160,19 @@ class SimulatedEndpoint:
         self.model: ModelConfig = model
         self.timing = timing or TimingModel.for_endpoint(config, endpoint)
         sim = config.simulation
+        self.kv_events = kv_events if kv_events is not None and kv_events.publishes else None
+        if self.kv_events is not None and not sim.prefix_caching:
+            raise ValueError("--kv-events-config needs simulation.prefix_caching (it is false)")
         cache = (
-            PrefixCache.for_budget(self.timing.kv_budget_tokens, block_size=sim.block_size)
+            PrefixCache(
+                num_blocks=max(1, self.timing.kv_budget_tokens // sim.block_size),
+                block_size=sim.block_size,
+                record_events=self.kv_events is not None,
+            )
             if sim.prefix_caching
             else None
         )
+        self._publisher: KvEventPublisher | None = None
         self.engine = BatchEngine(model=self.timing, prefix_cache=cache)
         self.memory_gb = config.gpu_profiles[endpoint.gpu].memory_gb
         self.fault = FaultState()
@@ -203,6 +220,8 @@ class SimulatedEndpoint:
         if self._runner is not None:
             raise RuntimeError(f"endpoint {self.display_name} is already started")
         default_counter().count("warm up")  # load the encoding now, not on the first request
+        if self.kv_events is not None:
+            self._publisher = KvEventPublisher(self.kv_events)
         self._wake = asyncio.Event()
         self._driver = asyncio.create_task(self._drive(), name=f"gpusim-driver-{self.display_name}")
         self._util_sample = (self._now(), self.engine.stats().busy_seconds_total)
@@ -218,6 +237,7 @@ class SimulatedEndpoint:
         except BaseException:
             await runner.cleanup()
             await self._stop_driver()
+            self._close_publisher()
             raise
         self._runner = runner
         bound = runner.addresses[0]
@@ -234,6 +254,12 @@ class SimulatedEndpoint:
             runner, self._runner = self._runner, None
             await runner.cleanup()
         await self._stop_driver()
+        self._close_publisher()
+
+    def _close_publisher(self) -> None:
+        if self._publisher is not None:
+            publisher, self._publisher = self._publisher, None
+            publisher.close()
 
     async def _stop_driver(self) -> None:
         if self._driver is not None:
@@ -303,6 +329,13 @@ class SimulatedEndpoint:
         """Advance the engine to now and hand its events to the requests in flight."""
         events = self.engine.advance(self._now())
         self._dispatch(events)
+        self._publish_kv_events()
+
+    def _publish_kv_events(self) -> None:
+        """Send the prefix cache's KV events since the last batch (with KV events on)."""
+        cache = self.engine.prefix_cache
+        if self._publisher is not None and cache is not None:
+            self._publisher.publish(cache.take_events())
 
     def _dispatch(self, events: list[EngineEvent]) -> None:
         for ev in events:
@@ -358,6 +391,7 @@ class SimulatedEndpoint:
         app.router.add_get("/sim/fault", self._get_fault)
         app.router.add_get("/sim/telemetry", self._get_telemetry)
         app.router.add_get("/sim/requests", self._get_requests)
+        app.router.add_post("/reset_prefix_cache", self._reset_prefix_cache)
         app.on_response_prepare.append(self._stamp_headers)
         return app
 
@@ -409,6 +443,19 @@ class SimulatedEndpoint:
         except RequestError as exc:
             return _error_response(exc)
         return web.json_response(self.apply_fault(command).to_json())
+
+    async def _reset_prefix_cache(self, _request: web.Request) -> web.Response:
+        """vLLM's ``POST /reset_prefix_cache``: drop every cached block, unless requests hold blocks.
+        Answers ``{"cleared": bool}`` (409 when blocks are in use, 404 without a prefix cache)."""
+        self._pump()
+        cache = self.engine.prefix_cache
+        if cache is None:
+            return _error_response(
+                RequestError(404, "This server has no prefix cache.", type="invalid_request_error")
+            )
+        cleared = cache.clear()
+        self._publish_kv_events()
+        return web.json_response({"cleared": cleared}, status=200 if cleared else 409)
 
     async def _get_requests(self, _request: web.Request) -> web.Response:
         return web.json_response({"requests": list(self.recorded)})
@@ -523,8 +570,14 @@ class SimulatedEndpoint:
                 self.display_name, sum(len(i) for i in ids), prompt_tokens,
             )  # fmt: skip
             return None
+        keep_ids = cache.record_events  # BlockStored events carry the tokens
         return tuple(
-            PromptBlocks(tokens=len(i), hashes=block_hashes(i, block_size=cache.block_size)) for i in ids
+            PromptBlocks(
+                tokens=len(i),
+                hashes=block_hashes(i, block_size=cache.block_size),
+                token_ids=i if keep_ids else (),
+            )
+            for i in ids
         )
 
     def _check_context(self, prompt_tokens: int, completion_tokens: int, *, param: str) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 
 import pytest
@@ -10,7 +11,11 @@ from hypothesis import strategies as st
 
 from simulation.kvcache import (
     NONE_HASH,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
     CacheAllocation,
+    CacheEvent,
     PrefixCache,
     PromptBlocks,
     block_hashes,
@@ -222,3 +227,59 @@ def test_a_repeated_prompt_hits_all_its_full_blocks_when_nothing_evicted_them(
     second = cache.allocate("probe-2", [p])
     # the first allocation cached every full block (or found it cached): all of them hit now
     assert second.hit_tokens == ((p.tokens - 1) // BS) * BS
+
+
+# -- KV events ----------------------------------------------------------------------------------------------
+
+
+def replay(events: list[CacheEvent], mirror: Counter[bytes | int]) -> None:
+    """What a KV-event consumer (an indexer) does: count each hash's cached blocks."""
+    for e in events:
+        if isinstance(e, BlockStored):
+            mirror.update(e.block_hashes)
+        elif isinstance(e, BlockRemoved):
+            mirror.subtract(e.block_hashes)
+        else:
+            mirror.clear()
+    for h in [h for h, n in mirror.items() if n == 0]:
+        del mirror[h]
+
+
+@settings(max_examples=150)
+@given(ops=ops_strategy, num_blocks=st.integers(1, 24), clear_at=st.integers(0, 60))
+def test_replayed_kv_events_rebuild_the_cached_hashes(
+    ops: list[Alloc | Free], num_blocks: int, clear_at: int
+) -> None:
+    cache = PrefixCache(num_blocks=num_blocks, block_size=BS, record_events=True)
+    mirror: Counter[bytes | int] = Counter()
+    for i, op in enumerate(ops):
+        if i == clear_at:
+            cache.clear()
+        run_ops(cache, [op])
+        replay(cache.take_events(), mirror)
+        assert mirror == Counter({h: len(bs) for h, bs in cache._blocks_of.items()})
+
+
+def test_kv_events_name_the_parent_and_the_tokens_of_each_stored_run() -> None:
+    cache = PrefixCache(num_blocks=4, block_size=BS, record_events=True)
+    tokens = list(range(10))
+    p = PromptBlocks(tokens=10, hashes=block_hashes(tokens, block_size=BS), token_ids=tuple(tokens))
+    cache.allocate("a", [p])
+    assert cache.take_events() == [
+        BlockStored(block_hashes=p.hashes, parent_block_hash=None, token_ids=tuple(range(8)), block_size=BS)
+    ]
+    cache.free("a")
+    longer = list(range(14))
+    q = PromptBlocks(tokens=14, hashes=block_hashes(longer, block_size=BS), token_ids=tuple(longer))
+    cache.allocate("b", [q])  # hits 2 blocks, stores the third after the second; no block is evicted
+    assert cache.take_events() == [
+        BlockStored(block_hashes=q.hashes[2:], parent_block_hash=q.hashes[1], token_ids=(8, 9, 10, 11),
+                    block_size=BS),
+    ]  # fmt: skip
+    assert not cache.clear()  # "b" holds blocks
+    cache.free("b")
+    cache.allocate("c", [PromptBlocks(tokens=16)])  # 4 blocks: the 3 cached ones are evicted
+    assert cache.take_events() == [BlockRemoved(block_hashes=(q.hashes[2], q.hashes[1], q.hashes[0]))]
+    cache.free("c")
+    assert cache.clear() and cache.take_events() == [AllBlocksCleared()]
+    assert PrefixCache(num_blocks=4).take_events() == []

@@ -50,6 +50,8 @@ from __future__ import annotations
 import hashlib
 import math
 import struct
+import sys
+from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -82,17 +84,27 @@ def hash_block_tokens(parent: bytes | None, tokens: Sequence[int]) -> bytes:
 
 def block_hashes(token_ids: Sequence[int], *, block_size: int = DEFAULT_BLOCK_SIZE) -> tuple[bytes, ...]:
     """The chained hashes of the full blocks of ``token_ids`` (``len(token_ids) // block_size`` of them; the
-    partial last block has none).
+    partial last block has none): :func:`hash_block_tokens` of each block on its parent's, computed over the
+    prompt's ids packed once.
 
     Raises:
         ValueError: ``block_size < 1``.
+        OverflowError: a token id outside the 64-bit signed range.
     """
     if block_size < 1:
         raise ValueError(f"block_size must be >= 1, got {block_size}")
+    # the bytes hash_block_tokens hashes, packed once for the whole prompt (8-byte big-endian signed ids)
+    packed = array("q", token_ids)
+    if sys.byteorder == "little":
+        packed.byteswap()
+    data = memoryview(packed.tobytes())
+    step = 8 * block_size
     out: list[bytes] = []
-    parent: bytes | None = None
-    for start in range(0, len(token_ids) - block_size + 1, block_size):
-        parent = hash_block_tokens(parent, token_ids[start : start + block_size])
+    parent = NONE_HASH
+    for start in range(0, (len(token_ids) // block_size) * step, step):
+        h = hashlib.sha256(parent)
+        h.update(data[start : start + step])
+        parent = h.digest()
         out.append(parent)
     return tuple(out)
 

@@ -283,3 +283,13 @@ def test_kv_events_name_the_parent_and_the_tokens_of_each_stored_run() -> None:
     cache.free("c")
     assert cache.clear() and cache.take_events() == [AllBlocksCleared()]
     assert PrefixCache(num_blocks=4).take_events() == []
+
+
+@given(tokens=st.lists(st.integers(-(2**63), 2**63 - 1), max_size=40), bs=st.integers(1, 8))
+def test_block_hashes_chain_hash_block_tokens(tokens: list[int], bs: int) -> None:
+    parent: bytes | None = None
+    expected = []
+    for start in range(0, len(tokens) - bs + 1, bs):
+        parent = hash_block_tokens(parent, tokens[start : start + bs])
+        expected.append(parent)
+    assert block_hashes(tokens, block_size=bs) == tuple(expected)

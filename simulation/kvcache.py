@@ -19,7 +19,8 @@ rules are those of vLLM's design doc "Automatic Prefix Caching"
   count of 2) and *free* otherwise. Free blocks keep their hash and content until reused, and sit in an LRU
   queue (vLLM's ``FreeKVCacheBlockQueue``): allocation takes the queue's head, evicting the cached hash it
   had; a finished sequence's blocks go to the tail in *reverse* order, so that a prefix's tail blocks are
-  evicted before its head. A block in use is never evicted.
+  evicted before its head. A block in use is never evicted. Two blocks may hold one hash, as in vLLM (a
+  prompt's last block recomputed on a full hit, a block recomputed after its prefix's head was evicted).
 * **A cache hit** is the longest run of leading blocks whose hashes are cached (``find_longest_cache_hit``);
   at most ``prompt_tokens - 1`` tokens can hit, since the last prompt token is always recomputed to get
   logits (vLLM's ``get_computed_blocks``). Hit blocks in the free queue leave it (their count goes to 1).

@@ -1,16 +1,23 @@
 """LLM request traces: the bundled Azure 2023 trace, reading a ``TIMESTAMP,ContextTokens,GeneratedTokens``
-CSV, cutting a window of it, and the nearest-rank percentile both the replay and the fleet simulation report.
+CSV or a Mooncake JSONL trace, cutting a window of it, and the nearest-rank percentile both the replay and the
+fleet simulation report.
 
 A trace is a CSV of ``TIMESTAMP,ContextTokens,GeneratedTokens`` (the schema of the Azure LLM inference
-trace 2023, Patel et al., "Splitwise", ISCA 2024; CC-BY 4.0). Pure: files in, values out; no network.
+trace 2023, Patel et al., "Splitwise", ISCA 2024; CC-BY 4.0), or a Mooncake trace (Qin et al., "Mooncake: A
+KVCache-centric Architecture for Serving LLM Chatbot", USENIX FAST 2025; kvcache-ai/Mooncake
+``FAST25-release/traces``): one JSON object per line, ``timestamp`` (ms), ``input_length``,
+``output_length`` (tokens) and ``hash_ids``, the ids of the prompt's blocks of
+:data:`MOONCAKE_BLOCK_TOKENS` tokens, remapped so that equal ids are equal prefixes (reusable KV blocks).
+Pure: files in, values out; no network.
 """
 
 from __future__ import annotations
 
 import csv
+import json
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime
 from pathlib import Path
 
@@ -26,11 +33,18 @@ class TraceError(InferlbError):
 
 @dataclass(frozen=True, kw_only=True)
 class TraceRow:
-    """One trace request: arrival offset from the trace start (s), prompt and output lengths (tokens)."""
+    """One trace request: arrival offset from the trace start (s), prompt and output lengths (tokens), and
+    the ids of its prompt's full blocks when the trace gives them (a Mooncake trace's ``hash_ids`` of
+    :data:`MOONCAKE_BLOCK_TOKENS`-token blocks; empty for a trace without them: no known reuse)."""
 
     offset_s: float
     prompt_tokens: int
     output_tokens: int
+    block_hashes: tuple[int, ...] = ()
+
+
+#: Tokens per block of a Mooncake trace's ``hash_ids`` (its README: "block size 512 tokens").
+MOONCAKE_BLOCK_TOKENS = 512
 
 
 def _parse_ts(text: str) -> float:
@@ -76,6 +90,50 @@ def read_trace(path: str | Path) -> list[TraceRow]:
     return [TraceRow(offset_s=ts - t0, prompt_tokens=c, output_tokens=g) for ts, c, g in rows]
 
 
+def read_mooncake_trace(path: str | Path) -> list[TraceRow]:
+    """Read a Mooncake JSONL trace (see the module doc) into rows sorted by arrival, offsets from the first.
+
+    Each row keeps the ids of its prompt's *full* blocks (``input_length // 512`` of them): the last,
+    partial block can be neither reused nor cached (vLLM caches only full blocks).
+
+    Raises:
+        TraceError: the file is unreadable or empty, a line is not such an object, or its ``hash_ids`` do
+            not cover its ``input_length`` (line named).
+    """
+    p = Path(path)
+    try:
+        lines = p.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise TraceError(f"{p}: cannot read: {exc}") from None
+    rows: list[tuple[float, int, int, tuple[int, ...]]] = []
+    for line_no, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+            ts, ctx, gen = float(rec["timestamp"]) / 1000.0, rec["input_length"], rec["output_length"]
+            ids = rec["hash_ids"]
+            if not (isinstance(ctx, int) and isinstance(gen, int) and isinstance(ids, list)):
+                raise TypeError("input_length and output_length must be integers, hash_ids a list")
+            if not all(isinstance(i, int) for i in ids):
+                raise TypeError("hash_ids must be integers")
+        except (json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
+            raise TraceError(f"{p}:{line_no}: malformed row: {exc}") from None
+        if ctx < 1 or gen < 0 or len(ids) < ctx // MOONCAKE_BLOCK_TOKENS:
+            raise TraceError(
+                f"{p}:{line_no}: need input_length >= 1, output_length >= 0 and a hash id per full "
+                f"{MOONCAKE_BLOCK_TOKENS}-token block"
+            )
+        rows.append((ts, ctx, gen, tuple(ids[: ctx // MOONCAKE_BLOCK_TOKENS])))
+    if not rows:
+        raise TraceError(f"{p}: no rows")
+    rows.sort(key=lambda r: r[0])
+    t0 = rows[0][0]
+    return [
+        TraceRow(offset_s=ts - t0, prompt_tokens=c, output_tokens=g, block_hashes=h) for ts, c, g, h in rows
+    ]
+
+
 def window(
     rows: Sequence[TraceRow],
     *,
@@ -93,15 +151,7 @@ def window(
     if speedup <= 0 or start_s < 0 or (duration_s is not None and duration_s <= 0):
         raise ValueError("speedup and duration must be > 0 and start >= 0")
     end = math.inf if duration_s is None else start_s + duration_s
-    out = [
-        TraceRow(
-            offset_s=(r.offset_s - start_s) / speedup,
-            prompt_tokens=r.prompt_tokens,
-            output_tokens=r.output_tokens,
-        )
-        for r in rows
-        if start_s <= r.offset_s < end
-    ]
+    out = [replace(r, offset_s=(r.offset_s - start_s) / speedup) for r in rows if start_s <= r.offset_s < end]
     return out[:limit] if limit is not None else out
 
 

@@ -4,6 +4,9 @@
   NVML-like telemetry) for the local stack, tests and benchmarks; ``python -m simulation.gpusim``.
 - :mod:`simulation.fleetsim`: a discrete-event simulation of a fleet behind Envoy-like balancers, for
   benchmarks at 1,000-GPU scale.
+- :mod:`simulation.kvcache`: the pure model of vLLM's automatic prefix caching (chained block hashes, an
+  LRU block pool with reference counts) that both use: gpusim's engine holds one per GPU, and so does each
+  engine the fleet simulation is given.
 
 May import: the core (:mod:`inferlb.config`, :mod:`inferlb.request`, :mod:`inferlb.policy`,
 :mod:`inferlb.traces`, :mod:`inferlb.errors`), aiohttp and prometheus_client; no service, adapter or

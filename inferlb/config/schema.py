@@ -488,6 +488,11 @@ class Simulation(_Frozen):
     max_batch: Annotated[int, Field(strict=True, ge=1, le=4096)] = 16
     #: Queue bound behind the batch; beyond it the simulated server answers 503 (as vLLM does when full).
     max_queue: Annotated[int, Field(strict=True, ge=0, le=100_000)] = 256
+    #: Automatic prefix caching (``simulation.kvcache``): prompt blocks found cached are not prefilled. On by
+    #: default, as in vLLM's V1 engine (``--enable-prefix-caching``).
+    prefix_caching: Annotated[bool, Field(strict=True)] = True
+    #: Tokens per KV-cache block (vLLM's ``--block-size``, default 16).
+    block_size: Annotated[int, Field(strict=True, ge=1, le=1024)] = 16
 
 
 class WeightsConfig(_Frozen):

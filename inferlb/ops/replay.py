@@ -169,17 +169,30 @@ def plan(
     return out
 
 
-def prompt_text(content_tokens: int) -> str:
-    """Text of exactly ``content_tokens`` cl100k_base tokens (one common word per token)."""
+#: Leading words of a prompt that spell its ``salt`` (base ``len(_WORDS)``: 810,000 distinct prompts).
+SALT_WORDS = 4
+
+
+def prompt_text(content_tokens: int, *, salt: int = 0) -> str:
+    """Text of exactly ``content_tokens`` cl100k_base tokens (one common word per token).
+
+    Its first :data:`SALT_WORDS` words spell ``salt`` (the request's index in the replay), so that two
+    replayed requests never share a prefix: a trace without prefix information shows no reuse to a model
+    server's prefix cache (vLLM's, or gpusim's model of it) instead of every prompt hitting the last one's.
+    """
     n = max(1, content_tokens)
-    return "".join(" " + _WORDS[i % len(_WORDS)] for i in range(n))
+    w = len(_WORDS)
+    digits = [(salt // w**k) % w for k in range(SALT_WORDS)]
+    return "".join(" " + _WORDS[digits[i] if i < SALT_WORDS else i % w] for i in range(n))
 
 
 def chat_body(req: PlannedRequest, *, stream: bool) -> dict[str, Any]:
     """The chat completion body for a planned request: a prompt of ``req.prompt_tokens`` tokens in all."""
     body: dict[str, Any] = {
         "model": req.model,
-        "messages": [{"role": "user", "content": prompt_text(req.prompt_tokens - CHAT_OVERHEAD_TOKENS)}],
+        "messages": [
+            {"role": "user", "content": prompt_text(req.prompt_tokens - CHAT_OVERHEAD_TOKENS, salt=req.index)}
+        ],
         "max_tokens": req.max_tokens,
     }
     if stream:

@@ -26,6 +26,14 @@ Modules (each imports only those above it, and the core):
 
 Import each name from the module that defines it; this ``__init__`` re-exports nothing.
 
-May import: the core (:mod:`inferlb.config`, :mod:`inferlb.policy`, :mod:`inferlb.traces`); never
+**Prefix caching.** A trace row with block ids (a Mooncake trace's ``hash_ids``:
+:func:`inferlb.traces.read_mooncake_trace`) is submitted with them (:class:`simulation.kvcache.PromptBlocks`);
+an engine built with a :class:`simulation.kvcache.PrefixCache` of the trace's block size (512 tokens for
+Mooncake) prefills only what its cache misses, by the same rules as a gpusim server, and the run reports the
+hit rate. Rows without block ids (the Azure trace, synthetic loads) are submitted exactly as before, and
+engines without a cache behave exactly as before: runs of those stay bit-identical.
+
+May import: the core (:mod:`inferlb.config`, :mod:`inferlb.policy`, :mod:`inferlb.traces`),
+:mod:`simulation.kvcache`; never
 :mod:`simulation.gpusim` (its engines come in by injection), a service, an adapter or an operator tool.
 """

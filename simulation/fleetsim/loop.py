@@ -40,6 +40,7 @@ from simulation.fleetsim.seams import (
 )
 from simulation.fleetsim.signals import simulated_weight_inputs
 from simulation.fleetsim.workload import FleetGpu, long_output_threshold, tiered_thresholds
+from simulation.kvcache import PromptBlocks
 
 _FIRST, _FINISHED, _SCHEDULED, _OTHER = 0, 1, 2, 3
 # event classes are classified once each (a runtime Protocol check costs microseconds)
@@ -198,8 +199,9 @@ class _FleetRun:
         self.weight_state: list[WeightState | None] = [None] * n
         self.prev_gen = [0] * n
         self.pending_weights: dict[int, list[int]] = {}
-        # mark id -> per GPU (busy seconds, generated tokens, prefilled prompt tokens)
-        self.marks: dict[int, list[tuple[float, int, int]]] = {}
+        # mark id -> per GPU (busy seconds, generated tokens, prefilled prompt tokens, prefix cache queries,
+        # prefix cache hits)
+        self.marks: dict[int, list[tuple[float, int, int, int, int]]] = {}
         self.applied: list[int] | None = None
         self.targets = (
             frozenset(scenario.throttle_gpus) if scenario.throttle_at_s is not None else frozenset()
@@ -298,7 +300,17 @@ class _FleetRun:
         rid = str(ai)
         self.arrival_gpu[ai] = g
         eng = self.engines[g]
-        eng.submit(t, request_id=rid, prompt_tokens=r.prompt_tokens, completion_tokens=r.output_tokens)
+        if r.block_hashes:
+            prompts = (PromptBlocks(tokens=r.prompt_tokens, hashes=r.block_hashes),)
+            eng.submit(
+                t,
+                request_id=rid,
+                prompt_tokens=r.prompt_tokens,
+                completion_tokens=r.output_tokens,
+                prompts=prompts,
+            )
+        else:  # no block ids: the call of a run without prefix caching, unchanged
+            eng.submit(t, request_id=rid, prompt_tokens=r.prompt_tokens, completion_tokens=r.output_tokens)
         if eng.holds(rid):
             active[g] += 1
         else:
@@ -320,13 +332,22 @@ class _FleetRun:
             self.throttled[g] = True
             self._advance(g, t)
 
-    def _sample_all(self, now: float) -> list[tuple[float, int, int]]:
-        """Every GPU's counters now: (busy seconds, generated tokens, prefilled prompt tokens)."""
+    def _sample_all(self, now: float) -> list[tuple[float, int, int, int, int]]:
+        """Every GPU's counters now: (busy seconds, generated tokens, prefilled prompt tokens, prefix cache
+        queries, prefix cache hits)."""
         out = []
         for g in range(self.n):
             self._advance(g, now)
             st = self.engines[g].stats()
-            out.append((st.busy_seconds_total, st.generation_tokens_total, st.prompt_tokens_total))
+            out.append(
+                (
+                    st.busy_seconds_total,
+                    st.generation_tokens_total,
+                    st.prompt_tokens_total,
+                    st.prefix_cache_queries_total,
+                    st.prefix_cache_hits_total,
+                )
+            )
         return out
 
     def _telemetry_tick(self, now: float) -> None:
@@ -425,7 +446,7 @@ class _FleetRun:
         e2e, ttft, measured = self._latencies()
         n_refused = sum(self.refused)
         n_finished = sum(1 for x in self.done_at if not math.isnan(x))
-        start_mark = self.marks.get(0, [(0.0, 0, 0)] * n)
+        start_mark = self.marks.get(0, [(0.0, 0, 0, 0, 0)] * n)
         end_mark = self.marks.get(1, start_mark)
         window = scenario.duration_s - scenario.warmup_s
         busy = tuple(100.0 * (end_mark[g][0] - start_mark[g][0]) / window for g in range(n))
@@ -469,6 +490,8 @@ class _FleetRun:
             class_requests=() if by_length is None else tuple(by_length.class_picks),
             class_set_changes=self.class_set_changes,
             live_classes=self.live,
+            prefix_cache_queries=sum(end_mark[g][3] - start_mark[g][3] for g in range(n)),
+            prefix_cache_hits=sum(end_mark[g][4] - start_mark[g][4] for g in range(n)),
         )
 
     def _latencies(self) -> tuple[list[float], list[float], int]:
@@ -488,12 +511,16 @@ class _FleetRun:
         return e2e, ttft, measured
 
     def _work_percent(
-        self, start_mark: list[tuple[float, int, int]], end_mark: list[tuple[float, int, int]], window: float
+        self,
+        start_mark: list[tuple[float, int, int, int, int]],
+        end_mark: list[tuple[float, int, int, int, int]],
+        window: float,
     ) -> tuple[float, ...]:
         """Per GPU, the work done in the window as a percent of the window (see ``work_percent``)."""
         warmup, duration = self.scenario.warmup_s, self.scenario.duration_s
         # Work done in the window, from the engines' counters: the prompt tokens prefilled, and the tokens
         # decoded (generated tokens less the first ones, which come out of the prefill) at full-batch cost.
+        # Prompt tokens found in a prefix cache were not prefilled: they are no work.
         first_tokens = [0] * self.n
         for i in range(len(self.rows)):
             if warmup < self.first_at[i] <= duration:
@@ -503,7 +530,7 @@ class _FleetRun:
             model = self.engines[g].model
             b = model.max_batch
             decoded = max(0, end_mark[g][1] - start_mark[g][1] - first_tokens[g])
-            prefilled = end_mark[g][2] - start_mark[g][2]
+            prefilled = end_mark[g][2] - start_mark[g][2] - (end_mark[g][4] - start_mark[g][4])
             work_s.append(model.prefill_seconds(prefilled) + decoded * model.decode_step_seconds(b) / b)
         return tuple(100.0 * w / window for w in work_s)
 

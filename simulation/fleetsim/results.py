@@ -80,6 +80,9 @@ class FleetRunResult:
             sent to the whole fleet because the fast set was saturated (0 for the other policies).
         class_set_changes / live_classes: whether the class sets followed the GPUs (``Scenario.
             live_classes``), and how many times the applied sets changed.
+        prefix_cache_queries / prefix_cache_hits: prompt tokens the GPUs' prefix caches looked up, and found,
+            in the window (tokens, summed over GPUs; 0 when the engines have no cache or the trace no block
+            ids). :attr:`prefix_cache_hit_rate` is their ratio.
     """
 
     policy: Policy
@@ -115,6 +118,13 @@ class FleetRunResult:
     class_requests: tuple[int, ...] = ()
     class_set_changes: int = 0
     live_classes: bool = False
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        """``prefix_cache_hits / prefix_cache_queries`` (0..1; NaN when nothing was looked up)."""
+        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else math.nan
 
 
 def share_series(

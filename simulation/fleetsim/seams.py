@@ -10,6 +10,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol, runtime_checkable
 
+from simulation.kvcache import PromptBlocks
+
 
 class EngineTiming(Protocol):
     """The timing model of one server (``simulation.gpusim.engine.TimingModel`` satisfies it). Seconds."""
@@ -45,6 +47,12 @@ class EngineSnapshot(Protocol):
 
     @property
     def busy_seconds_total(self) -> float: ...
+
+    @property
+    def prefix_cache_queries_total(self) -> int: ...
+
+    @property
+    def prefix_cache_hits_total(self) -> int: ...
 
 
 @runtime_checkable
@@ -86,15 +94,19 @@ class ScheduledLike(Protocol):
 class ServingEngine(Protocol):
     """One GPU's model server in simulated time (``simulation.gpusim.engine.BatchEngine`` satisfies it).
 
-    ``submit`` may refuse (queue full); the simulation learns which through :meth:`holds`.
+    ``submit`` may refuse (queue full); the simulation learns which through :meth:`holds`. ``prompts``
+    (:class:`simulation.kvcache.PromptBlocks`) is passed only for a request whose trace row has block ids;
+    an engine with a prefix cache of the trace's block size looks them up.
     """
 
     @property
     def model(self) -> EngineTiming: ...
 
+    # the signature of BatchEngine.submit, which a Protocol has to repeat
     def submit(
-        self, now: float, *, request_id: str, prompt_tokens: int, completion_tokens: int, width: int = 1
-    ) -> object: ...
+        self, now: float, *, request_id: str, prompt_tokens: int, completion_tokens: int, width: int = 1,
+        prompts: tuple[PromptBlocks, ...] | None = None,
+    ) -> object: ...  # fmt: skip
 
     def holds(self, request_id: str) -> bool: ...
 

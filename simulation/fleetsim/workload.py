@@ -21,13 +21,17 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from inferlb.config.schema import Config, EndpointConfig, HostPort
 from inferlb.policy.capacity import capacity_weight
 from inferlb.policy.length_aware import DEFAULT_TIER_WORK_FRACTION, tier_capacity_shares, tier_thresholds
 from inferlb.traces import TraceRow, percentile
 from simulation.fleetsim.seams import EngineTiming
+
+#: What :func:`scale_trace` adds to the block hashes of each further copy of the trace (larger than any id a
+#: trace gives: the Mooncake conversation trace's largest is under 2**18).
+COPY_HASH_STRIDE = 2**40
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -137,7 +141,9 @@ def scale_trace(rows: Sequence[TraceRow], *, rate_rps: float, duration_s: float)
     ``m = ceil(rate_rps * duration_s / len(rows))`` copies of the trace, copy ``j`` shifted circularly by
     ``j / m`` of the trace period, are merged and time-scaled so that the mean rate is ``rate_rps``; rows at
     or after ``duration_s`` are dropped. The trace period is its span plus one mean inter-arrival gap, so
-    the last request of one lap and the first of the next are spaced like the rest. Deterministic.
+    the last request of one lap and the first of the next are spaced like the rest. Copy ``j``'s block
+    hashes are shifted by ``j *`` :data:`COPY_HASH_STRIDE`: the copies stand for other users, whose
+    requests share no prefix with the first copy's. Deterministic.
 
     Raises:
         ValueError: no rows, or a non-positive rate or duration.
@@ -158,9 +164,8 @@ def scale_trace(rows: Sequence[TraceRow], *, rate_rps: float, duration_s: float)
         for r in rows:
             at = ((r.offset_s - t0 + shift) % period) / speedup
             if at < duration_s:
-                out.append(
-                    TraceRow(offset_s=at, prompt_tokens=r.prompt_tokens, output_tokens=r.output_tokens)
-                )
+                hashes = r.block_hashes if j == 0 else tuple(h + j * COPY_HASH_STRIDE for h in r.block_hashes)
+                out.append(replace(r, offset_s=at, block_hashes=hashes))
     out.sort(key=lambda r: r.offset_s)
     return out
 

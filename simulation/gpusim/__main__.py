@@ -18,6 +18,7 @@ from collections.abc import Sequence
 
 from inferlb.config.schema import Config, EndpointConfig, default_config_path, load_config
 from inferlb.errors import ConfigError
+from simulation.gpusim.kv_events import KvEventsConfig, parse_kv_events_config
 from simulation.gpusim.server import SimulatedEndpoint
 
 log = logging.getLogger("gpusim")
@@ -38,9 +39,17 @@ def select_endpoints(config: Config, only: Sequence[str] | None) -> list[Endpoin
     return [by_name[n] for n in dict.fromkeys(only)]
 
 
-async def serve(config: Config, endpoints: Sequence[EndpointConfig]) -> int:
-    """Start one :class:`SimulatedEndpoint` per endpoint, wait for SIGINT/SIGTERM, stop them all."""
-    servers = [SimulatedEndpoint(config=config, endpoint=e) for e in endpoints]
+async def serve(
+    config: Config, endpoints: Sequence[EndpointConfig], kv_events: KvEventsConfig | None = None
+) -> int:
+    """Start one :class:`SimulatedEndpoint` per endpoint, wait for SIGINT/SIGTERM, stop them all. With
+    ``kv_events``, the ``i``-th endpoint publishes on :meth:`KvEventsConfig.for_endpoint` ``(i)``."""
+    servers = [
+        SimulatedEndpoint(
+            config=config, endpoint=e, kv_events=None if kv_events is None else kv_events.for_endpoint(i)
+        )
+        for i, e in enumerate(endpoints)
+    ]
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -80,6 +89,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--only", nargs="+", metavar="NAME", help="run only these endpoints (by name or address)"
     )
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    parser.add_argument(
+        "--kv-events-config",
+        metavar="JSON",
+        help="publish KV events as vLLM does, e.g. "
+        '\'{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:5557"}\' '
+        "(the i-th endpoint on port + i)",
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -87,16 +103,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         config = load_config(args.config)
         endpoints = select_endpoints(config, args.only)
+        kv_events = None if args.kv_events_config is None else parse_kv_events_config(args.kv_events_config)
     except ConfigError as exc:
         print(exc, file=sys.stderr)
         return 2
     except ValueError as exc:
         print(f"gpusim: {exc}", file=sys.stderr)
         return 2
+    if kv_events is not None and kv_events.publishes and not config.simulation.prefix_caching:
+        print("gpusim: --kv-events-config needs simulation.prefix_caching (it is false)", file=sys.stderr)
+        return 2
     if not endpoints:
         print(f"gpusim: no simulated endpoints in {args.config}", file=sys.stderr)
         return 2
-    return asyncio.run(serve(config, endpoints))
+    return asyncio.run(serve(config, endpoints, kv_events))
 
 
 if __name__ == "__main__":

@@ -34,6 +34,11 @@ The model (all times in seconds, all rates in tokens/s, for one model replica on
 * **KV cache.** :func:`kv_budget_tokens` estimates how many tokens of KV cache fit in the GPU's memory;
   the usage reported (``vllm:kv_cache_usage_perc``) is the tokens held by running sequences over that budget.
   It is an estimate shown to scrapers; admission is bounded by ``max_batch`` only.
+* **Prefix cache.** With a :class:`simulation.kvcache.PrefixCache` (vLLM's automatic prefix caching: that
+  module has the rules), a request's prompt blocks are looked up when it is scheduled and only the tokens
+  not found are prefilled: the step's prefill is ``prefill_seconds(sum of uncached prompt tokens)``. Its
+  blocks are pinned until it finishes or is cancelled. Without one (the default) every prompt token is
+  prefilled, as before.
 
 :class:`BatchEngine` is the state machine of one server. It is driven by explicit timestamps (``now``), never
 reads a clock, and jumps over runs of identical decode steps in O(1), so the same code serves the real-time
@@ -49,6 +54,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from inferlb.config.schema import Config, EndpointConfig
+from simulation.kvcache import PrefixCache, PromptBlocks
 
 #: Relative growth of the decode step time per extra running sequence (dimensionless); see the module doc.
 BATCH_SLOWDOWN_PER_SEQUENCE = 0.02
@@ -323,6 +329,8 @@ class EngineStats:
         kv_usage: ``kv_tokens / kv_budget_tokens``, clamped to [0, 1].
         prompt_tokens_total: prompt tokens prefilled so far.
         generation_tokens_total: tokens emitted so far (all samples, finished, running and cancelled).
+        prefix_cache_queries_total / prefix_cache_hits_total: prompt tokens looked up in the prefix cache,
+            and those found (vLLM's ``vllm:prefix_cache_queries_total`` / ``_hits_total``); 0 without one.
         requests_finished_total / requests_refused_total / requests_cancelled_total: request outcomes.
         steps_total: engine steps completed.
         busy_seconds_total: time during which a step was running (GPU busy), for utilization telemetry.
@@ -342,6 +350,8 @@ class EngineStats:
     steps_total: int
     busy_seconds_total: float
     slowdown: float
+    prefix_cache_queries_total: int = 0
+    prefix_cache_hits_total: int = 0
 
 
 @dataclass(kw_only=True, slots=True)
@@ -351,6 +361,10 @@ class _Sequence:
     completion_tokens: int
     width: int
     arrived_at: float
+    #: its prompts' blocks for the prefix cache (None: one prompt of no known blocks)
+    prompts: tuple[PromptBlocks, ...] | None = None
+    #: prompt tokens found in the prefix cache when it was scheduled (their prefill is skipped)
+    cached_tokens: int = 0
     #: Global index of the step that prefills it (-1 while waiting). It has emitted
     #: ``steps_done - first_step`` tokens per sample once that step completed.
     first_step: int = -1
@@ -378,6 +392,8 @@ class BatchEngine:
 
     model: TimingModel
     slowdown: float = 1.0
+    #: the GPU's prefix cache (vLLM's automatic prefix caching), or None: every prompt token is prefilled
+    prefix_cache: PrefixCache | None = None
     _clock: float = 0.0
     _steps_done: int = 0
     _step_started_at: float | None = None
@@ -410,21 +426,35 @@ class BatchEngine:
     # -- inputs ---------------------------------------------------------------------------------------------
 
     def submit(
-        self, now: float, *, request_id: str, prompt_tokens: int, completion_tokens: int, width: int = 1
+        self,
+        now: float,
+        *,
+        request_id: str,
+        prompt_tokens: int,
+        completion_tokens: int,
+        width: int = 1,
+        prompts: tuple[PromptBlocks, ...] | None = None,
     ) -> Admission:
         """A request arrives at ``now``: ``prompt_tokens`` to prefill, ``completion_tokens`` per sample to
         emit (0 for a prefill-only request such as an embedding), ``width`` samples (OpenAI ``n``, one batch
-        slot each).
+        slot each). ``prompts``: its prompts' blocks for the prefix cache (one per prompt, tokens adding up to
+        ``prompt_tokens``); None is one prompt whose blocks are unknown (it takes blocks, hits none). Ignored
+        without a prefix cache.
 
         Returns :class:`Admitted` (running at once when the server was idle, else queued until the next step
         boundary) or :class:`Refused` when more than ``max_queue`` requests would wait beyond that boundary.
 
         Raises:
             ValueError: ``prompt_tokens < 0``, ``completion_tokens < 0``, ``width`` outside
-                ``[1, max_batch]``, or a ``request_id`` already in the engine.
+                ``[1, max_batch]``, ``prompts`` whose tokens do not add up to ``prompt_tokens``, or a
+                ``request_id`` already in the engine.
         """
         if prompt_tokens < 0:
             raise ValueError(f"prompt_tokens must be >= 0, got {prompt_tokens}")
+        if prompts is not None and sum(p.tokens for p in prompts) != prompt_tokens:
+            raise ValueError(
+                f"prompts hold {sum(p.tokens for p in prompts)} tokens, prompt_tokens is {prompt_tokens}"
+            )
         if completion_tokens < 0:
             raise ValueError(f"completion_tokens must be >= 0, got {completion_tokens}")
         if not 1 <= width <= self.model.max_batch:
@@ -443,6 +473,7 @@ class BatchEngine:
             completion_tokens=completion_tokens,
             width=width,
             arrived_at=self._clock,
+            prompts=prompts,
         )
         self._waiting.append(seq)
         self._waiting_ids.add(request_id)
@@ -465,6 +496,8 @@ class BatchEngine:
         seq = self._running.pop(request_id, None)
         if seq is None:
             return False
+        if self.prefix_cache is not None:
+            self.prefix_cache.free(request_id)
         self._running_slots -= seq.width
         self._generation_tokens_done += self._emitted(seq) * seq.width
         if seq in self._step_admitted:
@@ -553,6 +586,8 @@ class BatchEngine:
             steps_total=self._steps_done,
             busy_seconds_total=busy,
             slowdown=self.slowdown,
+            prefix_cache_queries_total=0 if self.prefix_cache is None else self.prefix_cache.queries_total,
+            prefix_cache_hits_total=0 if self.prefix_cache is None else self.prefix_cache.hits_total,
         )
 
     # -- the step machine -----------------------------------------------------------------------------------
@@ -581,6 +616,8 @@ class BatchEngine:
         done = [s for s in self._running.values() if s.last_step <= self._steps_done]
         for seq in done:
             del self._running[seq.request_id]
+            if self.prefix_cache is not None:
+                self.prefix_cache.free(seq.request_id)
             self._running_slots -= seq.width
             self._generation_tokens_done += seq.completion_tokens * seq.width
             self._finished_total += 1
@@ -600,6 +637,14 @@ class BatchEngine:
             self._running[seq.request_id] = seq
             self._running_slots += seq.width
             admitted.append(seq)
+            if self.prefix_cache is not None:
+                prompts = (
+                    seq.prompts if seq.prompts is not None else (PromptBlocks(tokens=seq.prompt_tokens),)
+                )
+                alloc = self.prefix_cache.allocate(
+                    seq.request_id, prompts, decode_tokens=seq.completion_tokens * seq.width
+                )
+                seq.cached_tokens = alloc.hit_tokens
             self._outbox.append(
                 SequenceScheduled(request_id=seq.request_id, at=t, queued_seconds=t - seq.arrived_at)
             )
@@ -622,7 +667,8 @@ class BatchEngine:
             return
         self._run_key = None
         decoding = self._running_slots - sum(s.width for s in admitted)
-        duration = self.model.prefill_seconds(sum(s.prompt_tokens for s in admitted), slowdown=self.slowdown)
+        computed = sum(s.prompt_tokens - s.cached_tokens for s in admitted)
+        duration = self.model.prefill_seconds(computed, slowdown=self.slowdown)
         duration += self.model.decode_step_seconds(decoding, slowdown=self.slowdown)
         self._step_ends_at = t + duration
 

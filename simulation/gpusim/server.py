@@ -82,13 +82,16 @@ from simulation.gpusim.faults import (
     simulated_gpu_telemetry,
     utilization_percent,
 )
+from simulation.gpusim.kv_events import KvEventPublisher, KvEventsConfig
+from simulation.gpusim.prompt_ids import prompt_token_ids
 from simulation.gpusim.replies import (
     EMBEDDING_DIMENSIONS,
     MAX_EMBEDDING_DIMENSIONS,
     bad_request,
     choice_count,
 )
-from simulation.gpusim.vllm_metrics import CONTENT_TYPE, EndpointMetrics
+from simulation.gpusim.vllm_metrics import CONTENT_TYPE, CacheConfigInfo, EndpointMetrics
+from simulation.kvcache import PrefixCache, PromptBlocks, block_hashes
 
 log = logging.getLogger("gpusim")
 
@@ -134,13 +137,21 @@ class SimulatedEndpoint:
         config: the whole config (the endpoint's model, GPU profile and ``simulation`` timing come from it).
         endpoint: the endpoint to simulate; its ``address`` is where :meth:`start` listens by default.
         timing: overrides the timing derived with :meth:`TimingModel.for_endpoint` (tests, benchmarks).
+        kv_events: where to publish the prefix cache's KV events (vLLM's ``--kv-events-config``;
+            :mod:`simulation.gpusim.kv_events`); None or a config that does not publish: nowhere.
 
     Raises:
-        ValueError: ``endpoint.model`` is not a model of ``config``.
+        ValueError: ``endpoint.model`` is not a model of ``config``, or KV events are asked for with
+            ``simulation.prefix_caching`` off.
     """
 
     def __init__(
-        self, *, config: Config, endpoint: EndpointConfig, timing: TimingModel | None = None
+        self,
+        *,
+        config: Config,
+        endpoint: EndpointConfig,
+        timing: TimingModel | None = None,
+        kv_events: KvEventsConfig | None = None,
     ) -> None:
         model = next((m for m in config.models if m.name == endpoint.model), None)
         if model is None:
@@ -148,7 +159,21 @@ class SimulatedEndpoint:
         self.endpoint = endpoint
         self.model: ModelConfig = model
         self.timing = timing or TimingModel.for_endpoint(config, endpoint)
-        self.engine = BatchEngine(model=self.timing)
+        sim = config.simulation
+        self.kv_events = kv_events if kv_events is not None and kv_events.publishes else None
+        if self.kv_events is not None and not sim.prefix_caching:
+            raise ValueError("--kv-events-config needs simulation.prefix_caching (it is false)")
+        cache = (
+            PrefixCache(
+                num_blocks=max(1, self.timing.kv_budget_tokens // sim.block_size),
+                block_size=sim.block_size,
+                record_events=self.kv_events is not None,
+            )
+            if sim.prefix_caching
+            else None
+        )
+        self._publisher: KvEventPublisher | None = None
+        self.engine = BatchEngine(model=self.timing, prefix_cache=cache)
         self.memory_gb = config.gpu_profiles[endpoint.gpu].memory_gb
         self.fault = FaultState()
         #: set while the endpoint answers; cleared by the ``hang`` fault, set again by any other mode and
@@ -157,7 +182,15 @@ class SimulatedEndpoint:
         self._answering.set()
         self._util_sample: tuple[float, float] | None = None  # (engine time, busy seconds)
         self._util_percent = 0.0
-        self.metrics = EndpointMetrics(model_name=model.name, stats=self._stats_now)
+        self.metrics = EndpointMetrics(
+            model_name=model.name,
+            stats=self._stats_now,
+            cache_config=CacheConfigInfo(
+                block_size=sim.block_size,
+                num_gpu_blocks=self.timing.kv_budget_tokens // sim.block_size,
+                enable_prefix_caching=sim.prefix_caching,
+            ),
+        )
         self._served_names = (model.name, *model.aliases)
         self._flights: dict[str, _Flight] = {}
         self._wake: asyncio.Event | None = None
@@ -187,6 +220,8 @@ class SimulatedEndpoint:
         if self._runner is not None:
             raise RuntimeError(f"endpoint {self.display_name} is already started")
         default_counter().count("warm up")  # load the encoding now, not on the first request
+        if self.kv_events is not None:
+            self._publisher = KvEventPublisher(self.kv_events)
         self._wake = asyncio.Event()
         self._driver = asyncio.create_task(self._drive(), name=f"gpusim-driver-{self.display_name}")
         self._util_sample = (self._now(), self.engine.stats().busy_seconds_total)
@@ -202,6 +237,7 @@ class SimulatedEndpoint:
         except BaseException:
             await runner.cleanup()
             await self._stop_driver()
+            self._close_publisher()
             raise
         self._runner = runner
         bound = runner.addresses[0]
@@ -218,6 +254,12 @@ class SimulatedEndpoint:
             runner, self._runner = self._runner, None
             await runner.cleanup()
         await self._stop_driver()
+        self._close_publisher()
+
+    def _close_publisher(self) -> None:
+        if self._publisher is not None:
+            publisher, self._publisher = self._publisher, None
+            publisher.close()
 
     async def _stop_driver(self) -> None:
         if self._driver is not None:
@@ -287,6 +329,13 @@ class SimulatedEndpoint:
         """Advance the engine to now and hand its events to the requests in flight."""
         events = self.engine.advance(self._now())
         self._dispatch(events)
+        self._publish_kv_events()
+
+    def _publish_kv_events(self) -> None:
+        """Send the prefix cache's KV events since the last batch (with KV events on)."""
+        cache = self.engine.prefix_cache
+        if self._publisher is not None and cache is not None:
+            self._publisher.publish(cache.take_events())
 
     def _dispatch(self, events: list[EngineEvent]) -> None:
         for ev in events:
@@ -342,6 +391,7 @@ class SimulatedEndpoint:
         app.router.add_get("/sim/fault", self._get_fault)
         app.router.add_get("/sim/telemetry", self._get_telemetry)
         app.router.add_get("/sim/requests", self._get_requests)
+        app.router.add_post("/reset_prefix_cache", self._reset_prefix_cache)
         app.on_response_prepare.append(self._stamp_headers)
         return app
 
@@ -393,6 +443,19 @@ class SimulatedEndpoint:
         except RequestError as exc:
             return _error_response(exc)
         return web.json_response(self.apply_fault(command).to_json())
+
+    async def _reset_prefix_cache(self, _request: web.Request) -> web.Response:
+        """vLLM's ``POST /reset_prefix_cache``: drop every cached block, unless requests hold blocks.
+        Answers ``{"cleared": bool}`` (409 when blocks are in use, 404 without a prefix cache)."""
+        self._pump()
+        cache = self.engine.prefix_cache
+        if cache is None:
+            return _error_response(
+                RequestError(404, "This server has no prefix cache.", type="invalid_request_error")
+            )
+        cleared = cache.clear()
+        self._publish_kv_events()
+        return web.json_response({"cleared": cleared}, status=200 if cleared else 409)
 
     async def _get_requests(self, _request: web.Request) -> web.Response:
         return web.json_response({"requests": list(self.recorded)})
@@ -493,6 +556,30 @@ class SimulatedEndpoint:
             )
         return _Admission(prompt_tokens=prompt_tokens, tokens_per_choice=tokens, width=width)
 
+    def _prompt_blocks(self, req: InferenceRequest, prompt_tokens: int) -> tuple[PromptBlocks, ...] | None:
+        """The request's prompts as the prefix cache sees them (:mod:`simulation.gpusim.prompt_ids`), or None
+        without a prefix cache. Should the ids ever disagree with the count the request was sized by, it is
+        logged and the request looked up as one prompt of unknown blocks (it hits nothing)."""
+        cache = self.engine.prefix_cache
+        if cache is None:
+            return None
+        ids = prompt_token_ids(req)
+        if sum(len(i) for i in ids) != prompt_tokens:
+            log.warning(
+                "%s: %d prompt token ids for %d counted tokens; prefix cache lookup skipped",
+                self.display_name, sum(len(i) for i in ids), prompt_tokens,
+            )  # fmt: skip
+            return None
+        keep_ids = cache.record_events  # BlockStored events carry the tokens
+        return tuple(
+            PromptBlocks(
+                tokens=len(i),
+                hashes=block_hashes(i, block_size=cache.block_size),
+                token_ids=i if keep_ids else (),
+            )
+            for i in ids
+        )
+
     def _check_context(self, prompt_tokens: int, completion_tokens: int, *, param: str) -> None:
         """400 ``context_length_exceeded`` when one sequence outgrows the model's context (vLLM's message)."""
         if prompt_tokens + completion_tokens > self.model.context_length:
@@ -533,6 +620,7 @@ class SimulatedEndpoint:
             prompt_tokens=admission.prompt_tokens,
             completion_tokens=admission.tokens_per_choice,
             width=admission.width,
+            prompts=self._prompt_blocks(req, admission.prompt_tokens),
         )
         if isinstance(outcome, Refused):
             self.metrics.request_refused("queue_full")

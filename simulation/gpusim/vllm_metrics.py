@@ -9,12 +9,21 @@ vLLM names (docs.vllm.ai "Production Metrics"; vLLM design doc ``docs/design/met
 ``vllm:kv_cache_usage_perc``                gauge      KV-cache usage 0..1 (an estimate, see
 simulation.gpusim.engine) ``vllm:prompt_tokens_total``                counter    prompt tokens prefilled
 ``vllm:generation_tokens_total``            counter    tokens generated (all choices)
+``vllm:prefix_cache_queries_total``         counter    prompt tokens looked up in the prefix cache
+``vllm:prefix_cache_hits_total``            counter    prompt tokens found there (simulation.kvcache)
+``vllm:cache_config_info``                  gauge      1, labels ``block_size``, ``num_gpu_blocks``,
+                                                       ``enable_prefix_caching``, ``gpu_memory_utilization``
 ``vllm:request_success_total``              counter    requests finished, label ``finished_reason``
                                                        (``length`` for generation, ``stop`` for embeddings)
 ``vllm:time_to_first_token_seconds``        histogram  arrival to first token (simulated time)
 ``vllm:e2e_request_latency_seconds``        histogram  arrival to last token (simulated time)
 ``vllm:request_queue_time_seconds``         histogram  time spent waiting for a batch slot
 ==========================================  =========  ======================================================
+
+Names and types are those of a real vLLM v0.26.0 (``shared/fixtures/vllm_metric_families_v0.26.0.txt``,
+checked by the unit tests); the deprecated ``vllm:gpu_cache_usage_perc`` and ``vllm:gpu_prefix_cache_*`` are
+not exported. ``vllm:cache_config_info`` carries, as vLLM's does, its cache config as labels (vLLM puts every
+``CacheConfig`` field there; these are the ones the simulator has) and no ``model_name``.
 
 The simulator's own counters (``gpusim:`` prefix) let tests prove what reached a backend:
 ``gpusim:requests_received_total`` counts every POST to an inference route (chat, completions, embeddings),
@@ -26,12 +35,13 @@ time a step was running (utilization = its rate); ``gpusim:slowdown_factor`` the
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from simulation.gpusim.engine import EngineStats
+from simulation.gpusim.engine import GPU_MEMORY_UTILIZATION, EngineStats
 
 #: Buckets of vLLM's TTFT histogram (seconds), as in vLLM's v1 Prometheus logger.
 TTFT_BUCKETS = (
@@ -46,6 +56,39 @@ LATENCY_BUCKETS = (
 
 #: Prometheus exposition content type (text format 0.0.4).
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+
+@dataclass(frozen=True, kw_only=True)
+class CacheConfigInfo:
+    """The KV-cache config ``vllm:cache_config_info`` shows: tokens per block, the GPU's blocks, whether
+    prefix caching is on."""
+
+    block_size: int
+    num_gpu_blocks: int
+    enable_prefix_caching: bool
+
+    def labels(self) -> dict[str, str]:
+        """The gauge's labels, valued as vLLM writes them (``str()`` of each field; booleans ``True``)."""
+        return {
+            "block_size": str(self.block_size),
+            "enable_prefix_caching": str(self.enable_prefix_caching),
+            "gpu_memory_utilization": str(GPU_MEMORY_UTILIZATION),
+            "num_gpu_blocks": str(self.num_gpu_blocks),
+        }
+
+
+class _CacheConfigCollector(Collector):
+    """``vllm:cache_config_info``: an info gauge of value 1."""
+
+    def __init__(self, info: CacheConfigInfo) -> None:
+        self._labels = info.labels()
+
+    def collect(self) -> Iterable[Metric]:
+        metric = GaugeMetricFamily(
+            "vllm:cache_config_info", "Information of the LLMEngine CacheConfig", labels=list(self._labels)
+        )
+        metric.add_metric(list(self._labels.values()), 1.0)
+        yield metric
 
 
 class _EngineCollector(Collector):
@@ -70,6 +113,10 @@ class _EngineCollector(Collector):
              s.prompt_tokens_total),
             (CounterMetricFamily, "vllm:generation_tokens", "Number of generation tokens processed.",
              s.generation_tokens_total),
+            (CounterMetricFamily, "vllm:prefix_cache_queries",
+             "Prefix cache queries, in terms of number of queried tokens.", s.prefix_cache_queries_total),
+            (CounterMetricFamily, "vllm:prefix_cache_hits",
+             "Prefix cache hits, in terms of number of cached tokens.", s.prefix_cache_hits_total),
             (CounterMetricFamily, "gpusim:gpu_busy_seconds", "Seconds the simulated GPU spent running steps.",
              s.busy_seconds_total),
             (GaugeMetricFamily, "gpusim:slowdown_factor", "Slowdown of the simulated GPU (1 = normal).",
@@ -88,13 +135,22 @@ class EndpointMetrics:
     Args:
         model_name: the ``model_name`` label (the endpoint's model).
         stats: returns the engine's current :class:`EngineStats`; called at each scrape.
+        cache_config: what ``vllm:cache_config_info`` shows; None: no such gauge.
     """
 
-    def __init__(self, *, model_name: str, stats: Callable[[], EngineStats]) -> None:
+    def __init__(
+        self,
+        *,
+        model_name: str,
+        stats: Callable[[], EngineStats],
+        cache_config: CacheConfigInfo | None = None,
+    ) -> None:
         self.model_name = model_name
         # No auto_describe: it would call collect() (and read the engine) at registration.
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(_EngineCollector(model_name, stats))
+        if cache_config is not None:
+            self.registry.register(_CacheConfigCollector(cache_config))
         self._success = Counter(
             "vllm:request_success", "Count of successfully processed requests.",
             ["model_name", "finished_reason"], registry=self.registry,

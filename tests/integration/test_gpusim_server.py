@@ -30,9 +30,9 @@ ALIAS = "sim"
 DEFAULT_MAX_TOKENS = 6
 
 
-def make_config(**simulation: float) -> Config:
+def make_config(**simulation: float | bool) -> Config:
     """Two endpoints (V100, H100) of one model; fast timing unless overridden."""
-    sim: dict[str, float] = {
+    sim: dict[str, float | bool] = {
         "prefill_tokens_per_s": 1_000_000,
         "decode_tokens_per_s": 2_000,
         "max_batch": 4,
@@ -635,3 +635,33 @@ async def test_the_openai_sdk_creates_embeddings(v100: tuple[SimulatedEndpoint, 
         assert floats.data[0].embedding == pytest.approx(list(expected))
         assert default.data[0].embedding[:3] != floats.data[0].embedding[:3]  # renormalised prefix
         assert default.model == ALIAS
+
+
+async def test_a_repeated_conversation_hits_the_prefix_cache_and_a_changed_system_prompt_misses(
+    http: aiohttp.ClientSession,
+) -> None:
+    system = "You answer questions about the simulated fleet. " * 20  # ~200 tokens: a dozen blocks of 16
+    user = {"role": "user", "content": "How many GPUs?"}
+    chat = {"model": MODEL, "max_tokens": 1, "messages": [{"role": "system", "content": system}, user]}
+    tokens = gateway_count("/v1/chat/completions", chat)
+    changed = {**chat, "messages": [{"role": "system", "content": "X" + system}, user]}
+    async with serving(make_config(), "v100-test") as (server, url):
+        for payload in (chat, chat, changed):
+            async with http.post(f"{url}/v1/chat/completions", json=payload) as resp:
+                assert resp.status == 200
+        samples = await scrape(http, url)
+        queries = metric(samples, "vllm:prefix_cache_queries_total")
+        assert queries == 2 * tokens + gateway_count("/v1/chat/completions", changed)
+        # the second request hits every full block but the one holding its last token; the third (its
+        # first token changed) hits none
+        assert metric(samples, "vllm:prefix_cache_hits_total") == (tokens - 1) // 16 * 16
+        (info,) = [k for k in samples if k[0] == "vllm:cache_config_info"]
+        assert ("block_size", "16") in info[1]
+        assert ("num_gpu_blocks", str(server.timing.kv_budget_tokens // 16)) in info[1]
+    async with serving(make_config(prefix_caching=False), "v100-test") as (server, url):
+        for payload in (chat, chat):
+            async with http.post(f"{url}/v1/chat/completions", json=payload) as resp:
+                assert resp.status == 200
+        samples = await scrape(http, url)
+        assert metric(samples, "vllm:prefix_cache_queries_total") == 0.0
+        assert server.engine.prefix_cache is None

@@ -78,9 +78,15 @@ def test_plan_spreads_tenants_and_weights_models_by_capacity() -> None:
 
 
 @settings(max_examples=40, deadline=None)
-@given(st.integers(min_value=1, max_value=3000))
-def test_prompt_text_has_exactly_the_asked_tokens(n: int) -> None:
-    assert len(ENC.encode(prompt_text(n))) == n
+@given(st.integers(min_value=1, max_value=3000), st.integers(min_value=0, max_value=10**6))
+def test_prompt_text_has_exactly_the_asked_tokens(n: int, salt: int) -> None:
+    assert len(ENC.encode(prompt_text(n, salt=salt))) == n
+
+
+def test_replayed_prompts_share_no_prefix() -> None:
+    # distinct requests differ within their first few tokens: no prefix-cache reuse between them
+    heads = {tuple(ENC.encode(prompt_text(500, salt=i))[:4]) for i in range(2000)}
+    assert len(heads) == 2000
 
 
 def test_chat_overhead_matches_the_cookbook() -> None:

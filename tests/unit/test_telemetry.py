@@ -233,7 +233,7 @@ def test_the_simulated_servers_own_exposition_parses_as_vllm() -> None:
         running_requests=6, running_slots=6, waiting_requests=2, kv_tokens=1000, kv_usage=0.125,
         prompt_tokens_total=500, generation_tokens_total=777, requests_finished_total=3,
         requests_refused_total=0, requests_cancelled_total=0, steps_total=10, busy_seconds_total=1.5,
-        slowdown=1.0,
+        slowdown=1.0, prefix_cache_queries_total=500, prefix_cache_hits_total=320,
     )  # fmt: skip
     metrics = EndpointMetrics(model_name="m", stats=lambda: stats)
     metrics.request_finished(queue_s=0.1, ttft_s=0.2, e2e_s=1.0)
@@ -245,7 +245,10 @@ def test_the_simulated_servers_own_exposition_parses_as_vllm() -> None:
         kv_cache_usage=0.125,
         generation_tokens_total=777.0,
         request_success_total=1.0,
+        prefix_cache_hits_total=320.0,
+        prefix_cache_queries_total=500.0,
     )
+    assert m.prefix_cache_hit_rate == pytest.approx(0.64)
 
 
 def test_nan_samples_are_ignored() -> None:

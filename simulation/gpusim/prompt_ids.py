@@ -1,0 +1,136 @@
+"""The token ids of a request's prompts, for the prefix cache: deterministic, and as many as the gateway
+counts (:func:`inferlb.request.tokens.count_prompt_tokens`, which sets ``usage.prompt_tokens``).
+
+A real vLLM renders a chat through the model's chat template and tokenizes the result; the simulator has no
+template, so it lays the tokens out the way the counting formula adds them up:
+
+* **Text** is tokenized with the counter's encoding (tiktoken ``cl100k_base``, ``encode_ordinary``), in the
+  segments :func:`inferlb.request.tokens.text_segments` cuts a long text into, with
+  :data:`~inferlb.request.tokens.UNCLEAN_CUT_MARGIN` filler ids after each unclean cut: exactly
+  :func:`inferlb.request.tokens.count_text` ids.
+* **Chat and responses**: the tool definitions' JSON first (chat templates put the tools in the system
+  turn), then per message ``[START] role [SEP] texts... [name NAME] [END]`` (the cookbook's 3 framing tokens
+  per message, 1 more per name), the image placeholders of each image part, then the 3 reply-priming ids.
+* **Completions and embeddings**: one id sequence per prompt (each prompt is its own sequence in vLLM);
+  token-array prompts are their own ids.
+
+So equal leading messages (or equal leading text of a prompt, up to a clean cut) give equal leading ids, and
+equal leading full blocks give equal block hashes. What the layout cannot see: the content of an image
+(``ChatMessage`` keeps only its detail, and vLLM hashes the image into the block's extra keys), so two
+different images at the same place of equal conversations share their blocks here.
+
+The ids of each text are kept in a bounded LRU (:data:`IDS_CACHE_TOKENS` ids in all), as a chat client
+resends its conversation every turn.
+"""
+
+from __future__ import annotations
+
+import threading
+from array import array
+from collections import OrderedDict
+from typing import Final
+
+from inferlb.request.parsing import InferenceRequest
+from inferlb.request.tokens import (
+    REPLY_PRIMING_TOKENS,
+    SEGMENT_CHARS,
+    UNCLEAN_CUT_MARGIN,
+    image_tokens,
+    offline_encoding,
+    text_segments,
+)
+
+#: Ids of the framing tokens: cl100k's ``<|im_start|>`` / ``<|im_end|>`` and its newline, so they never
+#: collide with an ordinary text token's meaning (any fixed ids would do).
+START_ID: Final = 100264
+END_ID: Final = 100265
+SEP_ID: Final = 198
+#: The id after a message's name (the cookbook's extra token per name).
+NAME_ID: Final = 25
+#: The placeholder id of every image token, and the filler after an unclean cut.
+IMAGE_ID: Final = 100266
+FILLER_ID: Final = 100267
+#: The reply priming (``<|start|>assistant<|message|>``).
+PRIMING_IDS: Final = (START_ID, 78191, SEP_ID)
+#: Budget of the per-text ids cache (ids, 4 bytes each: 16 MiB).
+IDS_CACHE_TOKENS: Final = 4 * 1024 * 1024
+#: Texts of more ids than this are not cached (1/16 of the budget).
+IDS_CACHE_MAX_ENTRY: Final = IDS_CACHE_TOKENS // 16
+
+assert len(PRIMING_IDS) == REPLY_PRIMING_TOKENS
+
+
+class _IdsCache:
+    """text -> its ids (an ``array('I')``), least recently used first out, bounded in ids; thread-safe."""
+
+    def __init__(self, max_tokens: int) -> None:
+        self.max_tokens = max_tokens
+        self._entries: OrderedDict[str, array[int]] = OrderedDict()
+        self._tokens = 0
+        self._lock = threading.Lock()
+
+    def get(self, text: str) -> array[int] | None:
+        with self._lock:
+            hit = self._entries.get(text)
+            if hit is not None:
+                self._entries.move_to_end(text)
+            return hit
+
+    def put(self, text: str, ids: array[int]) -> None:
+        if len(ids) > IDS_CACHE_MAX_ENTRY:
+            return
+        with self._lock:
+            if text in self._entries:
+                return
+            self._entries[text] = ids
+            self._tokens += len(ids)
+            while self._tokens > self.max_tokens:
+                _, old = self._entries.popitem(last=False)
+                self._tokens -= len(old)
+
+
+_CACHE = _IdsCache(IDS_CACHE_TOKENS)
+
+
+def text_ids(text: str) -> array[int]:
+    """The ids of ``text``: ``encode_ordinary`` per segment, :data:`FILLER_ID` per unclean-cut margin token;
+    ``len`` equals :func:`inferlb.request.tokens.count_text` with the default counter."""
+    hit = _CACHE.get(text)
+    if hit is not None:
+        return hit
+    enc = offline_encoding()
+    ids = array("I")
+    if len(text) <= SEGMENT_CHARS:
+        ids.extend(enc.encode_ordinary(text))
+    else:
+        for segment, unclean in text_segments(text):
+            ids.extend(enc.encode_ordinary(segment))
+            ids.extend([FILLER_ID] * (unclean * UNCLEAN_CUT_MARGIN))
+    _CACHE.put(text, ids)
+    return ids
+
+
+def prompt_token_ids(request: InferenceRequest) -> tuple[tuple[int, ...], ...]:
+    """The token ids of each of the request's prompts (see the module doc): one sequence for chat and
+    responses, one per prompt or input for completions and embeddings. Their lengths add up to
+    :func:`inferlb.request.tokens.count_prompt_tokens` of the request with the default counter and image
+    estimate."""
+    if not request.kind.is_conversation:
+        return tuple(p if isinstance(p, tuple) else tuple(text_ids(p)) for p in request.prompts)
+    ids = array("I")
+    if request.tools_json is not None:
+        ids.extend(text_ids(request.tools_json))
+    for m in request.messages:
+        ids.append(START_ID)
+        ids.extend(text_ids(m.role))
+        ids.append(SEP_ID)
+        for t in m.texts:
+            ids.extend(text_ids(t))
+        if m.name is not None:
+            ids.extend(text_ids(m.name))
+            ids.append(NAME_ID)
+        ids.append(END_ID)
+        for detail in m.images:
+            ids.extend([IMAGE_ID] * image_tokens(detail))
+    ids.extend(PRIMING_IDS)
+    return (tuple(ids),)

@@ -43,8 +43,10 @@ def test_metering_and_concurrency_limits_are_accepted_in_ext_authz_mode() -> Non
     config = parse_config(doc)
     assert config.ext_proc.account_responses and config.ext_proc.meters_access_log()
     assert ("ext_proc.meter_listen", config.ext_proc.meter_listen) in config.listen_sockets()
-    # Envoy meters: the client's body keeps its own stream_options, and no low-priority count
+    # Envoy meters: streams still get include_usage (Envoy's Lua filter hides the chunk again), and no
+    # low-priority count
     gateway = Gateway.from_config(config)
+    assert gateway.asks_usage
     assert not gateway.account_responses and dict(gateway.low_priority_limits) == {}
 
 
@@ -82,7 +84,8 @@ def test_a_metered_gateway_logs_metered_requests_to_the_settler() -> None:
     authz = ext_authz_pb2.ExtAuthz()
     assert hcm.http_filters[0].typed_config.Unpack(authz)
     response = authz.http_service.authorization_response
-    assert [p.exact for p in response.dynamic_metadata_from_headers.patterns] == [headers.METER]
+    names = [p.exact for p in response.dynamic_metadata_from_headers.patterns]
+    assert names == [headers.METER, headers.USAGE_ADDED]
     assert headers.METER not in [p.exact for p in response.allowed_upstream_headers.patterns]
     lua = lua_pb2.Lua()
     assert hcm.http_filters[1].typed_config.Unpack(lua)

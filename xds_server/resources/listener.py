@@ -69,6 +69,7 @@ from xds_server.resources.common import (
     LISTENER_NAME,
     LUA_FILTER,
     METER_CLUSTER,
+    METER_LUA_FILTER,
     ROUTE_CONFIG_NAME,
     ads_source,
     duration_ms,
@@ -442,6 +443,42 @@ def downstream_timeouts(config: Config) -> dict[str, Any]:
     }
 
 
+# -- filter matchers ------------------------------------------------------------------------------
+def header_present(name: str, label: str) -> matcher_pb2.Matcher.MatcherList.Predicate:
+    """An xDS matcher predicate: the request carries header ``name`` (any value); ``label`` names the
+    input."""
+    return matcher_pb2.Matcher.MatcherList.Predicate(
+        single_predicate=matcher_pb2.Matcher.MatcherList.Predicate.SinglePredicate(
+            input=xds_extension_pb2.TypedExtensionConfig(
+                name=label,
+                typed_config=pack(http_inputs_pb2.HttpRequestHeaderMatchInput(header_name=name)),
+            ),
+            value_match=xds_string_pb2.StringMatcher(
+                safe_regex=regex_pb2.RegexMatcher(google_re2=regex_pb2.RegexMatcher.GoogleRE2(), regex=".*")
+            ),
+        )
+    )
+
+
+def skip_when(predicate: matcher_pb2.Matcher.MatcherList.Predicate) -> matcher_pb2.Matcher:
+    """The matcher of an ``ExtensionWithMatcher`` that skips its filter for the whole stream (both
+    directions: Envoy's ``SkipFilter`` action) when ``predicate`` holds at the request headers."""
+    return matcher_pb2.Matcher(
+        matcher_list=matcher_pb2.Matcher.MatcherList(
+            matchers=[
+                matcher_pb2.Matcher.MatcherList.FieldMatcher(
+                    predicate=predicate,
+                    on_match=matcher_pb2.Matcher.OnMatch(
+                        action=xds_extension_pb2.TypedExtensionConfig(
+                            name="skip", typed_config=pack(skip_action_pb2.SkipFilter())
+                        )
+                    ),
+                )
+            ]
+        )
+    )
+
+
 # -- fail-open path ---------------------------------------------------------------------------------
 def fail_open_filters() -> list[http_connection_manager_pb2.HttpFilter]:
     """The three HTTP filters between ext_proc and the router that serve requests which failed open.
@@ -468,33 +505,8 @@ def fail_open_filters() -> list[http_connection_manager_pb2.HttpFilter]:
     The skip is a header test, not a route test, because Envoy's ``api_key_auth`` denies a request whose
     route gives it no credentials: keying on ext_proc's own header keeps "checked by someone" the default.
     """
-    present = matcher_pb2.Matcher.MatcherList.Predicate(
-        single_predicate=matcher_pb2.Matcher.MatcherList.Predicate.SinglePredicate(
-            input=xds_extension_pb2.TypedExtensionConfig(
-                name="ext_proc_routed",
-                typed_config=pack(http_inputs_pb2.HttpRequestHeaderMatchInput(header_name=headers.MODEL)),
-            ),
-            value_match=xds_string_pb2.StringMatcher(
-                safe_regex=regex_pb2.RegexMatcher(google_re2=regex_pb2.RegexMatcher.GoogleRE2(), regex=".*")
-            ),
-        )
-    )
-    skip_when_routed = matcher_pb2.Matcher(
-        matcher_list=matcher_pb2.Matcher.MatcherList(
-            matchers=[
-                matcher_pb2.Matcher.MatcherList.FieldMatcher(
-                    predicate=present,
-                    on_match=matcher_pb2.Matcher.OnMatch(
-                        action=xds_extension_pb2.TypedExtensionConfig(
-                            name="skip", typed_config=pack(skip_action_pb2.SkipFilter())
-                        )
-                    ),
-                )
-            ]
-        )
-    )
     api_key = extension_matcher_pb2.ExtensionWithMatcher(
-        xds_matcher=skip_when_routed,
+        xds_matcher=skip_when(header_present(headers.MODEL, "ext_proc_routed")),
         extension_config=extension_pb2.TypedExtensionConfig(
             name="envoy.filters.http.api_key_auth",
             typed_config=pack(
@@ -873,18 +885,44 @@ def _ext_proc_filter(config: Config) -> http_connection_manager_pb2.HttpFilter:
     )
 
 
+def _lua(source: str) -> lua_pb2.Lua:
+    return lua_pb2.Lua(default_source_code=base_pb2.DataSource(inline_string=source))
+
+
 def request_path_filters(config: Config) -> list[http_connection_manager_pb2.HttpFilter]:
-    """The HTTP filters before the router: ext_proc (``ext_proc.protocol: ext_proc``), or ext_authz then the
-    body-splice Lua filter (``ext_authz``)."""
+    """The HTTP filters before the router: ext_proc (``ext_proc.protocol: ext_proc``), or with ``ext_authz``
+    the ext_authz filter, the body-splice Lua filter (:data:`BODY_SPLICE_LUA`, behind a matcher that skips
+    it on requests without :data:`~inferlb.request.headers.BODY_SPLICE`) and, when responses are metered,
+    the metering Lua filter (:data:`METER_LUA`, a response half only).
+
+    Two Lua filters rather than one with both halves: Envoy's Lua filter starts a coroutine for each
+    direction whose function the script defines, and the matcher skips the splice filter in C++, so a
+    request with nothing to splice runs no Lua on its way up (the whole chain's CPU per request:
+    ``bench/authz_envoy_split.py``)."""
     if config.ext_proc.protocol == "ext_authz":
-        source = BODY_SPLICE_LUA + (meter_lua() if config.ext_proc.meters_access_log() else "")
-        lua = lua_pb2.Lua(default_source_code=base_pb2.DataSource(inline_string=source))
-        return [
+        splice = extension_matcher_pb2.ExtensionWithMatcher(
+            xds_matcher=skip_when(
+                matcher_pb2.Matcher.MatcherList.Predicate(
+                    not_matcher=header_present(headers.BODY_SPLICE, "body_splice")
+                )
+            ),
+            extension_config=extension_pb2.TypedExtensionConfig(
+                name="envoy.filters.http.lua", typed_config=pack(_lua(BODY_SPLICE_LUA))
+            ),
+        )
+        filters = [
             http_connection_manager_pb2.HttpFilter(
                 name=EXT_AUTHZ_FILTER, typed_config=pack(build_ext_authz_filter(config))
             ),
-            http_connection_manager_pb2.HttpFilter(name=LUA_FILTER, typed_config=pack(lua)),
+            http_connection_manager_pb2.HttpFilter(name=LUA_FILTER, typed_config=pack(splice)),
         ]
+        if config.ext_proc.meters_access_log():
+            filters.append(
+                http_connection_manager_pb2.HttpFilter(
+                    name=METER_LUA_FILTER, typed_config=pack(_lua(meter_lua()))
+                )
+            )
+        return filters
     return [_ext_proc_filter(config)]
 
 

@@ -202,12 +202,15 @@ def inferlb_config(work: Path, name: str, backend: int, *, protocol: str, accoun
     return path
 
 
-def start_nginx(work: Path, port: int) -> Child:
-    """nginx on ``port`` answering every request with :data:`REPLY` (module docstring)."""
-    root = work / "nginx"
+def start_nginx(work: Path, port: int, *, name: str = "nginx", server: str | None = None) -> Child:
+    """nginx ``name`` on ``port`` answering every request with :data:`REPLY` (module docstring), or with
+    the ``server`` block lines given instead."""
+    root = work / name
     root.mkdir()
     conf = root / "nginx.conf"
     reply = json.dumps(REPLY).replace("'", "\\'")
+    if server is None:
+        server = f"    default_type application/json;\n    location / {{ return 200 '{reply}'; }}"
     conf.write_text(
         f"""daemon off;
 user root;
@@ -222,15 +225,14 @@ http {{
   client_body_buffer_size 64k;
   server {{
     listen 127.0.0.1:{port} reuseport;
-    default_type application/json;
-    location / {{ return 200 '{reply}'; }}
+{server}
   }}
 }}
 """,
         encoding="utf-8",
     )
     return start_listening(
-        Child("nginx", ["nginx", "-p", str(root), "-c", str(conf)], work / "nginx.log"), port
+        Child(name, ["nginx", "-p", str(root), "-c", str(conf)], work / f"{name}.log"), port
     )
 
 

@@ -14,8 +14,10 @@ refusal (503 ``quota_backend_unavailable``, 500 internal) is sent as 403 with
 What each decision becomes:
 
 - :class:`~ext_proc.handlers.ContinueRequest` -> 200 with the routing headers; when the body is rewritten
-  (an alias renamed to the canonical model) also :data:`~inferlb.request.headers.BODY_SPLICE`, the splices
-  Envoy's Lua filter applies after ext_authz (ext_authz cannot change a body).
+  (an alias renamed to the canonical model, ``stream_options.include_usage`` added to a metered stream) also
+  :data:`~inferlb.request.headers.BODY_SPLICE`, the splices Envoy's Lua filter applies after ext_authz
+  (ext_authz cannot change a body), and with ``include_usage`` added
+  :data:`~inferlb.request.headers.USAGE_ADDED`, so the Lua filter hides the usage chunk from the client.
 - :class:`~ext_proc.handlers.PassThrough` -> 200 (``x-envoy-auth-headers-to-remove`` for the headers to drop).
 - :class:`~ext_proc.handlers.ImmediateReply` with status 200 (the ``/v1/models`` answers) -> 200 with no
   headers: the request goes on to the route that answers it (the xDS server builds those direct responses
@@ -131,7 +133,8 @@ def _unsplicable() -> handlers.ImmediateReply:
 
 def allowed(decision: handlers.ContinueRequest, body_length: int) -> CheckAnswer:
     """The 200 answer of an admitted request: its routing headers (never ``content-length``: Envoy's Lua
-    filter fixes that when it applies the body splices) and, for a rewritten body, the splices.
+    filter fixes that when it applies the body splices) and, for a rewritten body, the splices (and
+    :data:`~inferlb.request.headers.USAGE_ADDED` when the rewrite added ``include_usage``).
 
     Raises:
         ValueError: the body is rewritten but has no splices (not UTF-8) or they do not fit
@@ -145,6 +148,8 @@ def allowed(decision: handlers.ContinueRequest, body_length: int) -> CheckAnswer
         if len(value) > MAX_SPLICE_HEADER_BYTES:
             raise ValueError(f"the body splices take {len(value)} bytes")
         out.append((h.BODY_SPLICE, value))
+        if decision.reservation is not None and decision.reservation.strip_usage_event:
+            out.append((h.USAGE_ADDED, "1"))
     if decision.remove_headers:
         out.append((HEADERS_TO_REMOVE, ",".join(decision.remove_headers)))
     return CheckAnswer(status=200, headers=tuple(out))

@@ -183,10 +183,12 @@ class Gateway:
         admit_budget_s: seconds after the body's arrival by which admission must be decided
             (``ext_proc.message_timeout_ms`` x :data:`ADMIT_BUDGET_FRACTION`).
         account_responses: this process meters responses on its own stream (``ext_proc.account_responses``
-            with ``protocol: ext_proc``), so streams get ``stream_options.include_usage`` added when the
-            client did not ask for it and ``low`` tenants are shed by in-flight count. False with
-            ``protocol: ext_authz``: Envoy meters there (:mod:`ext_authz.meter`) and the client's body keeps
-            its own ``stream_options`` (the usage chunk is not hidden from the client in that mode).
+            with ``protocol: ext_proc``), so ``low`` tenants are shed by in-flight count. False with
+            ``protocol: ext_authz``: Envoy meters there (:mod:`ext_authz.meter`).
+        asks_usage: responses are metered (``ext_proc.account_responses``, either protocol), so a stream
+            whose client did not ask for ``stream_options.include_usage`` gets it added and the usage chunk
+            is hidden from the client again (by ext_proc's response stream, or with ``protocol: ext_authz``
+            by Envoy's Lua filter).
         allow_other_paths: ``ext_proc.non_inference_paths == "allow"``.
         low_priority_limits: cluster name -> DEFAULT-priority requests this process may have in flight
             there before it refuses ``low`` tenants (:func:`inferlb.policy.shedding.low_priority_limit`
@@ -205,6 +207,7 @@ class Gateway:
     counting_budget_s: float = 3.0
     admit_budget_s: float = 4.5
     account_responses: bool = True
+    asks_usage: bool = True
     allow_other_paths: bool = False
     low_priority_limits: Mapping[str, int] = dataclasses.field(default_factory=lambda: MappingProxyType({}))
     overflow_retry_after_s: int = 1
@@ -259,6 +262,7 @@ class Gateway:
             counting_budget_s=config.ext_proc.message_timeout_ms / 1000 * COUNTING_BUDGET_FRACTION,
             admit_budget_s=config.ext_proc.message_timeout_ms / 1000 * ADMIT_BUDGET_FRACTION,
             account_responses=own_stream_meters,
+            asks_usage=config.ext_proc.account_responses,
             allow_other_paths=config.ext_proc.non_inference_paths == "allow",
             low_priority_limits=MappingProxyType(limits if own_stream_meters else {}),
             overflow_retry_after_s=config.gateway.overflow_retry_after_s,
@@ -455,7 +459,7 @@ def prepare_body(
     rename = request.model != model.name
     # ask the model server for the usage event so the stream is billed from its own numbers
     want_usage = (
-        gateway.account_responses
+        gateway.asks_usage
         and request.stream
         and not request.include_usage
         and pending.kind in _INCLUDE_USAGE_KINDS

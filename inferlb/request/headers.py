@@ -49,3 +49,8 @@ BODY_MODEL: Final = "x-inferlb-body-model"
 #: ``account_responses``): Envoy turns it into dynamic metadata (``dynamic_metadata_from_headers``, never sent
 #: upstream) that its access-log entry brings back to the settler (:mod:`inferlb.policy.settlement`).
 METER: Final = "x-inferlb-meter"
+#: Set to ``1`` by the ext_authz service on a stream it asked for usage (``stream_options.include_usage``
+#: added, the client did not ask): Envoy turns it into dynamic metadata (``dynamic_metadata_from_headers``,
+#: never sent upstream) and its Lua filter removes the usage chunk and the ``"usage": null`` members from
+#: what the client gets (:data:`xds_server.resources.listener.METER_LUA`).
+USAGE_ADDED: Final = "x-inferlb-usage-added"

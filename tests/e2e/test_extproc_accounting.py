@@ -6,14 +6,17 @@ headers and streams it the response body; in ``ext_authz`` mode Envoy's Lua filt
 body streams by and its batched gRPC access log brings it to the settler in the ext_authz process. Either way
 each quota reservation is settled once with the response's real usage. What is charged is read back from the
 service's own ``/metrics`` (``inferlb_prompt_tokens_total``, ``inferlb_completion_tokens_total`` by tenant and
-model). Where the modes differ (ext_authz adds no ``include_usage``, so a stream that did not ask for usage,
-or was cut before it, is charged its reservation), the test says so.
+model). A stream whose client did not ask for usage gets ``include_usage`` added in both modes, and the
+usage chunk is hidden again (by ext_proc's response stream, or by Envoy's Lua filter in ext_authz mode).
+Where the modes differ (in ext_authz mode a stream cut before its usage event is charged its reservation),
+the test says so.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import re
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -161,15 +164,37 @@ def test_a_stream_that_did_not_ask_is_charged_but_never_sees_the_usage_chunk(
         before = wait_charged(rs.config, "acct-sse-hidden", QWEN, (0, 0))
         chunks = list(c.chat.completions.create(model=QWEN, messages=messages, max_tokens=13, stream=True))
     assert chunks and all(ch.usage is None for ch in chunks)
-    # no usage-only chunk: removed (ext_proc) or never asked for (ext_authz)
+    # no usage-only chunk: the gateway asked for it and removed it (ext_proc's stream, Envoy's Lua filter)
     assert all(ch.choices for ch in chunks)
     text = "".join(ch.choices[0].delta.content or "" for ch in chunks)
     assert text
-    # ext_proc: the usage the gateway asked for; ext_authz: no usage reached Envoy, so the reservation
-    # (the prompt as counted at admission + the output cap), which here is the same pair
+    # the usage the gateway asked for
+    metered_before = settlements(rs.config).get("metered", 0)
     assert wait_charged(rs.config, "acct-sse-hidden", QWEN, before) == (ref.usage.prompt_tokens, 13)
     if request_path == "ext_authz":
-        assert settlements(rs.config).get("unmetered", 0) >= 1
+        assert settlements(rs.config).get("metered", 0) > metered_before
+
+
+def _normalized(sse: bytes) -> bytes:
+    """``sse`` with each chunk's ``id`` and ``created`` (per request) replaced by fixed values."""
+    sse = re.sub(rb'"id":"[^"]*"', b'"id":"x"', sse)
+    return re.sub(rb'"created":\d+', b'"created":0', sse)
+
+
+def test_a_stream_that_did_not_ask_gets_the_model_servers_bytes(accounting_stack: RunningStack) -> None:
+    rs = accounting_stack
+    body = chat_body(QWEN, max_tokens=9, stream=True)
+    key = {"Authorization": "Bearer sk-acct-sse-hidden-key"}
+    through = http_request(rs.gateway, "POST", "/v1/chat/completions", body, key)
+    assert through.status == 200, through.body
+    endpoint = next(e for e in rs.config.endpoints if e.model == QWEN)
+    direct = http_request(str(endpoint.address), "POST", "/v1/chat/completions", body)
+    assert direct.status == 200
+    # byte for byte what the simulated GPU sends a client that did not ask for usage (no usage-only
+    # chunk, no "usage": null member), once the per-request id and timestamp are set aside
+    assert b'"usage"' not in through.body
+    assert _normalized(through.body) == _normalized(direct.body)
+    assert through.body.endswith(b"data: [DONE]\n\n")
 
 
 def test_an_aborted_stream_is_charged_for_what_was_produced(

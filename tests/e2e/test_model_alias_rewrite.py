@@ -31,7 +31,8 @@ MESSAGES: Any = [{"role": "user", "content": "which model am I talking to?"}]
 @pytest.fixture(scope="module")
 def alias_stack(tmp_path_factory: pytest.TempPathFactory, request_path: str) -> Iterator[RunningStack]:
     """The default fleet (response accounting on: ext_proc meters the stream itself, ext_authz through
-    Envoy's access log and adds no include_usage) whose config file gains an alias once it is running."""
+    Envoy's Lua filter and access log; both add include_usage to a stream and hide it again) whose config
+    file gains an alias once it is running."""
     work = tmp_path_factory.mktemp("alias")
     doc = in_mode(make_config_doc(), request_path)
     path = write_config(work / "inferlb.yaml", doc)

@@ -25,10 +25,10 @@ PATHS = {
 }
 
 
-def make_gateway(*, account_responses: bool = True) -> tuple[Gateway, QuotaBook]:
+def make_gateway(*, account_responses: bool = True, protocol: str = "ext_proc") -> tuple[Gateway, QuotaBook]:
     config = parse_config(
         {
-            "ext_proc": {"account_responses": account_responses},
+            "ext_proc": {"account_responses": account_responses, "protocol": protocol},
             "models": [{"name": CANONICAL, "aliases": ["llama3", "llama-3.1-8b"], "default_max_tokens": 50}],
             "tenants": [{"name": "gold", "api_keys": ["sk-gold-0001"]}],
         }
@@ -104,8 +104,10 @@ def test_aliased_stream_without_accounting_is_renamed_only() -> None:
     assert not out.reservation.strip_usage_event
 
 
-def test_canonical_metered_stream_gets_include_usage_only() -> None:
-    gateway, quotas = make_gateway()
+@pytest.mark.parametrize("protocol", ["ext_proc", "ext_authz"])
+def test_canonical_metered_stream_gets_include_usage_only(protocol: str) -> None:
+    # ext_authz: the same body change, applied by Envoy's Lua filter from the splices
+    gateway, quotas = make_gateway(protocol=protocol)
     body = chat(CANONICAL, stream=True)
     out = send(gateway, quotas, body)
     assert upstream(out) == b'{"stream_options":{"include_usage":true},' + body[1:]

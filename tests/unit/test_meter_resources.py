@@ -12,9 +12,11 @@ import pytest
 import yaml
 from envoy.config.cluster.v3 import cluster_pb2
 from envoy.extensions.access_loggers.grpc.v3 import als_pb2
+from envoy.extensions.common.matching.v3 import extension_matcher_pb2
 from envoy.extensions.filters.http.ext_authz.v3 import ext_authz_pb2
 from envoy.extensions.filters.http.lua.v3 import lua_pb2
 from envoy.extensions.filters.network.http_connection_manager.v3 import http_connection_manager_pb2
+from envoy.type.matcher.v3 import http_inputs_pb2
 
 from ext_proc.handlers import Gateway
 from inferlb.config.schema import default_config_path, parse_config
@@ -37,14 +39,36 @@ def hcm_of(doc: dict[str, Any]) -> http_connection_manager_pb2.HttpConnectionMan
     return hcm
 
 
+def lua_sources(hcm: http_connection_manager_pb2.HttpConnectionManager) -> list[str]:
+    """The source of each Lua filter of ``hcm`` in chain order; the splice filter's behind its matcher,
+    which skips it on requests without body splices."""
+    out = []
+    for f in hcm.http_filters:
+        lua = lua_pb2.Lua()
+        wrapped = extension_matcher_pb2.ExtensionWithMatcher()
+        if f.typed_config.Unpack(wrapped):
+            if not wrapped.extension_config.typed_config.Unpack(lua):
+                continue
+            predicate = wrapped.xds_matcher.matcher_list.matchers[0].predicate
+            header = http_inputs_pb2.HttpRequestHeaderMatchInput()
+            assert predicate.not_matcher.single_predicate.input.typed_config.Unpack(header)
+            assert header.header_name == headers.BODY_SPLICE
+        elif not f.typed_config.Unpack(lua):
+            continue
+        out.append(lua.default_source_code.inline_string)
+    return out
+
+
 def test_metering_and_concurrency_limits_are_accepted_in_ext_authz_mode() -> None:
     doc = authz_doc()
     doc["tenants"][0]["max_concurrent_requests"] = 3
     config = parse_config(doc)
     assert config.ext_proc.account_responses and config.ext_proc.meters_access_log()
     assert ("ext_proc.meter_listen", config.ext_proc.meter_listen) in config.listen_sockets()
-    # Envoy meters: the client's body keeps its own stream_options, and no low-priority count
+    # Envoy meters: streams still get include_usage (Envoy's Lua filter hides the chunk again), and no
+    # low-priority count
     gateway = Gateway.from_config(config)
+    assert gateway.asks_usage
     assert not gateway.account_responses and dict(gateway.low_priority_limits) == {}
 
 
@@ -82,11 +106,13 @@ def test_a_metered_gateway_logs_metered_requests_to_the_settler() -> None:
     authz = ext_authz_pb2.ExtAuthz()
     assert hcm.http_filters[0].typed_config.Unpack(authz)
     response = authz.http_service.authorization_response
-    assert [p.exact for p in response.dynamic_metadata_from_headers.patterns] == [headers.METER]
+    names = [p.exact for p in response.dynamic_metadata_from_headers.patterns]
+    assert names == [headers.METER, headers.USAGE_ADDED]
     assert headers.METER not in [p.exact for p in response.allowed_upstream_headers.patterns]
-    lua = lua_pb2.Lua()
-    assert hcm.http_filters[1].typed_config.Unpack(lua)
-    assert "function envoy_on_response" in lua.default_source_code.inline_string
+    # the splice filter (request half, skipped without splices) and the metering filter (response half)
+    splice, meter_lua = lua_sources(hcm)
+    assert "function envoy_on_request" in splice and "envoy_on_response" not in splice
+    assert "function envoy_on_response" in meter_lua and "envoy_on_request" not in meter_lua
     [meter] = [c for c in build_clusters(parse_config(doc)) if c.name == METER_CLUSTER]
     assert meter.type == cluster_pb2.Cluster.STATIC
     assert "envoy.extensions.upstreams.http.v3.HttpProtocolOptions" in meter.typed_extension_protocol_options
@@ -96,7 +122,6 @@ def test_an_unmetered_gateway_has_no_access_log_nor_response_scan() -> None:
     doc = authz_doc(account_responses=False)
     hcm = hcm_of(doc)
     assert list(hcm.access_log) == []
-    lua = lua_pb2.Lua()
-    assert hcm.http_filters[1].typed_config.Unpack(lua)
-    assert "envoy_on_response" not in lua.default_source_code.inline_string
+    [splice] = lua_sources(hcm)
+    assert "envoy_on_response" not in splice
     assert METER_CLUSTER not in {c.name for c in build_clusters(parse_config(doc))}

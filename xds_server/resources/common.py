@@ -42,8 +42,12 @@ EXT_AUTHZ_CLUSTER: Final = "inferlb_ext_authz"
 METER_CLUSTER: Final = "inferlb_meter"
 #: The ext_authz HTTP filter's name in the chain.
 EXT_AUTHZ_FILTER: Final = "envoy.filters.http.ext_authz"
-#: The Lua HTTP filter's name in the chain (ext_authz mode: it applies the service's body splices).
+#: The Lua HTTP filter's name in the chain (ext_authz mode: it applies the service's body splices; skipped
+#: by a matcher on requests without any).
 LUA_FILTER: Final = "envoy.filters.http.lua"
+#: The second Lua HTTP filter (ext_authz mode with ``account_responses``): the response half that meters
+#: the usage (and hides the usage chunk the gateway asked for).
+METER_LUA_FILTER: Final = "inferlb.meter"
 VIRTUAL_HOST_NAME: Final = "inferlb"
 NO_ROUTE_NAME: Final = "no_route"
 #: The ext_proc HTTP filter's name in the chain; per-route ``ExtProcPerRoute`` configs are keyed by it.

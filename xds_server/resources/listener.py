@@ -69,6 +69,7 @@ from xds_server.resources.common import (
     LISTENER_NAME,
     LUA_FILTER,
     METER_CLUSTER,
+    METER_LUA_FILTER,
     ROUTE_CONFIG_NAME,
     ads_source,
     duration_ms,
@@ -442,6 +443,42 @@ def downstream_timeouts(config: Config) -> dict[str, Any]:
     }
 
 
+# -- filter matchers ------------------------------------------------------------------------------
+def header_present(name: str, label: str) -> matcher_pb2.Matcher.MatcherList.Predicate:
+    """An xDS matcher predicate: the request carries header ``name`` (any value); ``label`` names the
+    input."""
+    return matcher_pb2.Matcher.MatcherList.Predicate(
+        single_predicate=matcher_pb2.Matcher.MatcherList.Predicate.SinglePredicate(
+            input=xds_extension_pb2.TypedExtensionConfig(
+                name=label,
+                typed_config=pack(http_inputs_pb2.HttpRequestHeaderMatchInput(header_name=name)),
+            ),
+            value_match=xds_string_pb2.StringMatcher(
+                safe_regex=regex_pb2.RegexMatcher(google_re2=regex_pb2.RegexMatcher.GoogleRE2(), regex=".*")
+            ),
+        )
+    )
+
+
+def skip_when(predicate: matcher_pb2.Matcher.MatcherList.Predicate) -> matcher_pb2.Matcher:
+    """The matcher of an ``ExtensionWithMatcher`` that skips its filter for the whole stream (both
+    directions: Envoy's ``SkipFilter`` action) when ``predicate`` holds at the request headers."""
+    return matcher_pb2.Matcher(
+        matcher_list=matcher_pb2.Matcher.MatcherList(
+            matchers=[
+                matcher_pb2.Matcher.MatcherList.FieldMatcher(
+                    predicate=predicate,
+                    on_match=matcher_pb2.Matcher.OnMatch(
+                        action=xds_extension_pb2.TypedExtensionConfig(
+                            name="skip", typed_config=pack(skip_action_pb2.SkipFilter())
+                        )
+                    ),
+                )
+            ]
+        )
+    )
+
+
 # -- fail-open path ---------------------------------------------------------------------------------
 def fail_open_filters() -> list[http_connection_manager_pb2.HttpFilter]:
     """The three HTTP filters between ext_proc and the router that serve requests which failed open.
@@ -468,33 +505,8 @@ def fail_open_filters() -> list[http_connection_manager_pb2.HttpFilter]:
     The skip is a header test, not a route test, because Envoy's ``api_key_auth`` denies a request whose
     route gives it no credentials: keying on ext_proc's own header keeps "checked by someone" the default.
     """
-    present = matcher_pb2.Matcher.MatcherList.Predicate(
-        single_predicate=matcher_pb2.Matcher.MatcherList.Predicate.SinglePredicate(
-            input=xds_extension_pb2.TypedExtensionConfig(
-                name="ext_proc_routed",
-                typed_config=pack(http_inputs_pb2.HttpRequestHeaderMatchInput(header_name=headers.MODEL)),
-            ),
-            value_match=xds_string_pb2.StringMatcher(
-                safe_regex=regex_pb2.RegexMatcher(google_re2=regex_pb2.RegexMatcher.GoogleRE2(), regex=".*")
-            ),
-        )
-    )
-    skip_when_routed = matcher_pb2.Matcher(
-        matcher_list=matcher_pb2.Matcher.MatcherList(
-            matchers=[
-                matcher_pb2.Matcher.MatcherList.FieldMatcher(
-                    predicate=present,
-                    on_match=matcher_pb2.Matcher.OnMatch(
-                        action=xds_extension_pb2.TypedExtensionConfig(
-                            name="skip", typed_config=pack(skip_action_pb2.SkipFilter())
-                        )
-                    ),
-                )
-            ]
-        )
-    )
     api_key = extension_matcher_pb2.ExtensionWithMatcher(
-        xds_matcher=skip_when_routed,
+        xds_matcher=skip_when(header_present(headers.MODEL, "ext_proc_routed")),
         extension_config=extension_pb2.TypedExtensionConfig(
             name="envoy.filters.http.api_key_auth",
             typed_config=pack(
@@ -555,49 +567,171 @@ function envoy_on_request(handle)
 end
 """
 #: The response half of the Lua filter when responses are metered (``ext_proc.protocol: ext_authz`` with
-#: ``account_responses``): only for a request whose ext_authz answer carried a meter id (dynamic metadata
-#: under ``envoy.filters.http.ext_authz``) and a 2xx response, it reads the body as it streams by
-#: (``bodyChunks()``: nothing is buffered, each chunk goes on at once) and keeps the last OpenAI ``usage``
-#: object it sees (``"usage"`` followed by a balanced ``{...}``, Lua's ``%b{}``: the chat/completions JSON
-#: body's, the usage chunk of an SSE stream, the ``response`` of the Responses API's completed/incomplete
-#: event) as text in dynamic metadata ``inferlb.meter`` / ``usage``, which the access log sends to the
-#: settler. A ``"usage"`` inside a JSON string is escaped (``\"usage\"``) and never matches. Only what a
-#: split needs is carried to the next chunk: an unfinished ``"usage": {...`` (up to
+#: ``account_responses``): only for a request whose ext_authz answer carried a meter id or
+#: :data:`~inferlb.request.headers.USAGE_ADDED` (dynamic metadata under ``envoy.filters.http.ext_authz``)
+#: and a 2xx response.
+#:
+#: Metering: it reads the body as it streams by (``bodyChunks()``: each chunk goes on at once) and keeps the
+#: last OpenAI ``usage`` object it sees (``"usage"`` followed by a balanced ``{...}``, Lua's ``%b{}``: the
+#: chat/completions JSON body's, the usage chunk of an SSE stream, the ``response`` of the Responses API's
+#: completed/incomplete event) as text in dynamic metadata ``inferlb.meter`` / ``usage``, which the access
+#: log sends to the settler. A ``"usage"`` inside a JSON string is escaped (``\"usage\"``) and never
+#: matches. Only what a split needs is carried to the next chunk: an unfinished ``"usage": {...`` (up to
 #: :data:`METER_TAIL_BYTES`), else the last 8 bytes (a key cut in two), so a chunk costs one ``find`` over
-#: itself. Measured on Envoy
-#: 1.40: dynamic metadata set after a ``bodyChunks()`` yield must be looked up again from ``handle`` (a
-#: stream-info object kept across the yield raises "object used outside of proper scope").
+#: itself.
+#:
+#: Hiding (the gateway added ``include_usage``, an SSE answer): the client gets the bytes it would have got
+#: without it, as ext_proc's :class:`~inferlb.request.usage.SseMeter` gives them: each complete event
+#: (ended by a blank line, ``\n\n`` or ``\r\n\r\n``) passes without its top-level ``"usage": null`` member
+#: (and the comma joining it), and the usage-only event (top-level ``"choices": []`` and a ``usage``
+#: object) is recorded, then removed. An event's unfinished tail is held until the chunk that completes it
+#: (at most :data:`HIDE_HOLD_BYTES`: past that the rest of the body passes unchanged, metered as above);
+#: what is held when the body ends is added to its last chunk (``bodyChunks()`` ends inside the call that
+#: brought the last chunk, so that chunk can still be set; a body ended by trailers has no such chunk and
+#: loses the held tail). "Top-level" is checked cheaply for the member order OpenAI and the simulated GPUs
+#: send (``usage`` last: ``, "usage": null}`` ends the event), else by a scan of the JSON's nesting that
+#: skips strings. ``content-length`` is removed from such an answer's headers (the body shrinks; HTTP/1.1
+#: clients then get it chunked).
+#:
+#: Measured on Envoy 1.40: dynamic metadata set after a ``bodyChunks()`` yield must be looked up again from
+#: ``handle`` (a stream-info object kept across the yield raises "object used outside of proper scope");
+#: ``setBytes()`` on a streamed response chunk changes what the client gets.
 METER_TAIL_BYTES: Final = 4096
-METER_LUA: Final = """
+#: Most bytes of one unfinished SSE event the hiding half holds back (see :data:`METER_LUA`).
+HIDE_HOLD_BYTES: Final = 262_144
+METER_LUA: Final = r"""
 local AUTHZ = "@AUTHZ@"
 local METER = "@METER@"
+local ADDED = "@ADDED@"
 local TAIL = @TAIL@
+local HOLD = @HOLD@
 local KEY = '"usage"'
+local find, sub, match, byte, concat = string.find, string.sub, string.match, string.byte, table.concat
+
+local function record(handle, usage)
+  handle:streamInfo():dynamicMetadata():set("@NS@", "@KEY@", usage)
+end
+
+-- one chunk's text (with the carry) scanned for usage; returns the next carry
+local function scan(handle, text)
+  local carry = ""
+  local at = find(text, KEY, 1, true)
+  while at ~= nil do
+    local usage = match(text, '^"usage"%s*:%s*(%b{})', at)
+    local after = find(text, KEY, at + 1, true)
+    if usage ~= nil then
+      record(handle, usage)
+    elseif after == nil and #text - at < TAIL and not find(text, '^"usage"%s*:%s*n', at) then
+      carry = sub(text, at)
+    end
+    at = after
+  end
+  if carry == "" then carry = sub(text, -8) end
+  return carry
+end
+
+-- true when the '"' at byte `at` of `event` opens a key of the event's top-level JSON object
+local function top_level(event, at)
+  local i = find(event, "{", 1, true)
+  if i == nil or i > at then return false end
+  local depth = 0
+  while true do
+    i = find(event, '[{}%[%]"]', i)
+    if i == nil or i >= at then return depth == 1 end
+    local c = byte(event, i)
+    if c == 34 then
+      local j = i + 1
+      while true do
+        j = find(event, '["\\]', j)
+        if j == nil or j >= at then return false end
+        if byte(event, j) == 92 then j = j + 2 else break end
+      end
+      i = j + 1
+    else
+      if c == 123 or c == 91 then depth = depth + 1 else depth = depth - 1 end
+      i = i + 1
+    end
+  end
+end
+
+-- the bytes the client gets for one SSE event of a stream the gateway asked usage for
+local function client_event(handle, event)
+  local at = find(event, KEY, 1, true)
+  while at ~= nil do
+    local value = match(event, '^"usage"[ \t]*:[ \t]*()', at)
+    if value ~= nil then
+      local c = byte(event, value)
+      if c == 110 and sub(event, value, value + 3) == "null" then
+        local before = at - 1
+        while byte(event, before) == 32 or byte(event, before) == 9 do before = before - 1 end
+        local comma = byte(event, before) == 44
+        if (comma and find(event, '^null[ \t]*}%s*$', value)) or top_level(event, at) then
+          if comma then return sub(event, 1, before - 1) .. sub(event, value + 4) end
+          local rest = match(event, '^null[ \t]*,[ \t]*()', value)
+          if rest ~= nil then return sub(event, 1, at - 1) .. sub(event, rest) end
+          return event
+        end
+      elseif c == 123 and top_level(event, at) then
+        local usage = match(event, '^%b{}', value)
+        if usage ~= nil then
+          record(handle, usage)
+          local ch = find(event, '"choices"[ \t]*:[ \t]*%[[ \t]*%]')
+          while ch ~= nil do
+            if top_level(event, ch) then return match(event, "^[\r\n]*") end
+            ch = find(event, '"choices"[ \t]*:[ \t]*%[[ \t]*%]', ch + 1)
+          end
+          return event
+        end
+      end
+    end
+    at = find(event, KEY, at + 1, true)
+  end
+  return event
+end
+
 function envoy_on_response(handle)
   local authz = handle:streamInfo():dynamicMetadata():get(AUTHZ)
-  if authz == nil or authz[METER] == nil then return end
-  local status = tonumber(handle:headers():get(":status")) or 0
+  if authz == nil then return end
+  local hide = authz[ADDED] ~= nil
+  if authz[METER] == nil and not hide then return end
+  local response_headers = handle:headers()
+  local status = tonumber(response_headers:get(":status")) or 0
   if status < 200 or status >= 300 then return end
-  local carry = ""
+  if hide then
+    local kind = response_headers:get("content-type")
+    hide = kind ~= nil and find(kind, "text/event-stream", 1, true) ~= nil
+    if hide then response_headers:remove("content-length") end
+  end
+  local carry, held, last, out = "", "", nil, ""
   for chunk in handle:bodyChunks() do
+    last, out = chunk, ""
     local n = chunk:length()
     if n > 0 then
-      local text = chunk:getBytes(0, n)
-      if carry ~= "" then text = carry .. text end
-      carry = ""
-      local at = string.find(text, KEY, 1, true)
-      while at ~= nil do
-        local usage = string.match(text, '^"usage"%s*:%s*(%b{})', at)
-        local after = string.find(text, KEY, at + 1, true)
-        if usage ~= nil then
-          handle:streamInfo():dynamicMetadata():set("@NS@", "@KEY@", usage)
-        elseif after == nil and #text - at < TAIL and not string.find(text, '^"usage"%s*:%s*n', at) then
-          carry = string.sub(text, at)
+      local raw = chunk:getBytes(0, n)
+      if not hide then
+        if carry ~= "" then carry = scan(handle, carry .. raw) else carry = scan(handle, raw) end
+      else
+        local text = raw
+        if held ~= "" then text = held .. raw end
+        local parts, pos = {}, 1
+        while true do
+          local _, e = find(text, "\n\r?\n", pos)
+          if e == nil then break end
+          parts[#parts + 1] = client_event(handle, sub(text, pos, e))
+          pos = e + 1
         end
-        at = after
+        held = sub(text, pos)
+        if #held > HOLD then
+          parts[#parts + 1] = held
+          carry, held, hide = scan(handle, held), "", false
+        end
+        out = concat(parts)
+        if out ~= raw then chunk:setBytes(out) end
       end
-      if carry == "" then carry = string.sub(text, -8) end
     end
+  end
+  if held ~= "" and last ~= nil then
+    pcall(last.setBytes, last, out .. client_event(handle, held))
   end
 end
 """
@@ -608,7 +742,9 @@ def meter_lua() -> str:
     return (
         METER_LUA.replace("@AUTHZ@", AUTHZ_NAMESPACE)
         .replace("@METER@", headers.METER)
+        .replace("@ADDED@", headers.USAGE_ADDED)
         .replace("@TAIL@", str(METER_TAIL_BYTES))
+        .replace("@HOLD@", str(HIDE_HOLD_BYTES))
         .replace("@NS@", USAGE_NAMESPACE)
         .replace("@KEY@", USAGE_KEY)
     )
@@ -684,9 +820,9 @@ def build_ext_authz_filter(config: Config) -> ext_authz_pb2.ExtAuthz:
             authorization_response=ext_authz_pb2.AuthorizationResponse(
                 allowed_upstream_headers=_exact_names(EXT_AUTHZ_UPSTREAM_HEADERS),
                 allowed_client_headers=_exact_names(EXT_AUTHZ_CLIENT_HEADERS),
-                # the meter id becomes dynamic metadata for the Lua filter and the access log, never an
-                # upstream header (it is not in allowed_upstream_headers)
-                dynamic_metadata_from_headers=_exact_names((headers.METER,))
+                # the meter id and the usage-added mark become dynamic metadata for the Lua filter and the
+                # access log, never upstream headers (they are not in allowed_upstream_headers)
+                dynamic_metadata_from_headers=_exact_names((headers.METER, headers.USAGE_ADDED))
                 if ep.meters_access_log()
                 else None,
             ),
@@ -749,18 +885,44 @@ def _ext_proc_filter(config: Config) -> http_connection_manager_pb2.HttpFilter:
     )
 
 
+def _lua(source: str) -> lua_pb2.Lua:
+    return lua_pb2.Lua(default_source_code=base_pb2.DataSource(inline_string=source))
+
+
 def request_path_filters(config: Config) -> list[http_connection_manager_pb2.HttpFilter]:
-    """The HTTP filters before the router: ext_proc (``ext_proc.protocol: ext_proc``), or ext_authz then the
-    body-splice Lua filter (``ext_authz``)."""
+    """The HTTP filters before the router: ext_proc (``ext_proc.protocol: ext_proc``), or with ``ext_authz``
+    the ext_authz filter, the body-splice Lua filter (:data:`BODY_SPLICE_LUA`, behind a matcher that skips
+    it on requests without :data:`~inferlb.request.headers.BODY_SPLICE`) and, when responses are metered,
+    the metering Lua filter (:data:`METER_LUA`, a response half only).
+
+    Two Lua filters rather than one with both halves: Envoy's Lua filter starts a coroutine for each
+    direction whose function the script defines, and the matcher skips the splice filter in C++, so a
+    request with nothing to splice runs no Lua on its way up (the whole chain's CPU per request:
+    ``bench/authz_envoy_split.py``)."""
     if config.ext_proc.protocol == "ext_authz":
-        source = BODY_SPLICE_LUA + (meter_lua() if config.ext_proc.meters_access_log() else "")
-        lua = lua_pb2.Lua(default_source_code=base_pb2.DataSource(inline_string=source))
-        return [
+        splice = extension_matcher_pb2.ExtensionWithMatcher(
+            xds_matcher=skip_when(
+                matcher_pb2.Matcher.MatcherList.Predicate(
+                    not_matcher=header_present(headers.BODY_SPLICE, "body_splice")
+                )
+            ),
+            extension_config=extension_pb2.TypedExtensionConfig(
+                name="envoy.filters.http.lua", typed_config=pack(_lua(BODY_SPLICE_LUA))
+            ),
+        )
+        filters = [
             http_connection_manager_pb2.HttpFilter(
                 name=EXT_AUTHZ_FILTER, typed_config=pack(build_ext_authz_filter(config))
             ),
-            http_connection_manager_pb2.HttpFilter(name=LUA_FILTER, typed_config=pack(lua)),
+            http_connection_manager_pb2.HttpFilter(name=LUA_FILTER, typed_config=pack(splice)),
         ]
+        if config.ext_proc.meters_access_log():
+            filters.append(
+                http_connection_manager_pb2.HttpFilter(
+                    name=METER_LUA_FILTER, typed_config=pack(_lua(meter_lua()))
+                )
+            )
+        return filters
     return [_ext_proc_filter(config)]
 
 

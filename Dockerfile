@@ -1,4 +1,4 @@
-# One image for inferlb's Python services (xds_server, ext_proc, gpusim); docker-compose.yml picks the
+# One image for inferlb's Python services (xds_server, ext_authz, ext_proc, gpusim); docker-compose.yml picks the
 # module to run. Envoy runs from the official Envoy image.
 FROM python:3.11-slim
 WORKDIR /src
@@ -6,6 +6,7 @@ COPY pyproject.toml README.md ./
 COPY inferlb ./inferlb
 COPY xds_server ./xds_server
 COPY ext_proc ./ext_proc
+COPY ext_authz ./ext_authz
 COPY simulation ./simulation
 RUN pip install --no-cache-dir .
 USER nobody

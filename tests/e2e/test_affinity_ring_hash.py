@@ -18,7 +18,7 @@ import pytest
 
 from inferlb.request.headers import ENDPOINT
 from tests.conftest import make_config_doc
-from tests.e2e.conftest import RunningStack, started_stack
+from tests.e2e.conftest import RunningStack, in_mode, started_stack
 
 pytestmark = pytest.mark.e2e
 
@@ -26,9 +26,9 @@ LLAMA = "llama-3.1-8b-instruct"
 
 
 @pytest.fixture(scope="module")
-def ring_hash_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningStack]:
+def ring_hash_stack(tmp_path_factory: pytest.TempPathFactory, request_path: str) -> Iterator[RunningStack]:
     work = tmp_path_factory.mktemp("affinity")
-    doc = make_config_doc()
+    doc = in_mode(make_config_doc(), request_path)
     llama = next(m for m in doc["models"] if m["name"] == LLAMA)
     llama["cluster"] = {"lb_policy": "ring_hash", "hash_balance_factor": 150}
     with started_stack(work, doc) as rs:

@@ -16,13 +16,14 @@ import pytest
 from inferlb.config.schema import load_config
 from inferlb.request.headers import ENDPOINT
 from tests.conftest import make_config_doc, write_config
-from tests.e2e.conftest import http_request
+from tests.e2e.conftest import REQUEST_PATH_MODES, http_request, in_mode
 
 pytestmark = pytest.mark.e2e
 
 
-def test_inferlb_up_serves_and_stops_everything_on_sigterm(tmp_path: Path) -> None:
-    path = write_config(tmp_path / "c.yaml", make_config_doc())
+@pytest.mark.parametrize("mode", REQUEST_PATH_MODES)
+def test_inferlb_up_serves_and_stops_everything_on_sigterm(tmp_path: Path, mode: str) -> None:
+    path = write_config(tmp_path / "c.yaml", in_mode(make_config_doc(), mode))
     cfg = load_config(path)
     out_path = tmp_path / "up.out"
     with out_path.open("wb") as out:
@@ -43,8 +44,10 @@ def test_inferlb_up_serves_and_stops_everything_on_sigterm(tmp_path: Path) -> No
         assert "curl -sS" in text
         children = psutil.Process(proc.pid).children(recursive=True)
         names = " ".join(" ".join(c.cmdline()) for c in children)
-        for piece in ("xds_server", "ext_proc", "gpusim", "envoy"):
+        for piece in ("xds_server", f"-m {mode}", "gpusim", "envoy"):
             assert piece in names
+        other = next(m for m in REQUEST_PATH_MODES if m != mode)
+        assert f"-m {other} " not in names  # one request-path service, the config's
         r = http_request(
             str(cfg.gateway.listen),
             "POST",

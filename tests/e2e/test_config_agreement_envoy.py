@@ -1,4 +1,5 @@
-"""ext_proc and xds_server accept or refuse a changed config file together, through a real Envoy.
+"""The request-path service (ext_proc, or ext_authz in that mode) and xds_server accept or refuse a changed
+config file together, through a real Envoy, in both request-path modes.
 
 Each follows the file on its own. They once ran different checks beyond the schema (ext_proc loaded the
 tokenizers, xds_server resolved the endpoint host names), so a file one refused the other applied: with
@@ -20,7 +21,7 @@ import pytest
 
 from inferlb.ops.stack import admin_get
 from tests.conftest import make_config_doc, write_config
-from tests.e2e.conftest import RunningStack, started_stack
+from tests.e2e.conftest import RunningStack, in_mode, started_stack
 
 pytestmark = pytest.mark.e2e
 
@@ -53,8 +54,9 @@ def renamed_to_v3(doc: dict[str, Any]) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningStack]:
-    with started_stack(tmp_path_factory.mktemp("agree"), single_version_doc()) as rs:
+def stack(tmp_path_factory: pytest.TempPathFactory, request_path: str) -> Iterator[RunningStack]:
+    doc = in_mode(single_version_doc(), request_path)
+    with started_stack(tmp_path_factory.mktemp("agree"), doc) as rs:
         yield rs
 
 
@@ -82,29 +84,33 @@ def llama_statuses(rs: RunningStack) -> list[int]:
     return [rs.chat(LLAMA, max_tokens=2).status for _ in range(REQUESTS)]
 
 
-SERVICES = ("ext_proc", "xds_server")
+def services(rs: RunningStack) -> tuple[str, str]:
+    """The stack's services that follow the file: the request-path service (``ext_proc`` or ``ext_authz``,
+    by ``ext_proc.protocol``) and the xDS server."""
+    return (rs.config.ext_proc.protocol, "xds_server")
 
 
 def polls(rs: RunningStack, service: str) -> int:
     """How many changed files ``service`` has logged applying or refusing."""
-    needles = {
-        "ext_proc": ("config reloaded from", "config reload refused"),
-        "xds_server": (f"config {rs.config_path} accepted", "config change refused"),
-    }[service]
+    needles = (
+        (f"config {rs.config_path} accepted", "config change refused")
+        if service == "xds_server"
+        else ("config reloaded from", "config reload refused")  # ext_proc/process.py, both services
+    )
     return sum(log_count(rs, service, needle) for needle in needles)
 
 
 def refuse_together(rs: RunningStack, bad: dict[str, Any], field: str) -> None:
     """Write ``bad``; once both services have polled it, llama is still routed to v1 and served, and both
     logged the refusal naming ``field``."""
-    before = {service: polls(rs, service) for service in SERVICES}
+    before = {service: polls(rs, service) for service in services(rs)}
     write_config(rs.config_path, bad)
-    for service in SERVICES:
+    for service in services(rs):
         until(functools.partial(lambda s: polls(rs, s) > before[s], service), f"{service} to poll the file")
     assert llama_versions_in_envoy(rs) == {"v1"}
     assert llama_statuses(rs) == [200] * REQUESTS
     assert rs.chat(QWEN, max_tokens=2).status == 200
-    for service in SERVICES:
+    for service in services(rs):
         assert log_count(rs, service, field) >= 1, f"{service} did not name {field}"
 
 

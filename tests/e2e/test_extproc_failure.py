@@ -1,16 +1,20 @@
-"""ext_proc failure behaviour through real Envoy: a processor that is down or slow never
-makes a request hang; fail-closed paths get a prompt OpenAI JSON 5xx, fail-open paths go to the body's
-model with the API key checked by Envoy (tests/e2e/test_extproc_fail_open.py has the rest); Envoy's codec
-errors reach clients as JSON while ext_proc's own JSON replies pass unchanged."""
+"""Request-path service failures through real Envoy, in both request-path modes: a processor (ext_proc, or
+the ext_authz service) that is down or slow never makes a request hang; fail-closed paths get a prompt
+OpenAI JSON 5xx (ext_proc: 500, or 504 after ``message_timeout_ms``; ext_authz: 503 either way, README's
+``ext_proc.failure_mode_allow`` row), fail-open paths (``path_failure_modes``, ext_proc mode only: ext_authz
+mode refuses it) go to the body's model with the API key checked by Envoy
+(tests/e2e/test_extproc_fail_open.py has the rest); Envoy's codec errors reach clients as JSON while the
+service's own JSON replies pass unchanged."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import socket
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
 import grpc
@@ -19,7 +23,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2, external_processor
 
 from inferlb.ops.stack import port_open
 from tests.conftest import make_config_doc
-from tests.e2e.conftest import Reply, RunningStack, http_request, started_stack
+from tests.e2e.conftest import Reply, RunningStack, http_request, in_mode, started_stack
 
 pytestmark = pytest.mark.e2e
 
@@ -30,17 +34,26 @@ CLIENT_TIMEOUT_S = 15.0
 FAIL_OPEN_MODEL = "qwen2.5-7b-instruct"
 
 
+#: What a client gets when the request-path service fails closed, by mode: (status, code) when it is down,
+#: and when it answers slower than ``message_timeout_ms``. Envoy's ext_authz filter gives both failures the
+#: same code details (``ext_authz_error``), so ext_authz mode cannot tell a timeout apart.
+FAIL_CLOSED: dict[str, tuple[tuple[int, str], tuple[int, str]]] = {
+    "ext_proc": ((500, "gateway_processor_unavailable"), (504, "gateway_processor_timeout")),
+    "ext_authz": ((503, "gateway_processor_unavailable"), (503, "gateway_processor_unavailable")),
+}
+
+
 @pytest.fixture(scope="module")
-def failure_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningStack]:
-    """Chat completions fail closed (the default), embeddings fail open to qwen."""
+def failure_stack(tmp_path_factory: pytest.TempPathFactory, request_path: str) -> Iterator[RunningStack]:
+    """Chat completions fail closed (the default); in ext_proc mode embeddings fail open to qwen
+    (``path_failure_modes``, which ext_authz mode refuses)."""
     work = tmp_path_factory.mktemp("failure")
-    doc = make_config_doc()
+    doc = in_mode(make_config_doc(), request_path)
     doc["ext_proc"].update(
-        message_timeout_ms=MESSAGE_TIMEOUT_MS,
-        failure_mode_allow=False,
-        path_failure_modes={"/v1/embeddings": "open"},
-        fail_open_model=FAIL_OPEN_MODEL,
+        message_timeout_ms=MESSAGE_TIMEOUT_MS, failure_mode_allow=False, fail_open_model=FAIL_OPEN_MODEL
     )
+    if request_path == "ext_proc":
+        doc["ext_proc"]["path_failure_modes"] = {"/v1/embeddings": "open"}
     with started_stack(work, doc) as rs:
         yield rs
 
@@ -161,70 +174,115 @@ class SlowProcessor(external_processor_pb2_grpc.ExternalProcessorServicer):
             yield external_processor_pb2.ProcessingResponse()
 
 
-async def test_a_dead_then_a_slow_ext_proc_never_hangs_a_request(failure_stack: RunningStack) -> None:
+class SlowAuthz:
+    """An ext_authz HTTP service that reads each check and never answers within ``message_timeout``
+    (Envoy's HTTP-service ``timeout``)."""
+
+    def __init__(self, delay_s: float) -> None:
+        self.delay_s = delay_s
+        self.checks = 0
+
+    async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        with contextlib.suppress(OSError):
+            while await reader.read(65536):
+                self.checks += 1
+                await asyncio.sleep(self.delay_s)
+        writer.close()
+
+
+@contextlib.asynccontextmanager
+async def slow_processor(rs: RunningStack, delay_s: float) -> AsyncIterator[Callable[[], int]]:
+    """A processor of the stack's protocol on its ``ext_proc.listen`` that answers slower than
+    ``delay_s``; yields how many streams (checks) it has been sent."""
+    listen = rs.config.ext_proc.listen
+    if rs.config.ext_proc.protocol == "ext_proc":
+        server = grpc.aio.server()
+        slow = SlowProcessor(delay_s)
+        external_processor_pb2_grpc.add_ExternalProcessorServicer_to_server(slow, server)
+        assert server.add_insecure_port(str(listen)) == listen.port
+        await server.start()
+        try:
+            yield lambda: slow.streams
+        finally:
+            await server.stop(0)
+        return
+    authz = SlowAuthz(delay_s)
+    http = await asyncio.start_server(authz.handle, str(listen.host), listen.port)
+    try:
+        yield lambda: authz.checks
+    finally:
+        http.close()
+        await http.wait_closed()
+
+
+async def test_a_dead_then_a_slow_processor_never_hangs_a_request(
+    failure_stack: RunningStack, request_path: str
+) -> None:
     rs = failure_stack
+    down, slow_answer = FAIL_CLOSED[request_path]
+    # path_failure_modes is ext_proc mode's only (ext_authz mode refuses it)
+    paths_fail_open = request_path == "ext_proc"
     ok, _ = await asyncio.to_thread(_chat, rs)
     assert ok.status == 200, ok.body
 
-    # (a) the ext_proc process is killed outright
-    proc = rs.stack.child("ext_proc").proc
+    # (a) the request-path process is killed outright
+    proc = rs.stack.child(request_path).proc
     assert proc is not None
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait(timeout=10)
     for path in ("/v1/chat/completions", "/v1/chat/completions?api-version=1"):
         for _ in range(3):
             r, elapsed = await asyncio.to_thread(_chat, rs, path)
-            assert r.status == 500, r.body
+            assert r.status == down[0], r.body
             err = _json_error(r)
-            assert (err["type"], err["code"]) == ("server_error", "gateway_processor_unavailable")
+            assert (err["type"], err["code"]) == ("server_error", down[1])
             assert elapsed < 3.0, elapsed  # prompt: connection refused, not a timeout
-    for _ in range(3):
-        r, elapsed = await asyncio.to_thread(_embed, rs)
-        assert r.status == 200, r.body  # fail open: served by the body's model, key checked by Envoy
+    if paths_fail_open:
+        for _ in range(3):
+            r, elapsed = await asyncio.to_thread(_embed, rs)
+            assert r.status == 200, r.body  # fail open: served by the body's model, key checked by Envoy
+            assert r.headers["x-inferlb-failed-open"] == "true"
+            assert r.json()["model"] == "llama-3.1-8b-instruct"
+            assert elapsed < 3.0, elapsed
+        r, _ = await asyncio.to_thread(_embed, rs, "sk-not-a-key")
+        assert r.status == 401, r.body
+        assert _json_error(r)["code"] == "invalid_api_key"
+        # a body naming no model goes to the fail-open model (key still checked)
+        r = await asyncio.to_thread(
+            http_request,
+            rs.gateway,
+            "POST",
+            "/v1/embeddings",
+            {"input": "hello"},
+            {"Authorization": "Bearer sk-demo-a"},
+            timeout_s=CLIENT_TIMEOUT_S,
+        )
+        assert r.status == 200, r.body
         assert r.headers["x-inferlb-failed-open"] == "true"
-        assert r.json()["model"] == "llama-3.1-8b-instruct"
+        assert r.json()["model"] == FAIL_OPEN_MODEL
+    else:
+        r, elapsed = await asyncio.to_thread(_embed, rs)
+        assert r.status == down[0] and _json_error(r)["code"] == down[1], r.body
         assert elapsed < 3.0, elapsed
-    r, _ = await asyncio.to_thread(_embed, rs, "sk-not-a-key")
-    assert r.status == 401, r.body
-    assert _json_error(r)["code"] == "invalid_api_key"
-    # a body naming no model goes to the fail-open model (key still checked)
-    r = await asyncio.to_thread(
-        http_request,
-        rs.gateway,
-        "POST",
-        "/v1/embeddings",
-        {"input": "hello"},
-        {"Authorization": "Bearer sk-demo-a"},
-        timeout_s=CLIENT_TIMEOUT_S,
-    )
-    assert r.status == 200, r.body
-    assert r.headers["x-inferlb-failed-open"] == "true"
-    assert r.json()["model"] == FAIL_OPEN_MODEL
 
     # (b) a processor on the same address that answers slower than message_timeout
-    listen = rs.config.ext_proc.listen
-    server = grpc.aio.server()
-    slow = SlowProcessor(delay_s=4 * MESSAGE_TIMEOUT_MS / 1000)
-    external_processor_pb2_grpc.add_ExternalProcessorServicer_to_server(slow, server)
-    assert server.add_insecure_port(str(listen)) == listen.port
-    await server.start()
-    try:
-        assert port_open(listen)
+    async with slow_processor(rs, delay_s=4 * MESSAGE_TIMEOUT_MS / 1000) as streams:
+        assert port_open(rs.config.ext_proc.listen)
         timeout_s = MESSAGE_TIMEOUT_MS / 1000
         for _ in range(2):
             r, elapsed = await asyncio.to_thread(_chat, rs)
-            assert r.status == 504, r.body
+            assert r.status == slow_answer[0], r.body
             err = _json_error(r)
-            assert (err["type"], err["code"]) == ("server_error", "gateway_processor_timeout")
-            assert f"{MESSAGE_TIMEOUT_MS} ms" in err["message"]
+            assert (err["type"], err["code"]) == ("server_error", slow_answer[1])
+            if request_path == "ext_proc":
+                assert f"{MESSAGE_TIMEOUT_MS} ms" in err["message"]
             assert timeout_s * 0.8 <= elapsed < timeout_s + 2.0, elapsed
-        r, elapsed = await asyncio.to_thread(_embed, rs)
-        assert r.status == 200, r.body
-        assert r.headers["x-inferlb-failed-open"] == "true"
-        assert r.json()["model"] == "llama-3.1-8b-instruct"
-        assert elapsed < timeout_s + 2.0, elapsed
-        r, _ = await asyncio.to_thread(_embed, rs, "sk-not-a-key")
-        assert r.status == 401, r.body
-        assert slow.streams >= 3  # Envoy did reach the slow processor
-    finally:
-        await server.stop(0)
+        if paths_fail_open:
+            r, elapsed = await asyncio.to_thread(_embed, rs)
+            assert r.status == 200, r.body
+            assert r.headers["x-inferlb-failed-open"] == "true"
+            assert r.json()["model"] == "llama-3.1-8b-instruct"
+            assert elapsed < timeout_s + 2.0, elapsed
+            r, _ = await asyncio.to_thread(_embed, rs, "sk-not-a-key")
+            assert r.status == 401, r.body
+        assert streams() >= (3 if paths_fail_open else 2)  # Envoy did reach the slow processor

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import make_config_doc
-from tests.e2e.conftest import RunningStack, started_stack
+from tests.e2e.conftest import RunningStack, in_mode, started_stack
 
 pytestmark = pytest.mark.e2e
 
@@ -22,8 +22,8 @@ WAIT_S = 8.0
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningStack]:
-    doc = make_config_doc()
+def stack(tmp_path_factory: pytest.TempPathFactory, request_path: str) -> Iterator[RunningStack]:
+    doc = in_mode(make_config_doc(), request_path)
     doc["gateway"].update(
         request_headers_timeout_ms=HEADERS_TIMEOUT_MS, downstream_idle_timeout_ms=IDLE_TIMEOUT_MS
     )

@@ -20,7 +20,7 @@ import pytest
 
 from inferlb.ops.stack import admin_get, free_ports
 from tests.conftest import LOOPBACK, make_config_doc
-from tests.e2e.conftest import RunningStack, started_stack
+from tests.e2e.conftest import RunningStack, in_mode, started_stack
 
 pytestmark = pytest.mark.e2e
 
@@ -39,8 +39,8 @@ N = 60
 
 
 @pytest.fixture(scope="module")
-def length_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningStack]:
-    doc = make_config_doc()
+def length_stack(tmp_path_factory: pytest.TempPathFactory, request_path: str) -> Iterator[RunningStack]:
+    doc = in_mode(make_config_doc(), request_path)
     llama = next(m for m in doc["models"] if m["name"] == LLAMA)
     llama["cluster"]["length_aware"] = {"long_output_tokens": THRESHOLD, "fast_min_relative_capacity": 1.5}
     doc["models"].append(

@@ -14,7 +14,7 @@ import pytest
 
 from inferlb.ops.stack import admin_get, free_ports
 from tests.conftest import LOOPBACK, make_config_doc
-from tests.e2e.conftest import RunningStack, http_request, started_stack
+from tests.e2e.conftest import RunningStack, http_request, in_mode, started_stack
 from tests.e2e.test_length_aware_envoy import LONG_CAP, MISTRAL, _gpus, _served_by
 from tests.e2e.test_weights_envoy import _until
 
@@ -26,8 +26,8 @@ FOLLOW_WITHIN_S = 10.0
 
 
 @pytest.fixture(scope="module")
-def live_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningStack]:
-    doc = make_config_doc()
+def live_stack(tmp_path_factory: pytest.TempPathFactory, request_path: str) -> Iterator[RunningStack]:
+    doc = in_mode(make_config_doc(), request_path)
     doc["weights"] = {"mode": "telemetry", "stale_after_ms": 1_500, "smoothing_tau_ms": 300}
     doc["telemetry"] = {"scrape_interval_ms": 200, "scrape_timeout_ms": 500}
     tiers = [{"above_output_tokens": 100, "min_relative_capacity": 3.0}]

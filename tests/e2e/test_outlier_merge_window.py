@@ -12,7 +12,7 @@ import pytest
 
 from inferlb.ops.stack import admin_get
 from tests.conftest import make_config_doc
-from tests.e2e.conftest import RunningStack, chat_body, closed_loop, sim_fault, started_stack
+from tests.e2e.conftest import RunningStack, chat_body, closed_loop, in_mode, sim_fault, started_stack
 
 pytestmark = pytest.mark.e2e
 
@@ -25,10 +25,10 @@ def _counter(config: Any, name: str) -> int:
 
 
 @pytest.fixture(scope="module")
-def bare_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningStack]:
+def bare_stack(tmp_path_factory: pytest.TempPathFactory, request_path: str) -> Iterator[RunningStack]:
     """No retries and no active health check: outlier detection alone, so every 503 reaches the client
     and the errors per return from ejection can be counted."""
-    doc = make_config_doc()
+    doc = in_mode(make_config_doc(), request_path)
     doc["gateway"]["num_retries"] = 0
     qwen = next(m for m in doc["models"] if m["name"] == "qwen2.5-7b-instruct")
     qwen["cluster"] = {

@@ -16,7 +16,7 @@ import pytest
 
 from inferlb.ops.stack import admin_get
 from tests.conftest import make_config_doc
-from tests.e2e.conftest import RunningStack, chat_body, closed_loop, sim_fault, started_stack
+from tests.e2e.conftest import RunningStack, chat_body, closed_loop, in_mode, sim_fault, started_stack
 
 pytestmark = pytest.mark.e2e
 
@@ -25,8 +25,8 @@ QWEN_CLUSTER = "qwen2.5-7b-instruct--v1"
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningStack]:
-    doc = make_config_doc()
+def stack(tmp_path_factory: pytest.TempPathFactory, request_path: str) -> Iterator[RunningStack]:
+    doc = in_mode(make_config_doc(), request_path)
     # ejections short enough that a failing GPU comes back (and fails again) within a test
     for m in doc["models"]:
         m.setdefault("cluster", {})["outlier_detection"] = {"interval_ms": 500, "base_ejection_time_ms": 1000}

@@ -9,13 +9,14 @@ import pytest
 
 from inferlb.ops.stack import Stack, free_ports
 from tests.conftest import make_config_doc, write_config
-from tests.e2e.conftest import http_request
+from tests.e2e.conftest import REQUEST_PATH_MODES, http_request, in_mode
 
 pytestmark = pytest.mark.e2e
 
 
-def test_a_model_whose_gpus_are_all_down_gets_a_json_503(tmp_path: Path) -> None:
-    doc = make_config_doc()
+@pytest.mark.parametrize("mode", REQUEST_PATH_MODES)
+def test_a_model_whose_gpus_are_all_down_gets_a_json_503(tmp_path: Path, mode: str) -> None:
+    doc = in_mode(make_config_doc(), mode)
     (dead_port,) = free_ports(1)  # nothing listens here
     doc["models"].append({"name": "dead-model"})
     doc["endpoints"].append(

@@ -22,7 +22,15 @@ from collections.abc import Iterator
 import pytest
 
 from tests.conftest import make_config_doc, wait_until
-from tests.e2e.conftest import RunningStack, chat_body, closed_loop, failed_hosts, sim_fault, started_stack
+from tests.e2e.conftest import (
+    RunningStack,
+    chat_body,
+    closed_loop,
+    failed_hosts,
+    in_mode,
+    sim_fault,
+    started_stack,
+)
 
 pytestmark = pytest.mark.e2e
 
@@ -35,8 +43,8 @@ MARGIN_S = 2.5
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningStack]:
-    doc = make_config_doc()
+def stack(tmp_path_factory: pytest.TempPathFactory, request_path: str) -> Iterator[RunningStack]:
+    doc = in_mode(make_config_doc(), request_path)
     doc["gateway"].update(
         per_try_timeout_ms=int(PER_TRY_S * 1000), stream_idle_timeout_ms=int(STREAM_IDLE_S * 1000)
     )

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import tomllib
 from pathlib import Path
 from typing import Any
 
@@ -64,6 +65,23 @@ def test_compose_services_are_the_stack_services() -> None:
     assert {compose.xds.listen.host, compose.ext_proc.listen.host} == {"xds-server", "ext-proc"}
     assert services["envoy"]["image"].startswith("envoyproxy/envoy:v1.")
     assert "./envoy/bootstrap-compose.yaml:/etc/envoy/bootstrap.yaml:ro" in services["envoy"]["volumes"]
+
+
+def test_the_image_copies_every_package_pyproject_installs() -> None:
+    """``pip install .`` in the image installs only what the Dockerfile copied: a package left out (as
+    ``ext_authz`` once was) makes its service's ``python -m`` fail in the container."""
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))
+    packages = {p.rstrip("*") for p in pyproject["tool"]["setuptools"]["packages"]["find"]["include"]}
+    copied = {
+        line.split()[1]
+        for line in (ROOT / "Dockerfile").read_text(encoding="utf-8").splitlines()
+        if line.startswith("COPY ")
+    }
+    assert packages <= copied, packages - copied
+    # and every service docker-compose.yml runs is one of them
+    doc = yaml.safe_load((ROOT / "docker-compose.yml").read_text(encoding="utf-8"))
+    modules = {svc["command"][0].split(".")[0] for name, svc in doc["services"].items() if name != "envoy"}
+    assert modules <= packages, modules - packages
 
 
 def test_docker_compose_config_accepts_the_file() -> None:

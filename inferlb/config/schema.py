@@ -343,12 +343,13 @@ class ExtProcConfig(_Frozen):
     #: same decisions (:mod:`ext_proc.handlers`) on the addresses below. ``ext_authz`` meters responses in
     #: Envoy (a Lua filter reads the usage, the gRPC access log brings it to ``meter_listen``), with one
     #: process only (no ``extra_listen`` with ``account_responses``), and takes no ``path_failure_modes``
-    #: nor ``listen_unix`` (refused otherwise, the field named).
+    #: (refused otherwise, the field named).
     protocol: Literal["ext_proc", "ext_authz"] = "ext_proc"
     listen: HostPort = HostPort(host="127.0.0.1", port=18080)
-    #: Serve ext_proc on this Unix domain socket (an absolute path) instead of ``listen``, the socket file
-    #: mode 0600 (only the user running ext_proc, and so Envoy run as that user, may connect); the
-    #: ``inferlb_ext_proc`` cluster then dials it as a ``pipe`` address. None: TCP on ``listen``. Not with
+    #: Serve ext_proc (ext_authz's HTTP service with ``protocol: ext_authz``) on this Unix domain socket (an
+    #: absolute path) instead of ``listen``, the socket file mode 0600 (only the user running the service,
+    #: and so Envoy run as that user, may connect); the ``inferlb_ext_proc`` (``inferlb_ext_authz``) cluster
+    #: then dials it as a ``pipe`` address. None: TCP on ``listen``. Not with
     #: ``extra_listen`` (one process serves the socket).
     listen_unix: UnixListen | None = None
     #: More ext_proc processes, each serving on its own address (``python -m ext_proc --listen ADDR``): every
@@ -982,10 +983,6 @@ class Config(_Frozen):
                 "ext_proc.path_failure_modes: protocol ext_authz has one failure mode for every path "
                 "(ext_proc.failure_mode_allow, as Envoy's ExtAuthzPerRoute has no failure-mode override), "
                 "so drop it or use protocol ext_proc"
-            )
-        if ep.listen_unix is not None:
-            problems.append(
-                "ext_proc.listen_unix: protocol ext_authz serves TCP only for now (ext_proc.listen)"
             )
         problems += [
             f"tenants[{i}].max_concurrent_requests: protocol ext_authz without account_responses never "

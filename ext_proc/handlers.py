@@ -184,14 +184,16 @@ class Gateway:
             (``ext_proc.message_timeout_ms`` x :data:`ADMIT_BUDGET_FRACTION`).
         account_responses: this process meters responses on its own stream (``ext_proc.account_responses``
             with ``protocol: ext_proc``), so streams get ``stream_options.include_usage`` added when the
-            client did not ask for it and ``low`` tenants are shed by in-flight count. False with
-            ``protocol: ext_authz``: Envoy meters there (:mod:`ext_authz.meter`) and the client's body keeps
-            its own ``stream_options`` (the usage chunk is not hidden from the client in that mode).
+            client did not ask for it. False with ``protocol: ext_authz``: Envoy meters there
+            (:mod:`ext_authz.meter`) and the client's body keeps its own ``stream_options`` (the usage chunk
+            is not hidden from the client in that mode).
         allow_other_paths: ``ext_proc.non_inference_paths == "allow"``.
         low_priority_limits: cluster name -> DEFAULT-priority requests this process may have in flight
             there before it refuses ``low`` tenants (:func:`inferlb.policy.shedding.low_priority_limit`
             of the model's ``cluster.low_priority_max_requests_percent``, shared among the ext_proc
-            processes); empty when ``account_responses`` is off (no response end, so no count).
+            processes); empty when ``account_responses`` is off (no response end, so no count). Either
+            protocol: ext_proc counts until its stream ends, ext_authz until the request's access-log
+            entry settles it (:mod:`ext_authz.meter`).
         overflow_retry_after_s: ``gateway.overflow_retry_after_s``, the ``retry-after`` of a shed request.
     """
 
@@ -260,7 +262,9 @@ class Gateway:
             admit_budget_s=config.ext_proc.message_timeout_ms / 1000 * ADMIT_BUDGET_FRACTION,
             account_responses=own_stream_meters,
             allow_other_paths=config.ext_proc.non_inference_paths == "allow",
-            low_priority_limits=MappingProxyType(limits if own_stream_meters else {}),
+            # either mode learns each request's end with account_responses: ext_proc from its stream,
+            # ext_authz from the access-log settlement (ext_authz.meter)
+            low_priority_limits=MappingProxyType(limits if config.ext_proc.account_responses else {}),
             overflow_retry_after_s=config.gateway.overflow_retry_after_s,
         )
 

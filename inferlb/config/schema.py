@@ -139,7 +139,8 @@ EmptiableSection = Literal["models", "endpoints", "tenants"]
 
 class Priority(StrEnum):
     """Tenant priority. ``high`` rides Envoy's HIGH routing priority (its own circuit-breaker budget);
-    ``default`` and ``low`` ride DEFAULT, and ``low`` is shed first under saturation: ext_proc refuses it
+    ``default`` and ``low`` ride DEFAULT, and ``low`` is shed first under saturation: ext_proc (or ext_authz)
+    refuses it
     once the cluster's DEFAULT-priority requests in flight reach
     ``cluster.low_priority_max_requests_percent`` of its DEFAULT ``max_requests``
     (:mod:`inferlb.policy.shedding`)."""
@@ -681,12 +682,13 @@ class ClusterPolicy(_Frozen):
     circuit_breaker_high: CircuitBreaker = CircuitBreaker(
         max_connections=8192, max_pending_requests=2048, max_requests=8192, max_retries=32
     )
-    #: ``priority: low`` tenants are refused by ext_proc (503 ``overloaded``, ``retry-after`` =
+    #: ``priority: low`` tenants are refused by ext_proc or ext_authz (503 ``overloaded``, ``retry-after`` =
     #: ``gateway.overflow_retry_after_s``) once the requests at DEFAULT routing priority (``default`` and
     #: ``low`` tenants) in flight on one of this model's clusters reach this share (%) of
     #: ``circuit_breaker_default.max_requests``, so default traffic keeps the rest of Envoy's DEFAULT budget
     #: (see :mod:`inferlb.policy.shedding`). 100: low is shed only with default, by Envoy's breaker. Needs
-    #: ``ext_proc.account_responses`` (the count ends with the response).
+    #: ``ext_proc.account_responses`` (the count ends with the response: ext_proc's stream, or in ext_authz
+    #: mode the access-log entry that settles the request).
     low_priority_max_requests_percent: Annotated[int, Field(strict=True, ge=1, le=100)] = 50
     #: Active HTTP health checks against each endpoint (on by default: outlier detection alone never
     #: ejects a server that hangs, since it sees no errors); ``null`` turns them off (outlier detection

@@ -43,9 +43,12 @@ def test_metering_and_concurrency_limits_are_accepted_in_ext_authz_mode() -> Non
     config = parse_config(doc)
     assert config.ext_proc.account_responses and config.ext_proc.meters_access_log()
     assert ("ext_proc.meter_listen", config.ext_proc.meter_listen) in config.listen_sockets()
-    # Envoy meters: the client's body keeps its own stream_options, and no low-priority count
+    # Envoy meters: the client's body keeps its own stream_options; low is shed by the in-flight count the
+    # settlements keep (ext_authz.meter)
     gateway = Gateway.from_config(config)
-    assert not gateway.account_responses and dict(gateway.low_priority_limits) == {}
+    assert not gateway.account_responses and gateway.low_priority_limits
+    unmetered = Gateway.from_config(parse_config(authz_doc(account_responses=False)))
+    assert dict(unmetered.low_priority_limits) == {}
 
 
 @pytest.mark.parametrize(

@@ -343,8 +343,7 @@ class ExtProcConfig(_Frozen):
     #: mode, one HTTP/1.1 check per request with the buffered body; ``python -m ext_authz``). Both serve the
     #: same decisions (:mod:`ext_proc.handlers`) on the addresses below. ``ext_authz`` meters responses in
     #: Envoy (a Lua filter reads the usage, the gRPC access log brings it to ``meter_listen``), with one
-    #: process only (no ``extra_listen`` with ``account_responses``), and takes no ``path_failure_modes``
-    #: (refused otherwise, the field named).
+    #: process only (no ``extra_listen`` with ``account_responses``; refused otherwise, the field named).
     protocol: Literal["ext_proc", "ext_authz"] = "ext_proc"
     listen: HostPort = HostPort(host="127.0.0.1", port=18080)
     #: Serve ext_proc (ext_authz's HTTP service with ``protocol: ext_authz``) on this Unix domain socket (an
@@ -365,7 +364,8 @@ class ExtProcConfig(_Frozen):
     failure_mode_allow: bool = False
     #: Per-path failure mode, ``{path: open|closed}`` (e.g. ``{/v1/embeddings: open}``): each OpenAI inference
     #: path (and each path named here) gets its own Envoy route whose ``ExtProcPerRoute`` sets
-    #: ``failure_mode_allow`` explicitly. Paths match exactly, query string excluded.
+    #: ``failure_mode_allow`` explicitly (``protocol: ext_authz``: which of two ext_authz filters, one per
+    #: mode, the route enables). Paths match exactly, query string excluded.
     path_failure_modes: dict[
         Annotated[str, Field(pattern=r"^/[A-Za-z0-9._~/-]{0,255}$")], Literal["open", "closed"]
     ] = {}
@@ -979,12 +979,6 @@ class Config(_Frozen):
                 "ext_proc.extra_listen: protocol ext_authz meters responses (account_responses) in one "
                 "process only (its settler holds the reservations Envoy's access log settles), so drop "
                 "extra_listen or set account_responses to false"
-            )
-        if ep.path_failure_modes:
-            problems.append(
-                "ext_proc.path_failure_modes: protocol ext_authz has one failure mode for every path "
-                "(ext_proc.failure_mode_allow, as Envoy's ExtAuthzPerRoute has no failure-mode override), "
-                "so drop it or use protocol ext_proc"
             )
         problems += [
             f"tenants[{i}].max_concurrent_requests: protocol ext_authz without account_responses never "

@@ -16,12 +16,15 @@ from typing import Any
 import grpc
 import pytest
 from envoy.service.accesslog.v3 import als_pb2_grpc
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from ext_authz.check import CheckAnswer, CheckRequest, CheckService
 from ext_authz.meter import Meter
 from ext_proc.access_log import serve_access_log
 from ext_proc.state import ExtProcState
 from inferlb.config.schema import parse_config
+from inferlb.policy.settlement import MeterEntry
 from inferlb.request import headers as h
 from tests.integration.test_ext_authz_meter import Clock, log_entry, send
 from tests.integration.test_ext_proc_low_priority import CLUSTER, HIGH, LOW, PLAIN, TINY
@@ -145,3 +148,48 @@ async def test_without_response_accounting_nothing_is_counted_or_shed() -> None:
         assert answer.status == 200 and h.METER not in dict(answer.headers)
     assert state.in_flight.get(CLUSTER) == 0
     assert shed_count(service) == 0
+
+
+#: One step of :func:`test_the_count_is_always_the_counted_reservations_waiting`: a check by a tenant's key,
+#: the entry of the ``i``-th reservation still waiting (``i`` modulo how many), or the clock past the TTL.
+Step = tuple[str, int]
+STEPS = st.one_of(
+    st.tuples(st.just("check"), st.sampled_from([0, 1, 2])),
+    st.tuples(st.just("entry"), st.integers(0, 20)),
+    st.tuples(st.just("expire"), st.just(0)),
+)
+
+
+@given(st.lists(STEPS, max_size=40))
+@settings(max_examples=60, deadline=None)
+def test_the_count_is_always_the_counted_reservations_waiting(steps: list[Step]) -> None:
+    """Whatever the order of checks, entries and expiries: the in-flight count equals the ``default`` and
+    ``low`` reservations still waiting for their entry, ``low`` is admitted only below the limit (2) and
+    refused only at it, and ``default`` and ``high`` are never refused."""
+
+    async def run() -> None:
+        clock = Clock()
+        state = ExtProcState(parse_config(CONFIG), clock=clock)
+        meter = Meter(state, clock=clock)
+        service = CheckService(state, meter=meter)
+        waiting: list[tuple[str, bool]] = []  # (meter id, counted)
+        for kind, arg in steps:
+            if kind == "check":
+                key = (PLAIN, LOW, HIGH)[arg]
+                before = state.in_flight.get(CLUSTER)
+                answer = await check(service, key)
+                if shed(answer):
+                    assert key == LOW and before >= 2
+                    continue
+                assert key != LOW or before < 2
+                waiting.append((dict(answer.headers)[h.METER], key != HIGH))
+            elif kind == "entry" and waiting:
+                meter_id, _ = waiting.pop(arg % len(waiting))
+                await meter.on_entries([MeterEntry(meter_id=meter_id, status=200, usage=(1, 1))])
+            elif kind == "expire":
+                clock.now += meter.ledger.ttl_s
+                assert await meter.sweep() == len(waiting)
+                waiting.clear()
+            assert state.in_flight.get(CLUSTER) == sum(counted for _, counted in waiting)
+
+    asyncio.run(run())

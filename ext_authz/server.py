@@ -317,6 +317,8 @@ class CheckServer:
         except BaseException:
             for sock in held:
                 sock.close()
+                with contextlib.suppress(OSError):
+                    os.unlink(path)  # the file this bind made (a chmod or the server failed after it)
             raise
         self._unix = (path, os.stat(path))
 

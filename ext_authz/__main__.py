@@ -2,9 +2,11 @@
 ext_authz HTTP service (``ext_proc.protocol: ext_authz``).
 
 Serves HTTP/1.1 on ``ext_proc.listen`` (``--listen`` overrides it, e.g. one port per process of
-``ext_proc.extra_listen``) and Prometheus metrics on ``http://ext_proc.metrics_listen/metrics`` (the metric
-names of ext_proc, :mod:`ext_proc.metrics`; ``inferlb_ext_proc_processing_seconds{phase="check"}`` times a
-check). Quota state lives where ``ext_proc.quota_backend`` says. It logs ``ext_authz ready on HOST:PORT``
+``ext_proc.extra_listen``), or on the Unix socket ``ext_proc.listen_unix`` (mode 0600, as ext_proc:
+:meth:`ext_authz.server.CheckServer.start_unix`), and Prometheus metrics on
+``http://ext_proc.metrics_listen/metrics`` (the metric names of ext_proc, :mod:`ext_proc.metrics`;
+``inferlb_ext_proc_processing_seconds{phase="check"}`` times a check). Quota state lives where
+``ext_proc.quota_backend`` says. It logs ``ext_authz ready on HOST:PORT``
 once it accepts connections and reloads the config file as ext_proc does
 (:func:`ext_proc.process.watch_config`: by content hash, two stable polls, the same checks as xds_server,
 the last good config kept on a bad file). The event loop is uvloop's when installed (``--event-loop``).
@@ -38,7 +40,8 @@ from ext_proc.process import (
     service_arguments,
     until_stopped,
 )
-from inferlb.config.schema import HostPort
+from inferlb.adapters.unix_socket import UnixSocketError
+from inferlb.config.schema import GrpcAddress, HostPort, UnixSocket
 
 log = logging.getLogger("ext_authz")
 
@@ -56,9 +59,6 @@ async def serve(start: StartUp, poll_interval_s: float) -> int:
     config, poller, listen = start.config, start.poller, start.listen
     if config.ext_proc.protocol != "ext_authz":
         log.error("cannot start: ext_proc.protocol is %s, not ext_authz", config.ext_proc.protocol)
-        return 1
-    if not isinstance(listen, HostPort):  # refused by the config schema; --listen is always TCP
-        log.error("cannot start: ext_authz serves TCP only")
         return 1
     state = await open_state(config, poller, log)
     if state is None:
@@ -80,13 +80,17 @@ async def serve(start: StartUp, poll_interval_s: float) -> int:
             )
             meter.start()
             log.info("ext_authz settler on %s", HostPort(host=meter_listen.host, port=meter_port))
-        port = await server.start(listen.host, listen.port)
-    except OSError as exc:
+        if isinstance(listen, UnixSocket):
+            await server.start_unix(listen.path)
+            bound: GrpcAddress = listen
+        else:
+            bound = HostPort(host=listen.host, port=await server.start(listen.host, listen.port))
+    except (OSError, UnixSocketError) as exc:
         log.error("cannot listen on %s: %s", listen, exc)
         await _stop_settler(settler, meter)
         await release(state, metrics_server)
         return 1
-    log.info("ext_authz ready on %s", HostPort(host=listen.host, port=port))
+    log.info("ext_authz ready on %s", bound)
 
     try:
         await until_stopped(poller, state, str(listen), poll_interval_s, log)

@@ -29,6 +29,13 @@ Quota: admission reserves prompt + output cap. With ``ext_proc.account_responses
 (:data:`~inferlb.request.headers.METER`, dynamic metadata in Envoy, never sent upstream) and the reservation
 and its concurrency lease wait for Envoy's access-log entry (:mod:`ext_authz.meter`); without it the
 reservation is settled at once as the charge (configs that set ``max_concurrent_requests`` are then refused).
+
+Low-priority shedding (:mod:`inferlb.policy.shedding`) as in ext_proc mode, with the metering: before
+admission the request's version is picked and a ``default`` or ``low`` request enters the in-flight count
+of its cluster (or a ``low`` one is refused 503 ``overloaded`` once the count reached the limit); the
+settlement of its reservation leaves the count (:mod:`ext_authz.meter`), and a request that is not metered
+(refused, or answered without a meter id) leaves it at once. Without ``account_responses`` nothing is
+counted and ``low`` is shed only by Envoy's circuit breaker, as in ext_proc mode.
 """
 
 from __future__ import annotations
@@ -45,6 +52,7 @@ from ext_proc import handlers
 from ext_proc.state import OFFLOAD_BODY_BYTES, ExtProcState
 from inferlb.errors import RequestError
 from inferlb.policy.quota import Admitted, MemoryQuotaStore, Refused
+from inferlb.policy.shedding import counted
 from inferlb.request import headers as h
 from inferlb.request.rewrite import encode_splices
 
@@ -220,13 +228,24 @@ class CheckService:
         )
         if isinstance(prepared, handlers.ImmediateReply):
             return self._refuse(prepared, first.pending.tenant.name, "")
-        decision = state.quotas.admit_now(first.pending.tenant.name, prepared.reserved_tokens)
-        answer = self._admitted(prepared, decision, len(request.body))
+        version = handlers.pick_version(gateway, prepared, state.rng)
+        held = self._shed_or_hold(prepared, version)
+        if isinstance(held, CheckAnswer):
+            return held
+        try:
+            decision = state.quotas.admit_now(first.pending.tenant.name, prepared.reserved_tokens)
+            answer = self._admitted(prepared, decision, len(request.body), version)
+        except BaseException:
+            self._release(held)
+            raise
         if isinstance(decision, Admitted):
-            metered = self._metered(prepared, decision, answer)
+            metered = self._metered(prepared, decision, answer, held)
             if metered is not None:
                 return metered
+            self._release(held)
             state.quotas.settle_now(decision, decision.tokens)
+        else:
+            self._release(held)
         return answer
 
     async def _check_async(
@@ -244,15 +263,26 @@ class CheckService:
                 prepared = handlers.prepare_body(gateway, pending, body, deadline=deadline)
             if isinstance(prepared, handlers.ImmediateReply):
                 return self._refuse(prepared, pending.tenant.name, "")
-            decision = await state.quotas.admit(
-                pending.tenant.name, prepared.reserved_tokens, deadline=arrived + gateway.admit_budget_s
+            version = handlers.pick_version(gateway, prepared, state.rng)
+            held = self._shed_or_hold(prepared, version)
+            if isinstance(held, CheckAnswer):
+                return held
+            try:
+                decision = await state.quotas.admit(
+                    pending.tenant.name, prepared.reserved_tokens, deadline=arrived + gateway.admit_budget_s
+                )
+                answer = self._admitted(prepared, decision, len(body), version)
+            except BaseException:
+                self._release(held)
+                raise
+            metered = (
+                self._metered(prepared, decision, answer, held) if isinstance(decision, Admitted) else None
             )
-            answer = self._admitted(prepared, decision, len(body))
-            if isinstance(decision, Admitted):
-                metered = self._metered(prepared, decision, answer)
-                if metered is not None:
-                    answer = metered
-                else:
+            if metered is not None:
+                answer = metered
+            else:
+                self._release(held)
+                if isinstance(decision, Admitted):
                     try:
                         await state.quotas.settle(decision, decision.tokens)
                     except Exception:
@@ -264,33 +294,67 @@ class CheckService:
         return answer
 
     def _metered(
-        self, prepared: handlers.PreparedRequest, decision: Admitted, answer: CheckAnswer
+        self, prepared: handlers.PreparedRequest, decision: Admitted, answer: CheckAnswer, held: str | None
     ) -> CheckAnswer | None:
         """``answer`` with the request's meter id when its reservation waits for Envoy's access-log entry
-        (a meter is set, ``account_responses`` is on, the request goes upstream, the store reserved it);
-        None when the caller settles the reservation at once."""
+        (a meter is set, ``account_responses`` is on, the request goes upstream); None when the caller
+        settles the reservation at once (and releases ``held``). A degraded admission (the Redis store
+        failing open) is metered too: its settlement changes nothing in the store, but its end leaves the
+        in-flight count ``held`` (the cluster :meth:`_shed_or_hold` counted it on)."""
         meter = self.meter
-        if meter is None or answer.status != 200 or decision.degraded:
+        if meter is None or answer.status != 200:
             return None
         if not self.state.gateway.config.ext_proc.account_responses:
             return None
-        meter_id = meter.reserve(decision, model=prepared.model.name, prompt_tokens=prepared.prompt_tokens)
+        meter_id = meter.reserve(
+            decision, model=prepared.model.name, prompt_tokens=prepared.prompt_tokens, in_flight=held
+        )
         return CheckAnswer(status=200, headers=(*answer.headers, (h.METER, meter_id)))
+
+    def _shed_or_hold(self, prepared: handlers.PreparedRequest, version: str) -> CheckAnswer | str | None:
+        """Low-priority shedding (:mod:`inferlb.policy.shedding`), as ext_proc mode: a ``default`` or
+        ``low`` request to ``version``'s cluster enters this process's in-flight count of it
+        (``state.in_flight``; returns the cluster, which the caller releases unless the request is
+        metered, when its settlement does), unless it is ``low`` and the count reached the cluster's limit:
+        then the 503 ``overloaded`` answer (:func:`ext_proc.handlers.shed_low_priority`, as 403 +
+        ``x-inferlb-status``). None: not counted (a ``high`` tenant, or no limits: without
+        ``account_responses`` and its settler nothing tells the end of a request)."""
+        if self.meter is None:
+            return None
+        state = self.state
+        gateway = state.gateway
+        cluster = prepared.model.cluster_name(version)
+        if cluster not in gateway.low_priority_limits or not counted(prepared.pending.tenant.priority):
+            return None
+        shed = handlers.shed_low_priority(gateway, prepared, cluster, state.in_flight.get(cluster))
+        if shed is not None:
+            tenant, model = prepared.pending.tenant.name, prepared.model.name
+            state.metrics.low_priority_shed.labels(tenant, model).inc()
+            return self._refuse(shed, tenant, model)
+        # counted before the quota call, so checks admitted meanwhile (Redis) see this one
+        state.in_flight.enter(cluster)
+        return cluster
+
+    def _release(self, held: str | None) -> None:
+        """Leave the in-flight count :meth:`_shed_or_hold` entered, for a request not metered."""
+        if held is not None:
+            self.state.in_flight.leave(held)
 
     def _refuse(self, reply: handlers.ImmediateReply, tenant: str, model: str) -> CheckAnswer:
         self.state.metrics.request_ended(tenant, model, str(reply.status))
         return refused(reply)
 
     def _admitted(
-        self, prepared: handlers.PreparedRequest, decision: Admitted | Refused, body_length: int
+        self, prepared: handlers.PreparedRequest, decision: Admitted | Refused, body_length: int, version: str
     ) -> CheckAnswer:
-        """The answer after the quota decision (the caller settles an admission with its reservation)."""
+        """The answer after the quota decision, routed to ``version`` (the caller settles an admission with
+        its reservation)."""
         state = self.state
         tenant, model = prepared.pending.tenant.name, prepared.model.name
         if isinstance(decision, Refused):
             state.metrics.quota_rejections.labels(tenant, decision.limit.value).inc()
             return self._refuse(handlers.quota_refusal(decision), tenant, model)
-        cont = handlers.route(state.gateway, prepared, decision, rng=state.rng)
+        cont = handlers.route(state.gateway, prepared, decision, rng=state.rng, version=version)
         try:
             answer = allowed(cont, body_length)
         except ValueError:

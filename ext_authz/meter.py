@@ -9,6 +9,12 @@ the quota book itself live in this process; a separate settler would need both s
 more hop per batch. The receiver's gRPC cost is paid once per batch (Envoy sends ~30 entries per message at
 16 KiB), not per request, and the check path stays HTTP.
 
+The settlement is also where the in-flight count of low-priority shedding (:mod:`inferlb.policy.shedding`)
+learns that a request ended: a check that counted its request on a cluster (``state.in_flight``) passes the
+cluster to :meth:`Meter.reserve`, and the settlement leaves it, so the count is "admitted minus settled":
+late by the entry's trip (up to ``ext_proc.meter_flush_interval_ms``), and an entry that never comes holds
+its request in the count until the TTL settles it.
+
 Meter ids are ``<nonce>-<n>``: a random nonce per process start and a counter, so an entry of a request
 admitted before a restart never matches a reservation made after it (it is unknown, and ignored).
 """
@@ -64,13 +70,24 @@ class Meter:
         self._next = 0
         self._sweeper: asyncio.Task[None] | None = None
 
-    def reserve(self, admitted: Admitted, *, model: str, prompt_tokens: int) -> str:
+    def reserve(
+        self, admitted: Admitted, *, model: str, prompt_tokens: int, in_flight: str | None = None
+    ) -> str:
         """Record an admitted request; returns its meter id (for the check answer's
-        :data:`~inferlb.request.headers.METER` header)."""
+        :data:`~inferlb.request.headers.METER` header). ``in_flight``: the cluster whose count in
+        ``state.in_flight`` the request already holds (low-priority shedding); its settlement, whatever
+        settles it, leaves that count."""
         self._next += 1
         meter_id = f"{self._nonce}-{self._next}"
         self.ledger.ttl_s = ledger_ttl_s(lease_ttl_s(self.state.gateway.config))
-        self.ledger.reserve(meter_id, admitted, model=model, prompt_tokens=prompt_tokens, now=self.clock())
+        self.ledger.reserve(
+            meter_id,
+            admitted,
+            model=model,
+            prompt_tokens=prompt_tokens,
+            now=self.clock(),
+            in_flight=in_flight,
+        )
         return meter_id
 
     async def on_entries(self, entries: list[MeterEntry]) -> None:
@@ -91,6 +108,9 @@ class Meter:
         return len(expired)
 
     async def _apply(self, s: Settlement) -> None:
+        if s.reserved.in_flight is not None:
+            # the request's end (its entry, or the TTL standing for a lost one) leaves the in-flight count
+            self.state.in_flight.leave(s.reserved.in_flight)
         metrics = self.state.metrics
         admitted = s.reserved.admitted
         metrics.meter_settlements.labels(s.outcome.value).inc()

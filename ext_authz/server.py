@@ -28,11 +28,14 @@ import contextlib
 import http
 import json
 import logging
+import os
+import socket
 from typing import Final, cast
 
 import httptools
 
 from ext_authz.check import CheckAnswer, CheckRequest, CheckService
+from inferlb.adapters.unix_socket import bind_unix_socket, remove_own_socket
 from inferlb.errors import RequestError
 
 log = logging.getLogger("ext_authz")
@@ -266,6 +269,7 @@ class CheckServer:
         self.connections: set[CheckProtocol] = set()
         self._server: asyncio.Server | None = None
         self._none_left = asyncio.Event()
+        self._unix: tuple[str, os.stat_result] | None = None  # the socket file made by start_unix
 
     def forget(self, conn: CheckProtocol) -> None:
         """``conn`` has closed."""
@@ -284,6 +288,40 @@ class CheckServer:
         sock = self._server.sockets[0]
         return int(sock.getsockname()[1])
 
+    async def start_unix(self, path: str, field: str = "ext_proc.listen_unix") -> None:
+        """Listen on the Unix domain socket ``path`` with the same rules as the gRPC services
+        (:func:`inferlb.adapters.unix_socket.bind_unix_socket`: mode 0600, the directory must exist, a
+        stale socket file is replaced); :meth:`close` removes the file.
+
+        Raises:
+            inferlb.adapters.unix_socket.UnixSocketError: ``path`` cannot be listened on (``field`` named).
+        """
+        held: list[socket.socket] = []
+
+        def bind(address: str) -> int:
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                sock.bind(address.removeprefix("unix:"))
+            except OSError:
+                sock.close()
+                raise
+            held.append(sock)
+            return 1
+
+        try:
+            bind_unix_socket(path, field, bind)
+            loop = asyncio.get_running_loop()
+            self._server = await loop.create_unix_server(
+                lambda: CheckProtocol(self.service, self), sock=held[0]
+            )
+        except BaseException:
+            for sock in held:
+                sock.close()
+                with contextlib.suppress(OSError):
+                    os.unlink(path)  # the file this bind made (a chmod or the server failed after it)
+            raise
+        self._unix = (path, os.stat(path))
+
     async def close(self, grace_s: float = SHUTDOWN_GRACE_S) -> None:
         """Stop accepting, let connections write what they owe (at most ``grace_s`` seconds), abort the
         rest, then wait for checks still running (their reservations get settled)."""
@@ -299,4 +337,7 @@ class CheckServer:
             conn.abort()
         if self._server is not None:
             await self._server.wait_closed()
+        if self._unix is not None:
+            remove_own_socket(*self._unix)
+            self._unix = None
         await self.service.drain()

@@ -183,7 +183,7 @@ class Gateway:
         admit_budget_s: seconds after the body's arrival by which admission must be decided
             (``ext_proc.message_timeout_ms`` x :data:`ADMIT_BUDGET_FRACTION`).
         account_responses: this process meters responses on its own stream (``ext_proc.account_responses``
-            with ``protocol: ext_proc``), so ``low`` tenants are shed by in-flight count. False with
+            with ``protocol: ext_proc``). False with
             ``protocol: ext_authz``: Envoy meters there (:mod:`ext_authz.meter`).
         asks_usage: responses are metered (``ext_proc.account_responses``, either protocol), so a stream
             whose client did not ask for ``stream_options.include_usage`` gets it added and the usage chunk
@@ -193,7 +193,9 @@ class Gateway:
         low_priority_limits: cluster name -> DEFAULT-priority requests this process may have in flight
             there before it refuses ``low`` tenants (:func:`inferlb.policy.shedding.low_priority_limit`
             of the model's ``cluster.low_priority_max_requests_percent``, shared among the ext_proc
-            processes); empty when ``account_responses`` is off (no response end, so no count).
+            processes); empty when ``account_responses`` is off (no response end, so no count). Either
+            protocol: ext_proc counts until its stream ends, ext_authz until the request's access-log
+            entry settles it (:mod:`ext_authz.meter`).
         overflow_retry_after_s: ``gateway.overflow_retry_after_s``, the ``retry-after`` of a shed request.
     """
 
@@ -264,7 +266,9 @@ class Gateway:
             account_responses=own_stream_meters,
             asks_usage=config.ext_proc.account_responses,
             allow_other_paths=config.ext_proc.non_inference_paths == "allow",
-            low_priority_limits=MappingProxyType(limits if own_stream_meters else {}),
+            # either mode learns each request's end with account_responses: ext_proc from its stream,
+            # ext_authz from the access-log settlement (ext_authz.meter)
+            low_priority_limits=MappingProxyType(limits if config.ext_proc.account_responses else {}),
             overflow_retry_after_s=config.gateway.overflow_retry_after_s,
         )
 

@@ -97,3 +97,18 @@ def bind_unix_socket(path: str, field: str, bind: Callable[[str], int]) -> None:
         os.chmod(path, SOCKET_MODE)
     except (RuntimeError, OSError) as exc:
         raise UnixSocketError(field, path, f"cannot listen: {exc}") from None
+
+
+def remove_own_socket(path: str, made: os.stat_result) -> bool:
+    """Remove the socket file ``path`` at a server's stop if it is still the file the server made
+    (``made``: its :func:`os.stat` after the bind; same device and inode), not one another process put
+    there since. Returns whether it was removed. asyncio's servers leave the file behind (Python < 3.13,
+    uvloop); grpc removes its own."""
+    try:
+        now = os.lstat(path)
+    except FileNotFoundError:
+        return False
+    if not stat.S_ISSOCK(now.st_mode) or (now.st_dev, now.st_ino) != (made.st_dev, made.st_ino):
+        return False
+    os.unlink(path)
+    return True

@@ -139,7 +139,8 @@ EmptiableSection = Literal["models", "endpoints", "tenants"]
 
 class Priority(StrEnum):
     """Tenant priority. ``high`` rides Envoy's HIGH routing priority (its own circuit-breaker budget);
-    ``default`` and ``low`` ride DEFAULT, and ``low`` is shed first under saturation: ext_proc refuses it
+    ``default`` and ``low`` ride DEFAULT, and ``low`` is shed first under saturation: ext_proc (or ext_authz)
+    refuses it
     once the cluster's DEFAULT-priority requests in flight reach
     ``cluster.low_priority_max_requests_percent`` of its DEFAULT ``max_requests``
     (:mod:`inferlb.policy.shedding`)."""
@@ -342,13 +343,13 @@ class ExtProcConfig(_Frozen):
     #: mode, one HTTP/1.1 check per request with the buffered body; ``python -m ext_authz``). Both serve the
     #: same decisions (:mod:`ext_proc.handlers`) on the addresses below. ``ext_authz`` meters responses in
     #: Envoy (a Lua filter reads the usage, the gRPC access log brings it to ``meter_listen``), with one
-    #: process only (no ``extra_listen`` with ``account_responses``), and takes no ``path_failure_modes``
-    #: nor ``listen_unix`` (refused otherwise, the field named).
+    #: process only (no ``extra_listen`` with ``account_responses``; refused otherwise, the field named).
     protocol: Literal["ext_proc", "ext_authz"] = "ext_proc"
     listen: HostPort = HostPort(host="127.0.0.1", port=18080)
-    #: Serve ext_proc on this Unix domain socket (an absolute path) instead of ``listen``, the socket file
-    #: mode 0600 (only the user running ext_proc, and so Envoy run as that user, may connect); the
-    #: ``inferlb_ext_proc`` cluster then dials it as a ``pipe`` address. None: TCP on ``listen``. Not with
+    #: Serve ext_proc (ext_authz's HTTP service with ``protocol: ext_authz``) on this Unix domain socket (an
+    #: absolute path) instead of ``listen``, the socket file mode 0600 (only the user running the service,
+    #: and so Envoy run as that user, may connect); the ``inferlb_ext_proc`` (``inferlb_ext_authz``) cluster
+    #: then dials it as a ``pipe`` address. None: TCP on ``listen``. Not with
     #: ``extra_listen`` (one process serves the socket).
     listen_unix: UnixListen | None = None
     #: More ext_proc processes, each serving on its own address (``python -m ext_proc --listen ADDR``): every
@@ -363,7 +364,8 @@ class ExtProcConfig(_Frozen):
     failure_mode_allow: bool = False
     #: Per-path failure mode, ``{path: open|closed}`` (e.g. ``{/v1/embeddings: open}``): each OpenAI inference
     #: path (and each path named here) gets its own Envoy route whose ``ExtProcPerRoute`` sets
-    #: ``failure_mode_allow`` explicitly. Paths match exactly, query string excluded.
+    #: ``failure_mode_allow`` explicitly (``protocol: ext_authz``: which of two ext_authz filters, one per
+    #: mode, the route enables). Paths match exactly, query string excluded.
     path_failure_modes: dict[
         Annotated[str, Field(pattern=r"^/[A-Za-z0-9._~/-]{0,255}$")], Literal["open", "closed"]
     ] = {}
@@ -685,12 +687,13 @@ class ClusterPolicy(_Frozen):
     circuit_breaker_high: CircuitBreaker = CircuitBreaker(
         max_connections=8192, max_pending_requests=2048, max_requests=8192, max_retries=32
     )
-    #: ``priority: low`` tenants are refused by ext_proc (503 ``overloaded``, ``retry-after`` =
+    #: ``priority: low`` tenants are refused by ext_proc or ext_authz (503 ``overloaded``, ``retry-after`` =
     #: ``gateway.overflow_retry_after_s``) once the requests at DEFAULT routing priority (``default`` and
     #: ``low`` tenants) in flight on one of this model's clusters reach this share (%) of
     #: ``circuit_breaker_default.max_requests``, so default traffic keeps the rest of Envoy's DEFAULT budget
     #: (see :mod:`inferlb.policy.shedding`). 100: low is shed only with default, by Envoy's breaker. Needs
-    #: ``ext_proc.account_responses`` (the count ends with the response).
+    #: ``ext_proc.account_responses`` (the count ends with the response: ext_proc's stream, or in ext_authz
+    #: mode the access-log entry that settles the request).
     low_priority_max_requests_percent: Annotated[int, Field(strict=True, ge=1, le=100)] = 50
     #: Active HTTP health checks against each endpoint (on by default: outlier detection alone never
     #: ejects a server that hangs, since it sees no errors); ``null`` turns them off (outlier detection
@@ -981,16 +984,6 @@ class Config(_Frozen):
                 "ext_proc.extra_listen: protocol ext_authz meters responses (account_responses) in one "
                 "process only (its settler holds the reservations Envoy's access log settles), so drop "
                 "extra_listen or set account_responses to false"
-            )
-        if ep.path_failure_modes:
-            problems.append(
-                "ext_proc.path_failure_modes: protocol ext_authz has one failure mode for every path "
-                "(ext_proc.failure_mode_allow, as Envoy's ExtAuthzPerRoute has no failure-mode override), "
-                "so drop it or use protocol ext_proc"
-            )
-        if ep.listen_unix is not None:
-            problems.append(
-                "ext_proc.listen_unix: protocol ext_authz serves TCP only for now (ext_proc.listen)"
             )
         problems += [
             f"tenants[{i}].max_concurrent_requests: protocol ext_authz without account_responses never "

@@ -88,12 +88,15 @@ class Reserved:
         model: the canonical model name (metric label).
         prompt_tokens: the prompt tokens counted at admission (tokens).
         deadline: the ledger clock time (s) after which the reservation settles as is.
+        in_flight: the cluster whose in-flight count (:class:`inferlb.policy.shedding.InFlight`) holds the
+            request until it settles, None when it is not counted (a ``high`` tenant, no shedding).
     """
 
     admitted: Admitted
     model: str
     prompt_tokens: int
     deadline: float
+    in_flight: str | None = None
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -179,9 +182,17 @@ class SettlementLedger:
         return len(self._pending)
 
     def reserve(
-        self, meter_id: str, admitted: Admitted, *, model: str, prompt_tokens: int, now: float
+        self,
+        meter_id: str,
+        admitted: Admitted,
+        *,
+        model: str,
+        prompt_tokens: int,
+        now: float,
+        in_flight: str | None = None,
     ) -> None:
-        """Record ``admitted`` under ``meter_id`` (unique per reservation: the caller's ids never repeat).
+        """Record ``admitted`` under ``meter_id`` (unique per reservation: the caller's ids never repeat);
+        ``in_flight`` is carried to its :class:`Settlement` (:attr:`Reserved.in_flight`).
 
         Raises:
             ValueError: ``meter_id`` is waiting or was settled and is still remembered.
@@ -190,7 +201,11 @@ class SettlementLedger:
             raise ValueError(f"meter id {meter_id!r} reused")
         t = self._clock(now)
         self._pending[meter_id] = Reserved(
-            admitted=admitted, model=model, prompt_tokens=prompt_tokens, deadline=t + self.ttl_s
+            admitted=admitted,
+            model=model,
+            prompt_tokens=prompt_tokens,
+            deadline=t + self.ttl_s,
+            in_flight=in_flight,
         )
 
     def entry(self, entry: MeterEntry, now: float) -> tuple[Outcome, Settlement | None]:

@@ -4,8 +4,10 @@ Envoy has two routing priorities, DEFAULT and HIGH, each with its own circuit-br
 cluster (``envoy.config.core.v3.RoutingPriority``; ``envoy.config.cluster.v3.CircuitBreakers.Thresholds``,
 "Circuit breaking" in Envoy's architecture overview). ``high`` tenants ride HIGH; ``default`` and ``low``
 share DEFAULT, so Envoy alone sheds them alike once the cluster's DEFAULT ``max_requests`` is reached (503,
-response flag ``UO``). A third priority therefore needs a mechanism of its own, and it lives in ext_proc,
-which sees every request's admission and, with ``ext_proc.account_responses``, its response's end:
+response flag ``UO``). A third priority therefore needs a mechanism of its own, and it lives in the
+request-path service, which sees every request's admission and, with ``ext_proc.account_responses``, its
+end: ext_proc when its stream ends, ext_authz when the request's access-log entry settles its reservation
+(``ext_authz.meter``: up to one flush interval late, or at the lease TTL for an entry that never comes):
 
 - ext_proc counts, per model-version cluster, the requests it admitted at DEFAULT routing priority
   (``default`` and ``low`` tenants; ``high`` ones have their own budget) until their response ends
@@ -23,8 +25,8 @@ Its breaker would be a budget *beside* DEFAULT's, not a share of it: low traffic
 while default traffic is shed, the opposite of "shed first"; and the twin cluster would double each GPU's
 health checks and split outlier detection and least-request state between two host sets.
 
-The count is per ext_proc process, and Envoy spreads its streams over the ``ext_proc.listen`` and
-``extra_listen`` processes, so each process takes its share of the limit (``processes``). It is also per
+The count is per ext_proc (ext_authz) process, and Envoy spreads its streams over the ``ext_proc.listen``
+and ``extra_listen`` processes, so each process takes its share of the limit (``processes``). It is also per
 Envoy budget: several Envoys behind one ext_proc (or ext_proc replicas the config does not list) make
 the counts diverge from any one Envoy's breaker; the Redis quota store does not share this count.
 """
@@ -64,9 +66,9 @@ def sheds(priority: Priority, in_flight: int, limit: int) -> bool:
 
 
 class InFlight:
-    """Requests in flight per cluster name, as one ext_proc process admitted them (not thread-safe: the
-    servicer's event loop owns it). A count never goes below 0, and a cluster whose count returns to 0 is
-    forgotten, so clusters removed by a config reload leave nothing behind."""
+    """Requests in flight per cluster name, as one ext_proc or ext_authz process admitted them (not
+    thread-safe: the service's event loop owns it). A count never goes below 0, and a cluster whose count
+    returns to 0 is forgotten, so clusters removed by a config reload leave nothing behind."""
 
     __slots__ = ("_counts",)
 

@@ -27,9 +27,14 @@ CLIENT_TIMEOUT_S = 15.0
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory, request_path: str) -> Iterator[RunningStack]:
-    """Every path fails open; no ``fail_open_model``; in each request-path mode."""
+    """Every path fails open but ``/v1/completions`` (closed); no ``fail_open_model``; in each request-path
+    mode (ext_authz: the completions path is checked by the second, fail-closed, ext_authz filter)."""
     doc = in_mode(make_config_doc(), request_path)
-    doc["ext_proc"].update(failure_mode_allow=True, message_timeout_ms=1_000)
+    doc["ext_proc"].update(
+        failure_mode_allow=True,
+        message_timeout_ms=1_000,
+        path_failure_modes={"/v1/completions": "closed"},
+    )
     with started_stack(tmp_path_factory.mktemp("fail-open"), doc) as rs:
         yield rs
 
@@ -81,6 +86,7 @@ def _stat(rs: RunningStack, name: str) -> int:
 
 
 GOOD = {"Authorization": "Bearer sk-demo-a"}
+COMPLETION = {"model": "qwen", "prompt": "hi", "max_tokens": 2}
 
 
 def test_with_ext_proc_up_nothing_of_the_fail_open_path_runs(stack: RunningStack) -> None:
@@ -94,6 +100,9 @@ def test_with_ext_proc_up_nothing_of_the_fail_open_path_runs(stack: RunningStack
     assert _error(bad)["message"].startswith("Incorrect API key provided: sk-"), bad.body
     unknown = _chat(stack, "no-such-model", GOOD)
     assert unknown.status == 404 and "'no-such-model'" in _error(unknown)["message"]
+    completion = _post(stack, "/v1/completions", COMPLETION, GOOD)  # the fail-closed path
+    assert completion.status == 200, completion.body
+    assert r.FAILED_OPEN_HEADER not in completion.headers
     # the body was not parsed by Envoy, and Envoy checked no key
     assert _stat(stack, "http_transform.rq_transformed") == transformed
     assert _stat(stack, "api_key_auth.allowed") == 0
@@ -123,6 +132,19 @@ def test_failed_open_requests_go_to_the_bodys_model_main_version(ext_proc_down: 
     assert _served_by(rs, emb)[0] == "qwen2.5-7b-instruct"
     # the request-path filter's own count of requests let through (ext_proc.* or ext_authz.*)
     assert _stat(rs, f"{rs.config.ext_proc.protocol}.failure_mode_allowed") > 0
+
+
+def test_the_one_fail_closed_path_answers_5xx_json_while_the_others_fail_open(
+    ext_proc_down: RunningStack,
+) -> None:
+    rs = ext_proc_down
+    for _ in range(3):
+        closed = _post(rs, "/v1/completions", COMPLETION, GOOD)
+        # a failed ext_proc stream is Envoy's 500, a failed check its status_on_error 503
+        assert closed.status == (500 if rs.config.ext_proc.protocol == "ext_proc" else 503), closed.body
+        assert r.FAILED_OPEN_HEADER not in closed.headers
+        assert _error(closed)["code"] == "gateway_processor_unavailable"
+        assert _chat(rs, "qwen", GOOD).headers[r.FAILED_OPEN_HEADER] == "true"
 
 
 def test_failed_open_unknown_or_missing_model_gets_openai_errors(ext_proc_down: RunningStack) -> None:

@@ -1,9 +1,8 @@
-"""Request-path service failures through real Envoy, in both request-path modes: a processor (ext_proc, or
-the ext_authz service) that is down or slow never makes a request hang; fail-closed paths get a prompt
-OpenAI JSON 5xx (ext_proc: 500, or 504 after ``message_timeout_ms``; ext_authz: 503 either way, README's
-``ext_proc.failure_mode_allow`` row), fail-open paths (``path_failure_modes``, ext_proc mode only: ext_authz
-mode refuses it) go to the body's model with the API key checked by Envoy
-(tests/e2e/test_extproc_fail_open.py has the rest); Envoy's codec errors reach clients as JSON while the
+"""Request-path failure behaviour through real Envoy, in both modes (ext_proc, and ext_authz with its two
+check filters, one per failure mode): a processor that is down or slow never makes a request hang;
+fail-closed paths get a prompt OpenAI JSON 5xx, fail-open paths (``ext_proc.path_failure_modes``) go to the
+body's model with the API key checked by Envoy (tests/e2e/test_extproc_fail_open.py has the rest); each
+request is checked exactly once, by its path's filter; Envoy's codec errors reach clients as JSON while the
 service's own JSON replies pass unchanged."""
 
 from __future__ import annotations
@@ -14,16 +13,19 @@ import os
 import signal
 import socket
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import grpc
 import pytest
 from envoy.service.ext_proc.v3 import external_processor_pb2, external_processor_pb2_grpc
+from prometheus_client.parser import text_string_to_metric_families
 
 from inferlb.ops.stack import port_open
 from tests.conftest import make_config_doc
-from tests.e2e.conftest import Reply, RunningStack, http_request, in_mode, started_stack
+from tests.e2e.conftest import Reply, RunningStack, http_request, in_mode, skip_in, started_stack
+from tests.e2e.test_extproc_fail_open import _stat
+from xds_server.resources.common import FAILED_OPEN_HEADER
 
 pytestmark = pytest.mark.e2e
 
@@ -34,26 +36,18 @@ CLIENT_TIMEOUT_S = 15.0
 FAIL_OPEN_MODEL = "qwen2.5-7b-instruct"
 
 
-#: What a client gets when the request-path service fails closed, by mode: (status, code) when it is down,
-#: and when it answers slower than ``message_timeout_ms``. Envoy's ext_authz filter gives both failures the
-#: same code details (``ext_authz_error``), so ext_authz mode cannot tell a timeout apart.
-FAIL_CLOSED: dict[str, tuple[tuple[int, str], tuple[int, str]]] = {
-    "ext_proc": ((500, "gateway_processor_unavailable"), (504, "gateway_processor_timeout")),
-    "ext_authz": ((503, "gateway_processor_unavailable"), (503, "gateway_processor_unavailable")),
-}
-
-
 @pytest.fixture(scope="module")
 def failure_stack(tmp_path_factory: pytest.TempPathFactory, request_path: str) -> Iterator[RunningStack]:
-    """Chat completions fail closed (the default); in ext_proc mode embeddings fail open to qwen
-    (``path_failure_modes``, which ext_authz mode refuses)."""
+    """Chat completions fail closed (the default), embeddings fail open to qwen; in each request-path
+    mode."""
     work = tmp_path_factory.mktemp("failure")
     doc = in_mode(make_config_doc(), request_path)
     doc["ext_proc"].update(
-        message_timeout_ms=MESSAGE_TIMEOUT_MS, failure_mode_allow=False, fail_open_model=FAIL_OPEN_MODEL
+        message_timeout_ms=MESSAGE_TIMEOUT_MS,
+        failure_mode_allow=False,
+        path_failure_modes={"/v1/embeddings": "open"},
+        fail_open_model=FAIL_OPEN_MODEL,
     )
-    if request_path == "ext_proc":
-        doc["ext_proc"]["path_failure_modes"] = {"/v1/embeddings": "open"}
     with started_stack(work, doc) as rs:
         yield rs
 
@@ -159,14 +153,14 @@ class SlowProcessor(external_processor_pb2_grpc.ExternalProcessorServicer):
 
     def __init__(self, delay_s: float) -> None:
         self.delay_s = delay_s
-        self.streams = 0
+        self.counter: list[int] = []  # one entry per stream
 
     async def Process(
         self,
         request_iterator: AsyncIterator[external_processor_pb2.ProcessingRequest],
         context: grpc.aio.ServicerContext[Any, Any],
     ) -> AsyncIterator[external_processor_pb2.ProcessingResponse]:
-        self.streams += 1
+        self.counter.append(1)
         async for _request in request_iterator:
             await asyncio.sleep(self.delay_s)
         # an async generator that never yields in time: Envoy's message_timeout fires first
@@ -174,115 +168,145 @@ class SlowProcessor(external_processor_pb2_grpc.ExternalProcessorServicer):
             yield external_processor_pb2.ProcessingResponse()
 
 
-class SlowAuthz:
-    """An ext_authz HTTP service that reads each check and never answers within ``message_timeout``
-    (Envoy's HTTP-service ``timeout``)."""
-
-    def __init__(self, delay_s: float) -> None:
-        self.delay_s = delay_s
-        self.checks = 0
-
-    async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        with contextlib.suppress(OSError):
-            while await reader.read(65536):
-                self.checks += 1
-                await asyncio.sleep(self.delay_s)
-        writer.close()
+#: Envoy's counters of the two ext_authz filters (ext_authz mode): checks answered 200, checks that failed,
+#: failed checks let through.
+FIRST, OTHER = "http.inferlb_gateway.ext_authz.", "http.inferlb_gateway.ext_authz.other_failure_mode."
+FIRST_OK, OTHER_OK = f"{FIRST}ok", f"{OTHER}ok"
+FIRST_ERROR, OTHER_ALLOWED = f"{FIRST}error", f"{OTHER}failure_mode_allowed"
 
 
-@contextlib.asynccontextmanager
-async def slow_processor(rs: RunningStack, delay_s: float) -> AsyncIterator[Callable[[], int]]:
-    """A processor of the stack's protocol on its ``ext_proc.listen`` that answers slower than
-    ``delay_s``; yields how many streams (checks) it has been sent."""
-    listen = rs.config.ext_proc.listen
-    if rs.config.ext_proc.protocol == "ext_proc":
-        server = grpc.aio.server()
-        slow = SlowProcessor(delay_s)
-        external_processor_pb2_grpc.add_ExternalProcessorServicer_to_server(slow, server)
-        assert server.add_insecure_port(str(listen)) == listen.port
-        await server.start()
-        try:
-            yield lambda: slow.streams
-        finally:
-            await server.stop(0)
-        return
-    authz = SlowAuthz(delay_s)
-    http = await asyncio.start_server(authz.handle, str(listen.host), listen.port)
-    try:
-        yield lambda: authz.checks
-    finally:
-        http.close()
-        await http.wait_closed()
+def _settled_metered(rs: RunningStack) -> float:
+    """``inferlb_meter_settlements_total{outcome="metered"}`` of the ext_authz process."""
+    metrics = http_request(str(rs.config.ext_proc.metrics_listen), "GET", "/metrics").body.decode()
+    for family in text_string_to_metric_families(metrics):
+        for sample in family.samples:
+            if sample.name == "inferlb_meter_settlements_total" and sample.labels["outcome"] == "metered":
+                return sample.value
+    return 0.0
 
 
-async def test_a_dead_then_a_slow_processor_never_hangs_a_request(
+def test_each_request_is_checked_once_by_the_filter_of_its_paths_mode(
     failure_stack: RunningStack, request_path: str
 ) -> None:
+    skip_in("ext_proc", request_path, "one ext_proc filter, whose per-route config sets the mode")
     rs = failure_stack
-    down, slow_answer = FAIL_CLOSED[request_path]
-    # path_failure_modes is ext_proc mode's only (ext_authz mode refuses it)
-    paths_fail_open = request_path == "ext_proc"
+    ok, other, metered = _stat(rs, FIRST_OK), _stat(rs, OTHER_OK), _settled_metered(rs)
+    chat, _ = _chat(rs)
+    assert chat.status == 200, chat.body
+    assert (_stat(rs, FIRST_OK), _stat(rs, OTHER_OK)) == (ok + 1, other)  # fail-closed path: the first
+    emb, _ = _embed(rs)
+    assert emb.status == 200, emb.body
+    assert FAILED_OPEN_HEADER not in emb.headers  # checked and routed by the service, not failed open
+    assert (_stat(rs, FIRST_OK), _stat(rs, OTHER_OK)) == (ok + 1, other + 1)  # fail-open path: the second
+    # both are metered: the meter id the second filter's answer carried reaches the settler too
+    deadline = time.monotonic() + 10
+    while _settled_metered(rs) < metered + 2 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _settled_metered(rs) == metered + 2
+
+
+async def _hold_unanswered(delay_s: float, counter: list[int], reader: asyncio.StreamReader,
+                           writer: asyncio.StreamWriter) -> None:  # fmt: skip
+    """An HTTP connection that is read and never answered within ``delay_s``."""
+    counter.append(1)
+    with contextlib.suppress(TimeoutError, ConnectionError):
+        await asyncio.wait_for(reader.read(1 << 20), delay_s)
+        await asyncio.sleep(delay_s)
+    writer.close()
+
+
+async def _slow_service(rs: RunningStack, delay_s: float) -> tuple[Any, list[int]]:
+    """A service on the request path's address that answers slower than ``message_timeout``: a gRPC
+    ext_proc, or an HTTP server that never answers a check; returns it and its count of streams or
+    connections."""
+    listen = rs.config.ext_proc.listen
+    if rs.config.ext_proc.protocol == "ext_authz":
+        counter: list[int] = []
+        http = await asyncio.start_server(
+            lambda r, w: _hold_unanswered(delay_s, counter, r, w), listen.host, listen.port
+        )
+        return http, counter
+    server = grpc.aio.server()
+    slow = SlowProcessor(delay_s=delay_s)
+    external_processor_pb2_grpc.add_ExternalProcessorServicer_to_server(slow, server)
+    assert server.add_insecure_port(str(listen)) == listen.port
+    await server.start()
+    return server, slow.counter
+
+
+async def test_a_dead_then_a_slow_ext_proc_never_hangs_a_request(failure_stack: RunningStack) -> None:
+    rs = failure_stack
+    mode = rs.config.ext_proc.protocol
     ok, _ = await asyncio.to_thread(_chat, rs)
     assert ok.status == 200, ok.body
 
     # (a) the request-path process is killed outright
-    proc = rs.stack.child(request_path).proc
+    proc = rs.stack.child(mode).proc
     assert proc is not None
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait(timeout=10)
+    # a failed ext_proc stream is Envoy's 500, a failed check its status_on_error 503
+    closed_status = 500 if mode == "ext_proc" else 503
     for path in ("/v1/chat/completions", "/v1/chat/completions?api-version=1"):
         for _ in range(3):
             r, elapsed = await asyncio.to_thread(_chat, rs, path)
-            assert r.status == down[0], r.body
+            assert r.status == closed_status, r.body
             err = _json_error(r)
-            assert (err["type"], err["code"]) == ("server_error", down[1])
+            assert (err["type"], err["code"]) == ("server_error", "gateway_processor_unavailable")
             assert elapsed < 3.0, elapsed  # prompt: connection refused, not a timeout
-    if paths_fail_open:
-        for _ in range(3):
-            r, elapsed = await asyncio.to_thread(_embed, rs)
-            assert r.status == 200, r.body  # fail open: served by the body's model, key checked by Envoy
-            assert r.headers["x-inferlb-failed-open"] == "true"
-            assert r.json()["model"] == "llama-3.1-8b-instruct"
-            assert elapsed < 3.0, elapsed
-        r, _ = await asyncio.to_thread(_embed, rs, "sk-not-a-key")
-        assert r.status == 401, r.body
-        assert _json_error(r)["code"] == "invalid_api_key"
-        # a body naming no model goes to the fail-open model (key still checked)
-        r = await asyncio.to_thread(
-            http_request,
-            rs.gateway,
-            "POST",
-            "/v1/embeddings",
-            {"input": "hello"},
-            {"Authorization": "Bearer sk-demo-a"},
-            timeout_s=CLIENT_TIMEOUT_S,
-        )
-        assert r.status == 200, r.body
-        assert r.headers["x-inferlb-failed-open"] == "true"
-        assert r.json()["model"] == FAIL_OPEN_MODEL
-    else:
+    for _ in range(3):
         r, elapsed = await asyncio.to_thread(_embed, rs)
-        assert r.status == down[0] and _json_error(r)["code"] == down[1], r.body
+        assert r.status == 200, r.body  # fail open: served by the body's model, key checked by Envoy
+        assert r.headers["x-inferlb-failed-open"] == "true"
+        assert r.json()["model"] == "llama-3.1-8b-instruct"
         assert elapsed < 3.0, elapsed
+    if mode == "ext_authz":
+        # each path's own filter failed: the first (closed) on chats, the second (open) on embeddings
+        assert await asyncio.to_thread(_stat, rs, FIRST_ERROR) >= 6
+        assert await asyncio.to_thread(_stat, rs, OTHER_ALLOWED) >= 3
+    r, _ = await asyncio.to_thread(_embed, rs, "sk-not-a-key")
+    assert r.status == 401, r.body
+    assert _json_error(r)["code"] == "invalid_api_key"
+    # a body naming no model goes to the fail-open model (key still checked)
+    r = await asyncio.to_thread(
+        http_request,
+        rs.gateway,
+        "POST",
+        "/v1/embeddings",
+        {"input": "hello"},
+        {"Authorization": "Bearer sk-demo-a"},
+        timeout_s=CLIENT_TIMEOUT_S,
+    )
+    assert r.status == 200, r.body
+    assert r.headers["x-inferlb-failed-open"] == "true"
+    assert r.json()["model"] == FAIL_OPEN_MODEL
 
-    # (b) a processor on the same address that answers slower than message_timeout
-    async with slow_processor(rs, delay_s=4 * MESSAGE_TIMEOUT_MS / 1000) as streams:
+    # (b) a service on the same address that answers slower than message_timeout
+    server, reached = await _slow_service(rs, 4 * MESSAGE_TIMEOUT_MS / 1000)
+    try:
         assert port_open(rs.config.ext_proc.listen)
         timeout_s = MESSAGE_TIMEOUT_MS / 1000
         for _ in range(2):
             r, elapsed = await asyncio.to_thread(_chat, rs)
-            assert r.status == slow_answer[0], r.body
             err = _json_error(r)
-            assert (err["type"], err["code"]) == ("server_error", slow_answer[1])
-            if request_path == "ext_proc":
+            if mode == "ext_proc":
+                assert r.status == 504, r.body
+                assert (err["type"], err["code"]) == ("server_error", "gateway_processor_timeout")
                 assert f"{MESSAGE_TIMEOUT_MS} ms" in err["message"]
+            else:  # a check's timeout is a failed check like any other
+                assert r.status == 503, r.body
+                assert (err["type"], err["code"]) == ("server_error", "gateway_processor_unavailable")
             assert timeout_s * 0.8 <= elapsed < timeout_s + 2.0, elapsed
-        if paths_fail_open:
-            r, elapsed = await asyncio.to_thread(_embed, rs)
-            assert r.status == 200, r.body
-            assert r.headers["x-inferlb-failed-open"] == "true"
-            assert r.json()["model"] == "llama-3.1-8b-instruct"
-            assert elapsed < timeout_s + 2.0, elapsed
-            r, _ = await asyncio.to_thread(_embed, rs, "sk-not-a-key")
-            assert r.status == 401, r.body
-        assert streams() >= (3 if paths_fail_open else 2)  # Envoy did reach the slow processor
+        r, elapsed = await asyncio.to_thread(_embed, rs)
+        assert r.status == 200, r.body
+        assert r.headers["x-inferlb-failed-open"] == "true"
+        assert r.json()["model"] == "llama-3.1-8b-instruct"
+        assert elapsed < timeout_s + 2.0, elapsed
+        r, _ = await asyncio.to_thread(_embed, rs, "sk-not-a-key")
+        assert r.status == 401, r.body
+        assert len(reached) >= 3  # Envoy did reach the slow service
+    finally:
+        if isinstance(server, asyncio.Server):
+            server.close()
+        else:
+            await server.stop(0)

@@ -18,7 +18,7 @@ from collections.abc import Iterator
 import openai
 import pytest
 
-from tests.e2e.conftest import RunningStack, saturable_doc, skip_in, started_stack
+from tests.e2e.conftest import RunningStack, in_mode, saturable_doc, started_stack
 
 pytestmark = pytest.mark.e2e
 
@@ -36,11 +36,10 @@ Result = tuple[int, str | None, str | None]
 
 @pytest.fixture(scope="module")
 def saturated_stack(tmp_path_factory: pytest.TempPathFactory, request_path: str) -> Iterator[RunningStack]:
-    # the gateway's own shedding counts each request until its response ends, which ext_authz never sees
-    # (a reservation is settled at admission): ext_proc mode only until responses are metered there
-    skip_in("ext_authz", request_path, "no gateway-side low-priority shedding in ext_authz mode (not built)")
+    # the gateway counts each request until its response ends: ext_proc from its stream, ext_authz from
+    # the access-log entry that settles it (up to meter_flush_interval_ms late)
     work = tmp_path_factory.mktemp("low-priority")
-    doc = saturable_doc(QWEN, DEFAULT_BUDGET, RETRY_AFTER_S)
+    doc = in_mode(saturable_doc(QWEN, DEFAULT_BUDGET, RETRY_AFTER_S), request_path)
     # a default-priority tenant without limits (the demo's team-c has a tiny token quota)
     doc["tenants"].append({"name": "team-d", "api_keys": [DEFAULT_KEY], "priority": "default"})
     with started_stack(work, doc) as rs:

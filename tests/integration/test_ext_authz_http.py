@@ -6,8 +6,12 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import socket
+import stat
 import urllib.parse
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -16,6 +20,7 @@ from ext_authz.check import CheckRequest, CheckService, refused
 from ext_authz.server import CheckServer
 from ext_proc import handlers
 from ext_proc.state import ExtProcState
+from inferlb.adapters.unix_socket import UnixSocketError, unix_socket_open
 from inferlb.config.schema import parse_config
 from inferlb.errors import RequestError
 from inferlb.request import headers as h
@@ -149,3 +154,39 @@ def test_models_answers_let_the_request_through_to_the_routes() -> None:
     )
     assert not isinstance(out, asyncio.Future)
     assert (out.status, out.headers, out.body) == (200, (), b"")
+
+
+async def test_the_unix_socket_serves_checks_owner_only_and_is_removed_at_close(tmp_path: Path) -> None:
+    path = str(tmp_path / "authz.sock")
+    srv = CheckServer(CheckService(ExtProcState(parse_config(CONFIG))))
+    await srv.start_unix(path)
+    try:
+        mode = os.stat(path).st_mode
+        assert stat.S_ISSOCK(mode) and stat.S_IMODE(mode) == 0o600
+        reader, writer = await asyncio.open_unix_connection(path)
+        writer.write(request(chat("llama3")) + request(chat("nope")))
+        await writer.drain()
+        (ok, okh, _), (missing, _, _) = await read_answers(reader, 2)
+        assert (ok, okh[h.MODEL], missing) == (200, "llama-3.1-8b-instruct", 404)
+        writer.close()
+        # a second server on the same live socket is refused, naming the field
+        with pytest.raises(UnixSocketError, match=r"^ext_proc.listen_unix: .*another server is listening"):
+            await CheckServer(srv.service).start_unix(path)
+    finally:
+        await srv.close()
+    assert not unix_socket_open(path)
+    with pytest.raises(FileNotFoundError):
+        os.lstat(path)
+
+
+async def test_a_stale_socket_file_is_replaced_and_a_missing_directory_refused(tmp_path: Path) -> None:
+    path = str(tmp_path / "authz.sock")
+    old = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    old.bind(path)
+    old.close()  # its file stays, nobody listens
+    srv = CheckServer(CheckService(ExtProcState(parse_config(CONFIG))))
+    await srv.start_unix(path)
+    assert unix_socket_open(path)
+    await srv.close()
+    with pytest.raises(UnixSocketError, match="does not exist"):
+        await CheckServer(srv.service).start_unix(str(tmp_path / "nowhere" / "s.sock"))

@@ -65,11 +65,13 @@ def test_metering_and_concurrency_limits_are_accepted_in_ext_authz_mode() -> Non
     config = parse_config(doc)
     assert config.ext_proc.account_responses and config.ext_proc.meters_access_log()
     assert ("ext_proc.meter_listen", config.ext_proc.meter_listen) in config.listen_sockets()
-    # Envoy meters: streams still get include_usage (Envoy's Lua filter hides the chunk again), and no
-    # low-priority count
+    # Envoy meters: streams still get include_usage (Envoy's Lua filter hides the chunk again); low is
+    # shed by the in-flight count the settlements keep (ext_authz.meter)
     gateway = Gateway.from_config(config)
     assert gateway.asks_usage
-    assert not gateway.account_responses and dict(gateway.low_priority_limits) == {}
+    assert not gateway.account_responses and gateway.low_priority_limits
+    unmetered = Gateway.from_config(parse_config(authz_doc(account_responses=False)))
+    assert dict(unmetered.low_priority_limits) == {}
 
 
 @pytest.mark.parametrize(

@@ -178,3 +178,14 @@ def test_an_id_cannot_be_reserved_twice_and_the_ttl_must_be_positive() -> None:
         ledger.reserve("a", Admitted(tenant="t", tokens=1), model="m", prompt_tokens=0, now=0.5)
     with pytest.raises(ValueError, match="ttl_s"):
         SettlementLedger(0)
+
+
+def test_the_in_flight_cluster_rides_to_whichever_settlement_comes() -> None:
+    ledger = SettlementLedger(TTL)
+    for meter_id, cluster in (("a", "m--v1"), ("b", None), ("c", "m--v2")):
+        ledger.reserve(
+            meter_id, Admitted(tenant="t", tokens=9), model="m", prompt_tokens=1, now=0.0, in_flight=cluster
+        )
+    _, by_entry = ledger.entry(MeterEntry(meter_id="a", status=200, usage=(1, 1)), 1.0)
+    assert by_entry is not None and by_entry.reserved.in_flight == "m--v1"
+    assert [s.reserved.in_flight for s in ledger.expire(TTL)] == [None, "m--v2"]

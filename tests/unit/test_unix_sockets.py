@@ -30,6 +30,7 @@ from inferlb.config.schema import ConfigError, UnixSocket, default_config_path, 
 from inferlb.ops.stack import port_open
 from xds_server import resources as r
 from xds_server.bootstrap import XDS_CLUSTER, render_bootstrap
+from xds_server.resources.common import EXT_AUTHZ_CLUSTER
 
 
 def _doc(**sections: dict[str, Any]) -> dict[str, Any]:
@@ -115,6 +116,21 @@ def test_ext_proc_cluster_dials_the_unix_socket_as_a_pipe() -> None:
     assert address.pipe.path == "/run/inferlb/ext_proc.sock"
     # HTTP/2 still: ext_proc is gRPC over the socket
     assert "envoy.extensions.upstreams.http.v3.HttpProtocolOptions" in c.typed_extension_protocol_options
+
+
+def test_ext_authz_cluster_dials_the_unix_socket_as_a_pipe_over_http1() -> None:
+    config = parse_config(
+        _doc(ext_proc={"protocol": "ext_authz", "listen_unix": "/run/inferlb/ext_authz.sock"})
+    )
+    assert config.ext_proc.grpc_address() == UnixSocket(path="/run/inferlb/ext_authz.sock")
+    assert "ext_proc.listen" not in [f for f, _ in config.listen_sockets()]
+    c = next(c for c in r.build_clusters(config) if c.name == EXT_AUTHZ_CLUSTER)
+    assert c.type == cluster_pb2.Cluster.STATIC
+    [lb] = c.load_assignment.endpoints[0].lb_endpoints
+    assert lb.endpoint.address.WhichOneof("address") == "pipe"
+    assert lb.endpoint.address.pipe.path == "/run/inferlb/ext_authz.sock"
+    # the check is HTTP/1.1: no HTTP/2 protocol options
+    assert not c.typed_extension_protocol_options
 
 
 def test_ext_proc_cluster_stays_tcp_by_default() -> None:

@@ -15,6 +15,7 @@ from envoy.extensions.access_loggers.filters.cel.v3 import cel_pb2
 from envoy.extensions.common.matching.v3 import extension_matcher_pb2
 from envoy.extensions.filters.common.matcher.action.v3 import skip_action_pb2
 from envoy.extensions.filters.http.api_key_auth.v3 import api_key_auth_pb2
+from envoy.extensions.filters.http.ext_authz.v3 import ext_authz_pb2
 from envoy.extensions.filters.http.ext_proc.v3 import ext_proc_pb2
 from envoy.extensions.filters.http.transform.v3 import transform_pb2
 from envoy.extensions.filters.network.http_connection_manager.v3 import http_connection_manager_pb2
@@ -27,6 +28,7 @@ from inferlb.request import headers
 from inferlb.request.parsing import INFERENCE_PATHS
 from tests.unit.test_xds_resources import _hcm
 from xds_server import resources as r
+from xds_server.resources.common import EXT_AUTHZ_FILTER, EXT_AUTHZ_OTHER_MODE_FILTER
 
 
 def _doc(**ext_proc: Any) -> dict[str, Any]:
@@ -386,3 +388,72 @@ def test_clashing_or_miscounted_extra_ext_proc_addresses_are_refused(
         parse_config(_doc(**ext_proc), "f.yaml")
     text = "; ".join(f"{f}: {m}" for f, m in info.value.problems)
     assert field in text, text
+
+
+def _authz_filters(config: Config) -> dict[str, tuple[bool, ext_authz_pb2.ExtAuthz]]:
+    """The listener's ext_authz filters: name -> (disabled in the HCM, config)."""
+    out = {}
+    for f in _hcm(r.build_listener(config)).http_filters:
+        if f.typed_config.Is(ext_authz_pb2.ExtAuthz.DESCRIPTOR):
+            authz = ext_authz_pb2.ExtAuthz()
+            assert f.typed_config.Unpack(authz)
+            out[f.name] = (f.disabled, authz)
+    return out
+
+
+def _authz_overrides(holder: route_components_pb2.Route | route_components_pb2.VirtualHost) -> str:
+    """Which ext_authz filter ``holder`` switches to: "" (none: the listener's first filter checks), or
+    "other" (the first disabled, the second enabled), asserting the shape."""
+    configs = holder.typed_per_filter_config
+    if EXT_AUTHZ_FILTER not in configs:
+        assert EXT_AUTHZ_OTHER_MODE_FILTER not in configs
+        return ""
+    off, on = route_components_pb2.FilterConfig(), route_components_pb2.FilterConfig()
+    assert configs[EXT_AUTHZ_FILTER].Unpack(off) and off.disabled and not off.HasField("config")
+    assert configs[EXT_AUTHZ_OTHER_MODE_FILTER].Unpack(on) and not on.disabled
+    per_route = ext_authz_pb2.ExtAuthzPerRoute()
+    assert on.config.Unpack(per_route) and per_route.HasField("check_settings")
+    return "other"
+
+
+@pytest.mark.parametrize("default_open", [False, True])
+def test_ext_authz_paths_of_the_other_mode_switch_to_a_second_filter_with_that_mode(
+    default_open: bool,
+) -> None:
+    other_mode = "closed" if default_open else "open"
+    config = parse_config(
+        _doc(
+            protocol="ext_authz",
+            failure_mode_allow=default_open,
+            path_failure_modes={"/v1/embeddings": other_mode, "/v1/rerank": other_mode},
+        )
+    )
+    filters = _authz_filters(config)
+    assert list(filters) == [EXT_AUTHZ_FILTER, EXT_AUTHZ_OTHER_MODE_FILTER]  # the first one asks first
+    (first_off, first), (second_off, second) = filters.values()
+    assert (first_off, first.failure_mode_allow, first.stat_prefix) == (False, default_open, "")
+    assert (second_off, second.failure_mode_allow) == (True, not default_open)
+    assert second.stat_prefix == "other_failure_mode"
+    # the same check otherwise: same service, headers, body, route cache clearing, metering
+    first.failure_mode_allow, first.stat_prefix = second.failure_mode_allow, second.stat_prefix
+    assert first == second
+    failure = _failure_routes(config)
+    switched = {p for p, rt in failure.items() if _authz_overrides(rt)}
+    assert switched == {"/v1/embeddings", "/v1/rerank"}
+    routes = r.build_route_configuration(config).virtual_hosts[0]
+    assert _authz_overrides(routes) == ""  # the virtual host: the first filter's mode
+    model_routes = [
+        rt
+        for rt in routes.routes
+        if rt.HasField("route")
+        and not rt.name.startswith((r.FAILURE_MODE_ROUTE_PREFIX, r.FAIL_OPEN_ROUTE_PREFIX))
+    ]
+    assert model_routes and not any(_authz_overrides(rt) for rt in model_routes)
+
+
+def test_ext_authz_without_a_path_of_the_other_mode_has_one_filter() -> None:
+    config = parse_config(
+        _doc(protocol="ext_authz", failure_mode_allow=True, path_failure_modes={"/v1/embeddings": "open"})
+    )
+    assert list(_authz_filters(config)) == [EXT_AUTHZ_FILTER]
+    assert not any(_authz_overrides(rt) for rt in _failure_routes(config).values())

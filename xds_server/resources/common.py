@@ -16,7 +16,7 @@ from envoy.config.core.v3 import address_pb2, config_source_pb2
 from google.protobuf import any_pb2, duration_pb2
 from google.protobuf.message import Message
 
-from inferlb.config.schema import GrpcAddress, HostPort, UnixSocket
+from inferlb.config.schema import Config, GrpcAddress, HostPort, UnixSocket
 from inferlb.errors import RequestError
 
 # -- type URLs (envoy/api/v3; the ADS stream multiplexes on these) --------------------------------------
@@ -42,6 +42,13 @@ EXT_AUTHZ_CLUSTER: Final = "inferlb_ext_authz"
 METER_CLUSTER: Final = "inferlb_meter"
 #: The ext_authz HTTP filter's name in the chain.
 EXT_AUTHZ_FILTER: Final = "envoy.filters.http.ext_authz"
+#: The second ext_authz HTTP filter's name (``ext_proc.protocol: ext_authz`` with a path in
+#: ``ext_proc.path_failure_modes`` whose mode is not ``failure_mode_allow``'s): the same check with the other
+#: failure mode, disabled in the chain and enabled (with :data:`EXT_AUTHZ_FILTER` disabled) on those paths'
+#: routes (:func:`xds_server.resources.routes.ext_proc_filter_configs`). Its stats carry
+#: :data:`EXT_AUTHZ_OTHER_MODE_STAT_PREFIX` (``http.inferlb_gateway.ext_authz.other_failure_mode.*``).
+EXT_AUTHZ_OTHER_MODE_FILTER: Final = "inferlb.ext_authz.other_failure_mode"
+EXT_AUTHZ_OTHER_MODE_STAT_PREFIX: Final = "other_failure_mode"
 #: The Lua HTTP filter's name in the chain (ext_authz mode: it applies the service's body splices; skipped
 #: by a matcher on requests without any).
 LUA_FILTER: Final = "envoy.filters.http.lua"
@@ -127,3 +134,14 @@ def ads_source() -> config_source_pb2.ConfigSource:
     return config_source_pb2.ConfigSource(
         ads=config_source_pb2.AggregatedConfigSource(), resource_api_version=_V3
     )
+
+
+def ext_authz_other_mode_paths(config: Config) -> list[str]:
+    """``ext_proc.protocol: ext_authz`` only: the paths of ``ext_proc.path_failure_modes`` whose mode is not
+    ``ext_proc.failure_mode_allow``'s, which the second ext_authz filter
+    (:data:`EXT_AUTHZ_OTHER_MODE_FILTER`) checks; empty in ext_proc mode (ext_proc's per-route config
+    sets the mode itself)."""
+    ep = config.ext_proc
+    if ep.protocol != "ext_authz":
+        return []
+    return [p for p, mode in ep.path_failure_modes.items() if (mode == "open") != ep.failure_mode_allow]

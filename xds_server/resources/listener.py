@@ -3,11 +3,11 @@
 Listener ``inferlb_gateway`` on ``gateway.listen``: HTTP connection manager whose early header mutation
 strips client-sent ``x-inferlb-*`` routing headers, then the request path's filters
 (:func:`request_path_filters`: the ext_proc filter, gRPC cluster ``inferlb_ext_proc``; or with
-``ext_proc.protocol: ext_authz`` the ext_authz filter, HTTP cluster ``inferlb_ext_authz``, and the
-body-splice Lua filter), then the three filters of the fail-open path (:func:`fail_open_filters`: the
-body's ``model`` into a header, an alias replaced by the canonical name, the API key check), then the
-router. Routes come over ADS as RDS ``inferlb_routes``
-(:mod:`xds_server.resources.routes`).
+``ext_proc.protocol: ext_authz`` the ext_authz filter, HTTP cluster ``inferlb_ext_authz`` (a second one
+for the paths of the other failure mode, :func:`ext_authz_filters`), and the body-splice Lua filter),
+then the three filters of the fail-open path (:func:`fail_open_filters`: the body's ``model`` into a
+header, an alias replaced by the canonical name, the API key check), then the router. Routes come over
+ADS as RDS ``inferlb_routes`` (:mod:`xds_server.resources.routes`).
 
 The HCM's ``local_reply_config`` (:func:`build_local_reply_config`) turns the replies Envoy makes itself
 into OpenAI-style JSON errors; the JSON bodies are built here.
@@ -64,6 +64,8 @@ from xds_server.resources.common import (
     CANONICAL_MODEL_FILTER,
     EXT_AUTHZ_CLUSTER,
     EXT_AUTHZ_FILTER,
+    EXT_AUTHZ_OTHER_MODE_FILTER,
+    EXT_AUTHZ_OTHER_MODE_STAT_PREFIX,
     EXT_PROC_CLUSTER,
     EXT_PROC_FILTER,
     LISTENER_NAME,
@@ -73,6 +75,7 @@ from xds_server.resources.common import (
     ROUTE_CONFIG_NAME,
     ads_source,
     duration_ms,
+    ext_authz_other_mode_paths,
     json_error_body,
     pack,
     socket_address,
@@ -800,7 +803,7 @@ def _exact_names(names: tuple[str, ...]) -> string_pb2.ListStringMatcher:
     return string_pb2.ListStringMatcher(patterns=[string_pb2.StringMatcher(exact=n) for n in names])
 
 
-def build_ext_authz_filter(config: Config) -> ext_authz_pb2.ExtAuthz:
+def build_ext_authz_filter(config: Config, *, fail_open: bool | None = None) -> ext_authz_pb2.ExtAuthz:
     """The ``envoy.filters.http.ext_authz`` filter of ``ext_proc.protocol: ext_authz`` (Envoy docs, ext_authz
     filter, ``HttpService``): one HTTP check per request to ``inferlb_ext_authz`` with the client's method,
     path, ``authorization`` (and ``ext_proc.session_header``) and the whole body
@@ -809,8 +812,10 @@ def build_ext_authz_filter(config: Config) -> ext_authz_pb2.ExtAuthz:
     headers upstream and the route is picked again (``clear_route_cache``); a refusal goes to the client
     with ``content-type``, ``retry-after`` and ``x-inferlb-status``. A failed check (down, timeout, 5xx)
     fails open or closed by ``ext_proc.failure_mode_allow``, closed as 503 (``status_on_error``, shaped by
-    the local-reply mappers)."""
+    the local-reply mappers). ``fail_open`` given: that failure mode instead, and the stats of the second
+    filter (:data:`~xds_server.resources.common.EXT_AUTHZ_OTHER_MODE_FILTER`)."""
     ep = config.ext_proc
+    other = fail_open is not None and fail_open != ep.failure_mode_allow
     allowed = ("authorization", *((ep.session_header,) if ep.session_header else ()))
     return ext_authz_pb2.ExtAuthz(
         http_service=ext_authz_pb2.HttpService(
@@ -835,8 +840,9 @@ def build_ext_authz_filter(config: Config) -> ext_authz_pb2.ExtAuthz:
             pack_as_bytes=True,
         ),
         clear_route_cache=True,
-        failure_mode_allow=ep.failure_mode_allow,
+        failure_mode_allow=ep.failure_mode_allow if fail_open is None else fail_open,
         status_on_error=http_status_pb2.HttpStatus(code=http_status_pb2.ServiceUnavailable),
+        stat_prefix=EXT_AUTHZ_OTHER_MODE_STAT_PREFIX if other else "",
     )
 
 
@@ -889,11 +895,38 @@ def _lua(source: str) -> lua_pb2.Lua:
     return lua_pb2.Lua(default_source_code=base_pb2.DataSource(inline_string=source))
 
 
+def ext_authz_filters(config: Config) -> list[http_connection_manager_pb2.HttpFilter]:
+    """The ext_authz filters of ``ext_proc.protocol: ext_authz``: :data:`EXT_AUTHZ_FILTER` with
+    ``ext_proc.failure_mode_allow``, enabled; and when some path of ``ext_proc.path_failure_modes`` has the
+    other mode (:func:`~xds_server.resources.common.ext_authz_other_mode_paths`), a second one with that
+    mode, :data:`~xds_server.resources.common.EXT_AUTHZ_OTHER_MODE_FILTER`, disabled here. Envoy's
+    ``ExtAuthzPerRoute`` has no failure-mode override, so a path's mode is which of the two its route
+    enables (:func:`xds_server.resources.routes.ext_proc_filter_configs`: the first disabled, the second
+    enabled): both ask the same service, exactly one of them per request. A filter's enablement is read
+    from the route a request has when it arrives, the path's failure-mode route (as ext_proc's per-route
+    config is); the model routes a check moves the request to enable neither override, so the second
+    filter never checks a request the first has already checked (measured on Envoy 1.40:
+    ``tests/e2e/test_extproc_failure.py`` counts each filter's checks)."""
+    out = [
+        http_connection_manager_pb2.HttpFilter(
+            name=EXT_AUTHZ_FILTER, typed_config=pack(build_ext_authz_filter(config))
+        )
+    ]
+    if ext_authz_other_mode_paths(config):
+        other = build_ext_authz_filter(config, fail_open=not config.ext_proc.failure_mode_allow)
+        out.append(
+            http_connection_manager_pb2.HttpFilter(
+                name=EXT_AUTHZ_OTHER_MODE_FILTER, typed_config=pack(other), disabled=True
+            )
+        )
+    return out
+
+
 def request_path_filters(config: Config) -> list[http_connection_manager_pb2.HttpFilter]:
     """The HTTP filters before the router: ext_proc (``ext_proc.protocol: ext_proc``), or with ``ext_authz``
-    the ext_authz filter, the body-splice Lua filter (:data:`BODY_SPLICE_LUA`, behind a matcher that skips
-    it on requests without :data:`~inferlb.request.headers.BODY_SPLICE`) and, when responses are metered,
-    the metering Lua filter (:data:`METER_LUA`, a response half only).
+    the ext_authz filters (:func:`ext_authz_filters`), the body-splice Lua filter (:data:`BODY_SPLICE_LUA`,
+    behind a matcher that skips it on requests without :data:`~inferlb.request.headers.BODY_SPLICE`) and,
+    when responses are metered, the metering Lua filter (:data:`METER_LUA`, a response half only).
 
     Two Lua filters rather than one with both halves: Envoy's Lua filter starts a coroutine for each
     direction whose function the script defines, and the matcher skips the splice filter in C++, so a
@@ -911,9 +944,7 @@ def request_path_filters(config: Config) -> list[http_connection_manager_pb2.Htt
             ),
         )
         filters = [
-            http_connection_manager_pb2.HttpFilter(
-                name=EXT_AUTHZ_FILTER, typed_config=pack(build_ext_authz_filter(config))
-            ),
+            *ext_authz_filters(config),
             http_connection_manager_pb2.HttpFilter(name=LUA_FILTER, typed_config=pack(splice)),
         ]
         if config.ext_proc.meters_access_log():

@@ -23,6 +23,7 @@ from envoy.config.common.mutation_rules.v3 import mutation_rules_pb2
 from envoy.config.core.v3 import base_pb2, substitution_format_string_pb2
 from envoy.config.route.v3 import route_components_pb2, route_pb2
 from envoy.extensions.filters.http.api_key_auth.v3 import api_key_auth_pb2
+from envoy.extensions.filters.http.ext_authz.v3 import ext_authz_pb2
 from envoy.extensions.filters.http.ext_proc.v3 import ext_proc_pb2
 from envoy.extensions.filters.http.transform.v3 import transform_pb2
 from envoy.extensions.retry.host.previous_hosts.v3 import previous_hosts_pb2
@@ -40,6 +41,8 @@ from xds_server.resources.common import (
     API_KEY_FILTER,
     BODY_MODEL_FILTER,
     CANONICAL_MODEL_FILTER,
+    EXT_AUTHZ_FILTER,
+    EXT_AUTHZ_OTHER_MODE_FILTER,
     EXT_PROC_FILTER,
     FAILED_OPEN_HEADER,
     FAILURE_MODE_ROUTE_PREFIX,
@@ -255,10 +258,28 @@ def ext_proc_per_route(fail_open: bool) -> any_pb2.Any:
 
 def ext_proc_filter_configs(config: Config, *, fail_open: bool) -> dict[str, any_pb2.Any]:
     """A route's (or the virtual host's) ``typed_per_filter_config`` for the request path: the ext_proc
-    filter enabled with ``fail_open`` (:func:`ext_proc_per_route`) with ``ext_proc.protocol: ext_proc``;
-    nothing with ``ext_authz``, whose filter is enabled in the listener and has one failure mode for all
-    routes."""
-    return {EXT_PROC_FILTER: ext_proc_per_route(fail_open)} if config.ext_proc.protocol == "ext_proc" else {}
+    filter enabled with ``fail_open`` (:func:`ext_proc_per_route`) with ``ext_proc.protocol: ext_proc``.
+    With ``ext_authz`` nothing when ``fail_open`` is ``ext_proc.failure_mode_allow`` (the listener's
+    first ext_authz filter has that mode), else that filter disabled and the second one, which has the
+    other mode, enabled (:func:`ext_authz_other_mode_per_route`)."""
+    if config.ext_proc.protocol == "ext_proc":
+        return {EXT_PROC_FILTER: ext_proc_per_route(fail_open)}
+    if fail_open == config.ext_proc.failure_mode_allow:
+        return {}
+    return ext_authz_other_mode_per_route()
+
+
+def ext_authz_other_mode_per_route() -> dict[str, any_pb2.Any]:
+    """The per-filter configs of a route whose path has the failure mode that is not
+    ``ext_proc.failure_mode_allow``'s, in ext_authz mode: :data:`EXT_AUTHZ_FILTER` disabled
+    (``FilterConfig.disabled``) and :data:`EXT_AUTHZ_OTHER_MODE_FILTER`, disabled in the listener, enabled
+    (a ``FilterConfig`` wrapping an ``ExtAuthzPerRoute`` with empty ``check_settings``: the check as
+    configured), as :func:`xds_server.resources.listener.ext_authz_filters` explains."""
+    enabled = ext_authz_pb2.ExtAuthzPerRoute(check_settings=ext_authz_pb2.CheckSettings())
+    return {
+        EXT_AUTHZ_FILTER: pack(route_components_pb2.FilterConfig(disabled=True)),
+        EXT_AUTHZ_OTHER_MODE_FILTER: pack(route_components_pb2.FilterConfig(config=pack(enabled))),
+    }
 
 
 #: Name prefix of the routes of failed-open requests by the body's model: ``fail_open:<name or alias>``.
@@ -417,7 +438,8 @@ def fail_open_routes(config: Config) -> list[route_components_pb2.Route]:
 
 def failure_mode_routes(config: Config) -> list[route_components_pb2.Route]:
     """One route per path of :func:`path_failure_modes`, matched exactly (query string excluded), each
-    with an ``ExtProcPerRoute`` that sets ``failure_mode_allow`` for that path.
+    with an ``ExtProcPerRoute`` that sets ``failure_mode_allow`` for that path (ext_authz mode: the
+    per-filter configs that pick the ext_authz filter of the path's mode, :func:`ext_proc_filter_configs`).
 
     Envoy's ext_proc filter reads its per-route config from the route chosen when the request arrives,
     before ext_proc has set ``x-inferlb-model`` (measured on Envoy 1.40): that is this route, never a model
@@ -575,8 +597,9 @@ def build_route_configuration(config: Config) -> route_pb2.RouteConfiguration:
             **_json_direct_response(404, no_route_body()),
         )
     )
-    # enables ext_proc for every route (the failure-mode routes override it per path; the ext_authz
-    # filter is enabled in the listener itself), and the fail-open API key check when some path fails open
+    # enables ext_proc for every route (the failure-mode routes override it per path; the first ext_authz
+    # filter is enabled in the listener itself, the failure-mode routes of the other mode switch to the
+    # second), and the fail-open API key check when some path fails open
     per_filter = ext_proc_filter_configs(config, fail_open=config.ext_proc.failure_mode_allow)
     if fails_open(config):
         per_filter[API_KEY_FILTER] = api_key_per_route(config)

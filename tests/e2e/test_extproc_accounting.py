@@ -271,7 +271,8 @@ def test_a_concurrency_slot_is_held_until_the_response_ends(accounting_stack: Ru
 
 
 def process_samples(addr: object, name: str) -> dict[str, float]:
-    """One process's samples of metric ``name`` (label values joined by ``,`` -> value)."""
+    """One process's samples of metric ``name`` (label values joined by ``,``, in label name order ->
+    value)."""
     text = http_request(str(addr), "GET", "/metrics").body.decode()
     return {
         ",".join(s.labels.values()): s.value

@@ -9,12 +9,16 @@ by its TTL, and the survivor settles none of it."""
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
 import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import grpc
 import pytest
+import yaml
 from envoy.data.accesslog.v3 import accesslog_pb2
 from envoy.service.accesslog.v3 import als_pb2_grpc
 
@@ -26,9 +30,10 @@ from ext_proc.state import ExtProcState
 from ext_proc.stores import make_quota_store
 from inferlb.adapters.quota_redis import RedisQuotaStore
 from inferlb.config.schema import Config, parse_config
+from inferlb.ops.stack import describe, free_ports
 from inferlb.policy.settlement import AUTHZ_NAMESPACE, meter_id_prefix
 from inferlb.request import headers as h
-from tests.conftest import redis_or_skip
+from tests.conftest import redis_or_skip, write_config
 from tests.integration.test_ext_authz_meter import BODY, log_entry, send
 
 LEASE_TTL_MS = 2_000
@@ -196,3 +201,28 @@ async def test_a_dead_processs_reservations_stay_charged_and_its_lease_expires(r
         assert b.count("inferlb_meter_settlements_total", outcome="expired") == 0  # not b's to settle
     finally:
         await b.close()
+
+
+def test_a_metering_process_on_an_address_the_config_does_not_name_will_not_start(
+    tmp_path: Path, redis_url: str
+) -> None:
+    # its ids would match none of Envoy's access loggers: no entry would ever reach its settler
+    doc = yaml.safe_load(config_of(redis_url).model_dump_json())
+    path = write_config(tmp_path / "c.yaml", doc)
+    (port,) = free_ports(1)
+    proc = subprocess.run(
+        [sys.executable, "-m", "ext_authz", "--config", str(path), "--listen", f"127.0.0.1:{port}"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert proc.returncode == 1, proc.stderr
+    assert f"127.0.0.1:{port} is neither ext_proc.listen nor one of extra_listen" in proc.stderr
+
+
+def test_inferlb_up_names_each_processs_settler(redis_url: str) -> None:
+    config = config_of(redis_url)
+    [line] = [x for x in describe(config) if x.startswith("settlers")]
+    assert all(str(a) in line for a in config.ext_proc.meter_addresses())
+    assert len(config.ext_proc.meter_addresses()) == 2

@@ -6,6 +6,7 @@ the one settler that holds its reservation."""
 
 from __future__ import annotations
 
+import logging
 import string
 from typing import Any
 
@@ -17,6 +18,7 @@ from envoy.extensions.filters.network.http_connection_manager.v3 import http_con
 from hypothesis import example, given
 from hypothesis import strategies as st
 
+from ext_proc.process import warn_if_process_moved
 from inferlb.config.schema import HostPort, default_config_path, parse_config
 from inferlb.errors import ConfigError
 from inferlb.policy.settlement import AUTHZ_NAMESPACE, meter_id_prefix
@@ -147,3 +149,33 @@ def test_exactly_one_logger_takes_each_meter_id(owner: int, logger: int, tail: s
 def test_a_negative_process_has_no_prefix() -> None:
     with pytest.raises(ValueError, match="process must be >= 0"):
         meter_id_prefix(-1)
+
+
+@pytest.mark.parametrize(
+    ("ext_proc", "listen", "says"),
+    [
+        # reordered: each process keeps its settler address and prefix, as Envoy's loggers do: quiet
+        ({"extra_listen": ["127.0.0.1:18091", "127.0.0.1:18090"]}, "127.0.0.1:18091", []),
+        (
+            {"extra_listen": ["127.0.0.1:18090"]},
+            "127.0.0.1:18091",
+            ["no longer ext_proc.listen/listen_unix nor one of", "the settler addresses changed"],
+        ),
+        (
+            {"extra_meter_listen": ["127.0.0.1:19001", "127.0.0.1:19002"]},
+            "127.0.0.1:18090",
+            ["the settler addresses changed to 127.0.0.1:18079, 127.0.0.1:19001, 127.0.0.1:19002"],
+        ),
+    ],
+)
+def test_a_reload_that_moves_a_settler_says_it_needs_a_restart(
+    ext_proc: dict[str, Any], listen: str, says: list[str], caplog: pytest.LogCaptureFixture
+) -> None:
+    old = parse_config(authz_doc(2))
+    doc = authz_doc(2)
+    doc["ext_proc"].update(ext_proc)
+    log = logging.getLogger("test.reload")
+    with caplog.at_level(logging.WARNING, logger="test.reload"):
+        warn_if_process_moved(old, parse_config(doc), listen, log)
+    got = [r.getMessage() for r in caplog.records]
+    assert len(got) == len(says) and all(s in m for s, m in zip(says, got, strict=True)), got

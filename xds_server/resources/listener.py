@@ -622,9 +622,11 @@ def build_meter_access_logs(config: Config) -> list[accesslog_pb2.AccessLog]:
     Logger ``i`` takes only the requests whose ext_authz answer carried a meter id of process ``i``: an
     access-log ``metadata_filter`` on the id in the ext_authz dynamic metadata, matching the prefix
     :func:`~inferlb.policy.settlement.meter_id_prefix` of ``i``, with ``match_if_key_not_found`` false (its
-    default, true, would log every request without an id, to every logger). So each entry goes to the one
-    settler that holds its reservation (:mod:`ext_authz.meter`), on its own cluster
-    (:func:`~xds_server.resources.common.meter_cluster_name`). Each batches per worker up to
+    default, true, logs every request without an id, to every logger: Envoy docs,
+    ``config.accesslog.v3.MetadataFilter``). So each entry goes to the one settler that holds its
+    reservation (:mod:`ext_authz.meter`), on its own cluster
+    (:func:`~xds_server.resources.common.meter_cluster_name`), and a request that was not metered (refused,
+    ``/v1/models``, failed open) is logged nowhere. Each batches per worker up to
     ``ext_proc.meter_buffer_bytes`` or ``ext_proc.meter_flush_interval_ms``. The entry carries the stream's
     dynamic metadata (meter id, usage text) and the response code. Measured on Envoy 1.40: Envoy does not
     flush this buffer when it exits (SIGTERM lost the last partial batch, ~1% of a 300-request burst);

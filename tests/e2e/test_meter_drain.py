@@ -25,7 +25,7 @@ import requests
 from prometheus_client.parser import text_string_to_metric_families
 
 from inferlb.config.schema import Config, HostPort
-from inferlb.ops.stack import free_ports
+from inferlb.ops.stack import admin_get, free_ports
 from tests.conftest import make_config_doc, redis_or_skip
 from tests.e2e.conftest import RunningStack, chat_body, http_request, in_mode, started_stack
 from tests.e2e.test_extproc_accounting import process_samples, settlements
@@ -102,6 +102,13 @@ def admitted(addr: HostPort, tenant: str | None = None) -> int:
     )
 
 
+def logs_written(config: Config) -> int:
+    """Entries Envoy's gRPC access loggers have written, all loggers together (Envoy's stat
+    ``access_logs.grpc_access_log.logs_written``)."""
+    text = admin_get(config, "/stats?filter=grpc_access_log.logs_written$").decode()
+    return sum(int(line.rsplit(":", 1)[1]) for line in text.splitlines() if line.strip())
+
+
 async def burst(gateway: str, n: int) -> list[int]:
     """``n`` concurrent small chat requests (half streamed with usage asked for); their statuses."""
 
@@ -125,9 +132,25 @@ def test_a_drained_envoy_stop_loses_no_settlement(
 ) -> None:
     with metered_stack(tmp_path_factory, processes) as rs:
         before = sum(settlements(rs.config).values())
+        written = logs_written(rs.config)
+        # requests that are not metered (a wrong key, the model list) are logged to no settler
+        bad_key = {"Authorization": "Bearer sk-not-a-key"}
+        for _ in range(5):
+            assert (
+                http_request(rs.gateway, "POST", "/v1/chat/completions", chat_body(QWEN), bad_key).status
+                == 401
+            )
+            assert (
+                http_request(
+                    rs.gateway, "GET", "/v1/models", None, {"Authorization": "Bearer sk-demo-a"}
+                ).status
+                == 200
+            )
         statuses = asyncio.run(burst(rs.gateway, BURST))
         assert statuses == [200] * BURST
         assert rs.stack.drain_envoy()
+        # Envoy wrote one entry per metered request, to one logger each: none for the others
+        assert logs_written(rs.config) - written == BURST
         rs.stack.child("envoy").stop()  # SIGTERM, as the stack's own stop does after the drain
         got = settlements(rs.config)
         assert sum(got.values()) - before == BURST

@@ -16,7 +16,8 @@ from typing import Any
 import pytest
 
 from inferlb.config.schema import HostPort
-from inferlb.ops.stack import Child, Stack, StackError, free_ports, port_open
+from inferlb.ops.stack import Child, Stack, StackError, clusters_json, free_ports, port_open
+from inferlb.ops.status import host_rows
 from tests.conftest import make_config_doc, write_config
 from tests.e2e.conftest import http_request, in_mode
 
@@ -87,6 +88,13 @@ def test_each_extra_listen_address_gets_its_own_ext_proc_process(tmp_path: Path,
         assert first > 0 and other > 0, (first, other)
         assert first + other == REQUESTS
         if request_path == "ext_authz":  # each settled its own, at its own settler (one flush later)
+            # `inferlb status --all` lists each settler's cluster with its one endpoint
+            rows = host_rows(stack.config, clusters_json(stack.config), only_models=False)
+            settlers = {r.cluster: r.address for r in rows if r.cluster.startswith("inferlb_meter")}
+            assert settlers == {
+                "inferlb_meter": str(stack.config.ext_proc.meter_listen),
+                "inferlb_meter_1": f"127.0.0.1:{extra_meter}",
+            }
             assert stack.drain_envoy()
             got = [
                 settled(str(a)) for a in (stack.config.ext_proc.metrics_listen, f"127.0.0.1:{extra_metrics}")

@@ -6,9 +6,11 @@ answered over HTTP/1.1 on asyncio (uvloop when installed).
 - :mod:`ext_authz.check`: one check -> the handlers -> the HTTP answer (no sockets).
 - :mod:`ext_authz.server`: the asyncio protocol over httptools (keep-alive, pipelining, bounds, shutdown).
 - :mod:`ext_authz.meter`: the settler (``account_responses``): reservations awaiting Envoy's access-log
-  entry, settled once (:mod:`inferlb.policy.settlement`).
+  entry, settled once (:mod:`inferlb.policy.settlement`); with ``extra_listen`` each process settles its
+  own, Envoy sending each entry to its owner.
 - ``__main__``: the process (``python -m ext_authz --config PATH``), with the settler's gRPC access-log
-  receiver (:mod:`ext_proc.access_log`) on ``ext_proc.meter_listen``.
+  receiver (:mod:`ext_proc.access_log`) on ``ext_proc.meter_listen`` (an ``extra_listen`` process: on its
+  ``extra_meter_listen`` address).
 
 May import: the core (:mod:`inferlb.errors`, :mod:`inferlb.config`, :mod:`inferlb.request`,
 :mod:`inferlb.policy`), :mod:`inferlb.adapters`, ext_proc's transport-free modules (:mod:`ext_proc.handlers`,

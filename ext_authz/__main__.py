@@ -12,10 +12,13 @@ once it accepts connections and reloads the config file as ext_proc does
 the last good config kept on a bad file). The event loop is uvloop's when installed (``--event-loop``).
 With ``ext_proc.account_responses`` it also serves Envoy's gRPC access-log service on
 ``ext_proc.meter_listen`` (:mod:`ext_proc.access_log` -> :mod:`ext_authz.meter`, the settler) before it
-takes checks. SIGINT/SIGTERM stop it cleanly (:meth:`ext_authz.server.CheckServer.close`, then the
-settler). Exit status: 0 after a clean
-stop, 1 when the config, the listen address or the event loop is unusable at start-up, or the config's
-``ext_proc.protocol`` is not ``ext_authz``.
+takes checks; the process serving ``extra_listen[i]`` (its ``--listen``) serves it on the matching
+``extra_meter_listen`` address instead and prefixes its meter ids with its index
+(:meth:`inferlb.config.schema.ExtProcConfig.meter_addresses`, :mod:`ext_authz.meter`). SIGINT/SIGTERM
+stop it cleanly (:meth:`ext_authz.server.CheckServer.close`, then the settler). Exit status: 0 after a
+clean stop, 1 when the config, the listen address or the event loop is unusable at start-up, the config's
+``ext_proc.protocol`` is not ``ext_authz``, or it meters with ``extra_listen`` processes and its listen
+address is none of the config's (no access log of Envoy's would reach its settler).
 """
 
 from __future__ import annotations
@@ -41,7 +44,7 @@ from ext_proc.process import (
     until_stopped,
 )
 from inferlb.adapters.unix_socket import UnixSocketError
-from inferlb.config.schema import GrpcAddress, HostPort, UnixSocket
+from inferlb.config.schema import ExtProcConfig, GrpcAddress, HostPort, UnixSocket
 
 log = logging.getLogger("ext_authz")
 
@@ -60,11 +63,14 @@ async def serve(start: StartUp, poll_interval_s: float) -> int:
     if config.ext_proc.protocol != "ext_authz":
         log.error("cannot start: ext_proc.protocol is %s, not ext_authz", config.ext_proc.protocol)
         return 1
+    process = _process_index(config.ext_proc, listen)
+    if process is None:
+        return 1
     state = await open_state(config, poller, log)
     if state is None:
         return 1
     quotas = state.quotas
-    meter = Meter(state) if config.ext_proc.meters_access_log() else None
+    meter = Meter(state, process=process) if config.ext_proc.meters_access_log() else None
     server = CheckServer(CheckService(state, meter=meter))
     metrics_server = await serve_metrics(state, start.metrics_listen or config.ext_proc.metrics_listen, log)
     if metrics_server is None:
@@ -74,12 +80,13 @@ async def serve(start: StartUp, poll_interval_s: float) -> int:
     try:
         if meter is not None:
             # before the checks: every metered request's entry must find the settler listening
-            meter_listen = config.ext_proc.meter_listen
+            meter_listen = config.ext_proc.meter_addresses()[process]
             settler, meter_port = await serve_access_log(
                 meter_listen.host, meter_listen.port, meter.on_entries
             )
             meter.start()
-            log.info("ext_authz settler on %s", HostPort(host=meter_listen.host, port=meter_port))
+            settled_on = HostPort(host=meter_listen.host, port=meter_port)
+            log.info("ext_authz settler on %s (process %d)", settled_on, process)
         if isinstance(listen, UnixSocket):
             await server.start_unix(listen.path)
             bound: GrpcAddress = listen
@@ -100,6 +107,23 @@ async def serve(start: StartUp, poll_interval_s: float) -> int:
         await release(state, metrics_server)
     log.info("ext_authz stopped")
     return 0
+
+
+def _process_index(ep: ExtProcConfig, listen: GrpcAddress) -> int | None:
+    """This process's index among the request-path processes (:meth:`ExtProcConfig.process_index`); a
+    ``--listen`` the config does not name is process 0 when the config has one process, else None (logged:
+    Envoy would send its entries to no settler of its own)."""
+    process = ep.process_index(listen)
+    if process is not None:
+        return process
+    if not ep.extra_listen or not ep.meters_access_log():
+        return 0
+    log.error(
+        "cannot start: %s is neither ext_proc.listen nor one of extra_listen, so no access log of Envoy's "
+        "reaches this process's settler; serve on one of them",
+        listen,
+    )
+    return None
 
 
 async def _stop_settler(settler: grpc.aio.Server | None, meter: Meter | None) -> None:

@@ -15,8 +15,32 @@ cluster to :meth:`Meter.reserve`, and the settlement leaves it, so the count is 
 late by the entry's trip (up to ``ext_proc.meter_flush_interval_ms``), and an entry that never comes holds
 its request in the count until the TTL settles it.
 
-Meter ids are ``<nonce>-<n>``: a random nonce per process start and a counter, so an entry of a request
-admitted before a restart never matches a reservation made after it (it is unknown, and ignored).
+Meter ids are ``p<process>-<nonce>-<n>``: the process's index
+(:func:`~inferlb.policy.settlement.meter_id_prefix`), a random nonce per process start and a counter, so an
+entry of a request admitted before a restart never matches a reservation made after it (it is unknown, and
+ignored).
+
+**Several processes** (``ext_proc.extra_listen``, with ``quota_backend: redis`` whenever a tenant has a
+limit): every request-path process is its own settler, process ``i`` on
+``ext_proc.meter_addresses()[i]`` (``meter_listen``, then ``extra_meter_listen``), and settles only the
+reservations it made. Envoy routes each entry to its owner: the gateway's connection manager has one gRPC
+access logger per process (:func:`xds_server.resources.listener.build_meter_access_logs`), each with an
+access-log ``metadata_filter`` that takes only the entries whose meter id (the ext_authz dynamic metadata)
+starts with that process's prefix, sending to that process's own cluster (``inferlb_meter``,
+``inferlb_meter_1``, ...). A request's entry thus reaches the settler that holds its reservation and no
+other, so the exactly-once rule of :mod:`inferlb.policy.settlement` holds per process as with one, and the
+quota store (Redis, shared) is settled by whichever process admitted. What a process holds is its own:
+``kill -9`` of one loses only its unsettled ids (they stay charged at their reservation in the shared store
+and their concurrency leases expire by their TTL), while Envoy's loggers to the other processes go on; a
+drained Envoy stop (:meth:`inferlb.ops.stack.Stack.drain_envoy`) flushes every logger alike.
+
+Why not reservations in Redis, any settler settling any id: it would cost each metered request two more
+Redis round trips (writing the reservation on the check's path, an atomic take when its entry comes) and a
+shared deadline index swept under a lock for the lost-entry rule, where Envoy's routing costs one prefix
+comparison per logger per request and nothing in Redis; it would buy settling a crashed process's
+requests at their usage instead of at their reservation (an overcharge for those, never an undercharge). Envoy
+opens one access-log stream per logger per worker, so N processes mean N streams per worker, each with its
+own batches (at most one flush interval late each, as with one).
 """
 
 from __future__ import annotations
@@ -31,7 +55,13 @@ from typing import Final
 
 from ext_proc.state import ExtProcState
 from inferlb.policy.quota import Admitted, MemoryQuotaStore, lease_ttl_s
-from inferlb.policy.settlement import MeterEntry, Outcome, Settlement, SettlementLedger
+from inferlb.policy.settlement import (
+    MeterEntry,
+    Outcome,
+    Settlement,
+    SettlementLedger,
+    meter_id_prefix,
+)
 
 log = logging.getLogger("ext_authz")
 
@@ -59,14 +89,22 @@ class Meter:
 
     Args:
         state: the quota store, metrics and current config (its lease TTL sets the ledger's).
+        process: this request-path process's index (0: ``ext_proc.listen``, ``i + 1``:
+            ``extra_listen[i]``), which starts every meter id it makes.
         clock: monotonic seconds (tests inject one).
+
+    Raises:
+        ValueError: ``process`` < 0.
     """
 
-    def __init__(self, state: ExtProcState, *, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self, state: ExtProcState, *, process: int = 0, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         self.state = state
         self.clock = clock
+        self.process = process
         self.ledger = SettlementLedger(ledger_ttl_s(lease_ttl_s(state.gateway.config)))
-        self._nonce = secrets.token_hex(6)
+        self._nonce = meter_id_prefix(process) + secrets.token_hex(6)
         self._next = 0
         self._sweeper: asyncio.Task[None] | None = None
 

@@ -100,11 +100,7 @@ async def watch_config(
         except ConfigError as err:
             log_config_error(log, err, "config reload refused, still serving the last good config")
             continue
-        if str(config.ext_proc.grpc_address()) != listen:
-            log.warning(
-                "ext_proc.listen/listen_unix changed to %s; the new address needs a restart",
-                config.ext_proc.grpc_address(),
-            )
+        warn_if_process_moved(state.gateway.config, config, listen, log)
         if config.ext_proc.protocol != state.gateway.config.ext_proc.protocol:
             log.warning("ext_proc.protocol changed to %s; it needs a restart", config.ext_proc.protocol)
         if config.ext_proc.quota_backend != state.gateway.config.ext_proc.quota_backend:
@@ -121,6 +117,30 @@ async def watch_config(
             poller.path,
             len(config.models),
             len(config.tenants),
+        )
+
+
+def warn_if_process_moved(old: Config, new: Config, listen: str, log: logging.Logger) -> None:
+    """Log that a restart is needed when the process serving ``listen`` is no longer one of ``new``'s
+    request-path addresses (``ext_proc.listen``/``listen_unix``, ``extra_listen``), or, when ext_authz mode
+    meters, the settler addresses changed (:meth:`~inferlb.config.schema.ExtProcConfig.meter_addresses`):
+    Envoy's access logger ``i`` follows the new address ``i`` while each process keeps the settler address
+    and meter id prefix it started with (:mod:`ext_authz.meter`). A reordered ``extra_listen`` alone changes
+    neither."""
+    now = [str(a) for a in (new.ext_proc.grpc_address(), *new.ext_proc.extra_listen)]
+    if listen not in now:
+        log.warning(
+            "%s is no longer ext_proc.listen/listen_unix nor one of extra_listen (now %s); the new "
+            "addresses need a restart",
+            listen,
+            ", ".join(now),
+        )
+    if new.ext_proc.meters_access_log() and new.ext_proc.meter_addresses() != old.ext_proc.meter_addresses():
+        log.warning(
+            "the settler addresses changed to %s; the ext_authz processes keep theirs until a restart "
+            "(entries Envoy sends to another settler are ignored there; their reservations settle by the "
+            "TTL)",
+            ", ".join(map(str, new.ext_proc.meter_addresses())),
         )
 
 

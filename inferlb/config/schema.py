@@ -342,8 +342,8 @@ class ExtProcConfig(_Frozen):
     #: per request; ``python -m ext_proc``) or ``ext_authz`` (``envoy.filters.http.ext_authz`` in HTTP-service
     #: mode, one HTTP/1.1 check per request with the buffered body; ``python -m ext_authz``). Both serve the
     #: same decisions (:mod:`ext_proc.handlers`) on the addresses below. ``ext_authz`` meters responses in
-    #: Envoy (a Lua filter reads the usage, the gRPC access log brings it to ``meter_listen``), with one
-    #: process only (no ``extra_listen`` with ``account_responses``; refused otherwise, the field named).
+    #: Envoy (a Lua filter reads the usage, the gRPC access log brings it to ``meter_listen``, or to the
+    #: ``extra_meter_listen`` address of the ``extra_listen`` process that admitted the request).
     protocol: Literal["ext_proc", "ext_authz"] = "ext_proc"
     listen: HostPort = HostPort(host="127.0.0.1", port=18080)
     #: Serve ext_proc (ext_authz's HTTP service with ``protocol: ext_authz``) on this Unix domain socket (an
@@ -387,6 +387,12 @@ class ExtProcConfig(_Frozen):
     #: access-log service (the settler). Unused otherwise. (Its default port sits below ``listen``: the
     #: ports above ``metrics_listen`` are the derived ``extra_metrics_listen``.)
     meter_listen: HostPort = HostPort(host="127.0.0.1", port=18079)
+    #: ``protocol: ext_authz`` with ``account_responses``: the settler address of each ``extra_listen``
+    #: process, in the same order (each process settles the reservations it made; Envoy's access log sends
+    #: each entry to its owner, :func:`xds_server.resources.listener.build_meter_access_logs`). Empty:
+    #: derived as ``meter_listen``'s host with its port - 1, - 2, ... (:meth:`meter_addresses`; below it,
+    #: as the port above ``meter_listen`` is ``listen``'s by default).
+    extra_meter_listen: tuple[HostPort, ...] = ()
     #: Envoy's gRPC access log ``buffer_flush_interval`` (ms): the most an entry waits in Envoy before it is
     #: sent, so the most a settlement is late (plus the settler's own time); also what a clean Envoy stop
     #: must wait after the last request (Envoy does not flush the buffer when it exits).
@@ -447,6 +453,15 @@ class ExtProcConfig(_Frozen):
             )
         if not m and n and self.metrics_listen.port + n > 65535:
             raise ValueError("extra_metrics_listen: metrics_listen's port + extra processes passes 65535")
+        k = len(self.extra_meter_listen)
+        if k and k != n:
+            raise ValueError(
+                f"extra_meter_listen: {k} addresses for {n} extra_listen processes; give one each"
+            )
+        if not k and n and self.meters_access_log() and self.meter_listen.port - n < 1:
+            raise ValueError(
+                "extra_meter_listen: meter_listen's port - extra processes goes below 1; give the addresses"
+            )
         return self
 
     def meters_access_log(self) -> bool:
@@ -457,6 +472,24 @@ class ExtProcConfig(_Frozen):
     def grpc_address(self) -> GrpcAddress:
         """Where the (first) ext_proc process serves gRPC: ``listen_unix`` when set, else ``listen``."""
         return self.listen_unix or self.listen
+
+    def meter_addresses(self) -> tuple[HostPort, ...]:
+        """The settler address of each request-path process, process 0 (``listen``) first, then each
+        ``extra_listen`` process: ``meter_listen``, then ``extra_meter_listen`` or ``meter_listen``'s port
+        - 1, - 2, ... on its host."""
+        if self.extra_meter_listen:
+            return (self.meter_listen, *self.extra_meter_listen)
+        mh = self.meter_listen
+        extra = tuple(HostPort(host=mh.host, port=mh.port - i - 1) for i in range(len(self.extra_listen)))
+        return (mh, *extra)
+
+    def process_index(self, listen: GrpcAddress) -> int | None:
+        """Which request-path process serves on ``listen``: 0 for ``listen`` (or ``listen_unix``), ``i + 1``
+        for ``extra_listen[i]``; None when the config names no such address."""
+        for i, addr in enumerate((self.grpc_address(), *self.extra_listen)):
+            if str(addr) == str(listen):
+                return i
+        return None
 
     def extra_metrics_addresses(self) -> tuple[HostPort, ...]:
         """The ``/metrics`` address of each ``extra_listen`` process: ``extra_metrics_listen``, or
@@ -979,12 +1012,6 @@ class Config(_Frozen):
         if ep.protocol != "ext_authz":
             return self
         problems: list[str] = []
-        if ep.account_responses and ep.extra_listen:
-            problems.append(
-                "ext_proc.extra_listen: protocol ext_authz meters responses (account_responses) in one "
-                "process only (its settler holds the reservations Envoy's access log settles), so drop "
-                "extra_listen or set account_responses to false"
-            )
         problems += [
             f"tenants[{i}].max_concurrent_requests: protocol ext_authz without account_responses never "
             "learns that a response ended and cannot hold a concurrency slot for the request's life, so "
@@ -1027,7 +1054,9 @@ class Config(_Frozen):
             out.append(("ext_proc.listen", self.ext_proc.listen))
         out.append(("ext_proc.metrics_listen", self.ext_proc.metrics_listen))
         if self.ext_proc.meters_access_log():
-            out.append(("ext_proc.meter_listen", self.ext_proc.meter_listen))
+            meters = self.ext_proc.meter_addresses()
+            out.append(("ext_proc.meter_listen", meters[0]))
+            out += [(f"ext_proc.extra_meter_listen[{i}]", hp) for i, hp in enumerate(meters[1:])]
         out += [(f"ext_proc.extra_listen[{i}]", hp) for i, hp in enumerate(self.ext_proc.extra_listen)]
         out += [
             (f"ext_proc.extra_metrics_listen[{i}]", hp)

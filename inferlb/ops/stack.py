@@ -3,7 +3,10 @@
 ``inferlb up`` and the end-to-end tests use this module; docker-compose.yml describes the same four
 services as containers. Each service is started as ``python -m <service> --config FILE``; ext_proc (or
 ext_authz, with ``ext_proc.protocol: ext_authz``) runs as one process per address (``ext_proc.listen`` and
-each of ``ext_proc.extra_listen``), each its own endpoint of Envoy's ext_proc (ext_authz) cluster. Envoy
+each of ``ext_proc.extra_listen``), each its own endpoint of Envoy's ext_proc (ext_authz) cluster; a
+metering ext_authz process also serves its own settler (``ext_proc.meter_listen``, then
+``extra_meter_listen``: :meth:`inferlb.config.schema.ExtProcConfig.meter_addresses`), which it finds from
+its ``--listen`` address, and its socket is checked free before the start with the others. Envoy
 gets a bootstrap rendered from the same config (:func:`xds_server.bootstrap.render_bootstrap`) and takes
 everything else (listeners, routes, clusters, endpoints) from the xDS server.
 
@@ -576,4 +579,9 @@ def describe(config: Config) -> Sequence[str]:
         f"admin    http://{config.gateway.admin}  (Envoy admin; `inferlb status` reads it)",
         f"xds      {config.xds.grpc_address()}  {config.ext_proc.protocol} "
         f"{', '.join(map(str, ext_proc_addresses))}",
+        *(
+            [f"settlers {', '.join(map(str, config.ext_proc.meter_addresses()))}  (Envoy's access log)"]
+            if config.ext_proc.meters_access_log()
+            else []
+        ),
     )

@@ -45,6 +45,21 @@ USAGE_NAMESPACE: Final = "inferlb.meter"
 USAGE_KEY: Final = "usage"
 
 
+def meter_id_prefix(process: int) -> str:
+    """The prefix of every meter id request-path process ``process`` makes (0: the one on
+    ``ext_proc.listen``, ``i + 1``: ``extra_listen[i]``), ``p<process>-``: Envoy's access log for that
+    process's settler takes the entries whose id starts with it
+    (:func:`xds_server.resources.listener.build_meter_access_logs`). The dash ends the number, so no
+    process's prefix is a prefix of another's (``p1-`` vs ``p10-``).
+
+    Raises:
+        ValueError: ``process`` < 0.
+    """
+    if process < 0:
+        raise ValueError(f"process must be >= 0, not {process}")
+    return f"p{process}-"
+
+
 class Outcome(StrEnum):
     """What happened to one reservation or one entry (metric label values)."""
 

@@ -94,8 +94,8 @@ def accounting_stack(
 ) -> Iterator[RunningStack]:
     """The default fleet with the default config's response accounting, decode slowed to 2,000 tokens/s
     per V100 sequence (an abort mid-stream must come before the end), plus one tenant per test, in each
-    request-path mode and with each quota store: with Redis, ext_proc mode runs two replicas sharing it
-    (ext_authz meters in one process, so one replica there)."""
+    request-path mode and with each quota store: with Redis, two replicas share it (in ext_authz mode
+    each with its own settler, Envoy's access log sending each entry to the replica that admitted it)."""
     work = tmp_path_factory.mktemp("acct")
     doc = in_mode(make_config_doc(), request_path)
     doc["ext_proc"].pop("account_responses", None)  # the default is what is under test
@@ -108,10 +108,10 @@ def accounting_stack(
         if quota_backend == "redis":
             redis = stack.enter_context(redis_or_skip(tmp_path_factory.mktemp("redis")))
             doc["ext_proc"].update(quota_backend="redis", redis_url=redis.url)
-            if request_path == "ext_proc":
-                grpc_port, metrics_port = free_ports(2)
-                doc["ext_proc"]["extra_listen"] = [f"127.0.0.1:{grpc_port}"]
-                doc["ext_proc"]["extra_metrics_listen"] = [f"127.0.0.1:{metrics_port}"]
+            grpc_port, metrics_port, meter_port = free_ports(3)
+            doc["ext_proc"]["extra_listen"] = [f"127.0.0.1:{grpc_port}"]
+            doc["ext_proc"]["extra_metrics_listen"] = [f"127.0.0.1:{metrics_port}"]
+            doc["ext_proc"]["extra_meter_listen"] = [f"127.0.0.1:{meter_port}"]
         rs = stack.enter_context(started_stack(work, doc))
         assert rs.config.ext_proc.account_responses
         yield rs
@@ -293,3 +293,49 @@ def test_a_concurrency_slot_is_held_until_the_response_ends(accounting_stack: Ru
         assert time.monotonic() < deadline, "the slot was never released"
         time.sleep(0.1)
     assert status == 200
+
+
+def process_samples(addr: object, name: str) -> dict[str, float]:
+    """One process's samples of metric ``name`` (label values joined by ``,``, in label name order ->
+    value)."""
+    text = http_request(str(addr), "GET", "/metrics").body.decode()
+    return {
+        ",".join(s.labels.values()): s.value
+        for fam in text_string_to_metric_families(text)
+        for s in fam.samples
+        if s.name == name
+    }
+
+
+def test_each_replica_settles_what_it_admitted(accounting_stack: RunningStack, request_path: str) -> None:
+    rs = accounting_stack
+    ep = rs.config.ext_proc
+    if not ep.extra_listen:
+        pytest.skip("one request-path process with the in-process quota store")
+    for i in range(8):  # Envoy spreads checks over both replicas
+        assert (
+            http_request(
+                rs.gateway,
+                "POST",
+                "/v1/chat/completions",
+                chat_body(QWEN, max_tokens=2),
+                {"Authorization": "Bearer sk-acct-json-key"},
+            ).status
+            == 200
+        ), i
+    processes = (ep.metrics_listen, *ep.extra_metrics_addresses())
+    served = [sum(process_samples(a, "inferlb_requests_total").values()) for a in processes]
+    assert all(n > 0 for n in served), served
+    if request_path != "ext_authz":
+        return
+    # each replica's settler got the entries of its own ids and none of the other's (an entry at the
+    # wrong settler would be an unknown id there), none waited for the TTL
+    deadline = time.monotonic() + 10
+    while True:
+        settled = [process_samples(a, "inferlb_meter_settlements_total") for a in processes]
+        if all(s.get("metered", 0) > 0 for s in settled) or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    assert all(s.get("metered", 0) > 0 and s.get("expired", 0) == 0 for s in settled), settled
+    ignored = [process_samples(a, "inferlb_meter_entries_ignored_total") for a in processes]
+    assert all(i.get("unknown", 0) == 0 for i in ignored), ignored

@@ -1,5 +1,6 @@
-"""The stack runs one ext_proc process per ``ext_proc.listen``/``extra_listen`` address, each with its own
-metrics address, and Envoy spreads requests over them; ``--metrics-listen HOST:0`` picks a free port."""
+"""The stack runs one ext_proc (or ext_authz) process per ``ext_proc.listen``/``extra_listen`` address, each
+with its own metrics address (and in ext_authz mode its own settler, ``extra_meter_listen``), and Envoy
+spreads requests over them; ``--metrics-listen HOST:0`` picks a free port."""
 
 from __future__ import annotations
 
@@ -15,9 +16,10 @@ from typing import Any
 import pytest
 
 from inferlb.config.schema import HostPort
-from inferlb.ops.stack import Child, Stack, StackError, free_ports, port_open
+from inferlb.ops.stack import Child, Stack, StackError, clusters_json, free_ports, port_open
+from inferlb.ops.status import host_rows
 from tests.conftest import make_config_doc, write_config
-from tests.e2e.conftest import http_request
+from tests.e2e.conftest import http_request, in_mode
 
 pytestmark = pytest.mark.e2e
 
@@ -35,6 +37,17 @@ def _requests_served(metrics_addr: str) -> float:
     )
 
 
+def settled(metrics_addr: str) -> float:
+    """Sum of ``inferlb_meter_settlements_total`` on one ext_authz process's ``/metrics``."""
+    with urllib.request.urlopen(f"http://{metrics_addr}/metrics", timeout=5) as resp:
+        text = resp.read().decode()
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("inferlb_meter_settlements_total{")
+    )
+
+
 def _doc_without_tenant_limits() -> dict[str, Any]:
     """The test config with every tenant unlimited: with ``quota_backend: memory`` each ext_proc process
     would enforce a limit on its own share, so the config refuses extra processes plus limits."""
@@ -43,16 +56,20 @@ def _doc_without_tenant_limits() -> dict[str, Any]:
     return doc
 
 
-def test_each_extra_listen_address_gets_its_own_ext_proc_process(tmp_path: Path) -> None:
-    doc = _doc_without_tenant_limits()
-    extra, extra_metrics = free_ports(2)
+def test_each_extra_listen_address_gets_its_own_ext_proc_process(tmp_path: Path, request_path: str) -> None:
+    doc = in_mode(_doc_without_tenant_limits(), request_path)
+    extra, extra_metrics, extra_meter = free_ports(3)
     doc["ext_proc"]["extra_listen"] = [f"127.0.0.1:{extra}"]
     doc["ext_proc"]["extra_metrics_listen"] = [f"127.0.0.1:{extra_metrics}"]
+    doc["ext_proc"]["extra_meter_listen"] = [f"127.0.0.1:{extra_meter}"]
     stack = Stack(write_config(tmp_path / "c.yaml", doc), workdir=tmp_path)
     assert ("ext_proc.extra_listen[0]", stack.config.ext_proc.extra_listen[0]) in stack.sockets()
+    if request_path == "ext_authz":  # metered (the default): the second process's settler too
+        meter = HostPort(host="127.0.0.1", port=extra_meter)
+        assert ("ext_proc.extra_meter_listen[0]", meter) in stack.sockets()
     stack.start(timeout_s=60)
     try:
-        second = stack.child("ext_proc-2")
+        second = stack.child(f"{request_path}-2")
         assert second.exited() is None
         assert "--listen" in second.argv and f"127.0.0.1:{extra}" in second.argv
         for i in range(REQUESTS):
@@ -67,9 +84,22 @@ def test_each_extra_listen_address_gets_its_own_ext_proc_process(tmp_path: Path)
             assert r.status == 200, r.body
         first = _requests_served(str(stack.config.ext_proc.metrics_listen))
         other = _requests_served(f"127.0.0.1:{extra_metrics}")
-        # Envoy round-robins streams over the ext_proc cluster's two endpoints: both processes work
+        # Envoy round-robins requests over the request-path cluster's two endpoints: both processes work
         assert first > 0 and other > 0, (first, other)
         assert first + other == REQUESTS
+        if request_path == "ext_authz":  # each settled its own, at its own settler (one flush later)
+            # `inferlb status --all` lists each settler's cluster with its one endpoint
+            rows = host_rows(stack.config, clusters_json(stack.config), only_models=False)
+            settlers = {r.cluster: r.address for r in rows if r.cluster.startswith("inferlb_meter")}
+            assert settlers == {
+                "inferlb_meter": str(stack.config.ext_proc.meter_listen),
+                "inferlb_meter_1": f"127.0.0.1:{extra_meter}",
+            }
+            assert stack.drain_envoy()
+            got = [
+                settled(str(a)) for a in (stack.config.ext_proc.metrics_listen, f"127.0.0.1:{extra_metrics}")
+            ]
+            assert got == [first, other]
     finally:
         stack.stop()
 

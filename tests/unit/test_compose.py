@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import yaml
 
-from inferlb.config.schema import ExtProcConfig, default_config_path, load_config
+from inferlb.config.schema import ExtProcConfig, HostPort, default_config_path, load_config, parse_config
 from inferlb.ops.stack import SERVICE_MODULES
 
 ROOT = Path(__file__).parents[2]
@@ -42,15 +42,23 @@ def test_compose_config_is_the_local_config_with_service_addresses() -> None:
 def test_compose_services_are_the_stack_services() -> None:
     doc = yaml.safe_load((ROOT / "docker-compose.yml").read_text(encoding="utf-8"))
     services = doc["services"]
-    assert set(services) == {"gpusim", "xds-server", "ext-proc", "ext-authz", "envoy"}
+    assert set(services) == {"gpusim", "xds-server", "ext-proc", "ext-authz", "ext-authz-2", "envoy"}
     # the ext_authz request path is opt-in, on ext-proc's ports
     assert services["ext-authz"]["profiles"] == ["ext_authz"]
     # ext-proc's ports, and the settler's (ext_proc.meter_listen's default port)
     settler = str(ExtProcConfig().meter_listen.port)
     assert services["ext-authz"]["expose"] == [*services["ext-proc"]["expose"], settler]
+    # a second ext_authz process, opt-in again, on the same ports of its own host, serving the config's
+    # extra_listen[0] (its settler is the config's extra_meter_listen[0])
+    second = services["ext-authz-2"]
+    assert second["profiles"] == ["ext_authz_replicas"]
+    assert second["expose"] == services["ext-authz"]["expose"]
+    flags = dict(zip(second["command"][3::2], second["command"][4::2], strict=True))
+    assert flags == {"--listen": "ext-authz-2:18080", "--metrics-listen": "ext-authz-2:18081"}
+    assert second["command"][:3] == services["ext-authz"]["command"]
     modules = {name: svc["command"][0] for name, svc in services.items() if name != "envoy"}
-    # the same modules inferlb.ops.stack.Stack starts with `python -m`
-    assert modules == {name: SERVICE_MODULES[name.replace("-", "_")] for name in modules}
+    # the same modules inferlb.ops.stack.Stack starts with `python -m` (ext-authz-2 as its ext_authz-2)
+    assert modules == {name: SERVICE_MODULES[name.removesuffix("-2").replace("-", "_")] for name in modules}
     compose = load_config(ROOT / "examples" / "compose.yaml")
     assert compose.xds.api_listen is not None
     assert services["xds-server"]["expose"] == [
@@ -98,3 +106,24 @@ def test_docker_compose_config_accepts_the_file() -> None:
         cwd=ROOT,
     )
     assert proc.returncode == 0, proc.stderr
+
+
+def test_the_second_ext_authz_service_is_a_configs_extra_listen_process() -> None:
+    # the config its comment asks for: ext-authz-2 is process 1, with its own settler for Envoy's log
+    doc = yaml.safe_load((ROOT / "examples" / "compose.yaml").read_text(encoding="utf-8"))
+    doc["ext_proc"].update(
+        protocol="ext_authz",
+        listen="ext-authz:18080",
+        metrics_listen="ext-authz:18081",
+        meter_listen="ext-authz:18079",
+        quota_backend="redis",
+        extra_listen=["ext-authz-2:18080"],
+        extra_metrics_listen=["ext-authz-2:18081"],
+        extra_meter_listen=["ext-authz-2:18079"],
+    )
+    ep = parse_config(doc).ext_proc
+    services = yaml.safe_load((ROOT / "docker-compose.yml").read_text(encoding="utf-8"))["services"]
+    listen = services["ext-authz-2"]["command"][services["ext-authz-2"]["command"].index("--listen") + 1]
+    process = ep.process_index(HostPort.model_validate(listen))
+    assert process == 1
+    assert str(ep.meter_addresses()[process]) == "ext-authz-2:18079"

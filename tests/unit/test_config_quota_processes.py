@@ -1,6 +1,8 @@
 """Several ext_proc processes (``ext_proc.extra_listen``) with ``quota_backend: memory`` would each keep
 their own quota state, so every tenant limit would be multiplied by the number of processes: such a config
-is refused when some tenant has a limit, and accepted with Redis, without limits or with one process."""
+is refused when some tenant has a limit, and accepted with Redis, without limits or with one process, in
+both request-path modes (ext_authz processes each meter on their own settler:
+``tests/unit/test_meter_processes.py``)."""
 
 from __future__ import annotations
 
@@ -15,8 +17,14 @@ from inferlb.config.schema import ConfigError, parse_config
 LIMITS = ("requests_per_minute", "tokens_per_minute", "max_concurrent_requests", "daily_token_budget")
 
 
-def _doc(*, extra: int, backend: str | None, tenant_limits: dict[str, int]) -> dict[str, Any]:
+PROTOCOLS = st.sampled_from(("ext_proc", "ext_authz"))
+
+
+def _doc(
+    *, extra: int, backend: str | None, tenant_limits: dict[str, int], protocol: str = "ext_proc"
+) -> dict[str, Any]:
     ext_proc: dict[str, Any] = {
+        "protocol": protocol,
         "listen": "127.0.0.1:18080",
         "extra_listen": [f"127.0.0.1:{18090 + i}" for i in range(extra)],
     }
@@ -35,13 +43,15 @@ def _doc(*, extra: int, backend: str | None, tenant_limits: dict[str, int]) -> d
 @given(
     limits=st.dictionaries(st.sampled_from(LIMITS), st.integers(1, 10**9), min_size=1),
     extra=st.integers(1, 4),
+    protocol=PROTOCOLS,
 )
 def test_a_limited_tenant_with_memory_quotas_and_extra_processes_is_refused(
-    limits: dict[str, int], extra: int
+    limits: dict[str, int], extra: int, protocol: str
 ) -> None:
     for backend in (None, "memory"):  # the default is memory
+        doc = _doc(extra=extra, backend=backend, tenant_limits=limits, protocol=protocol)
         with pytest.raises(ConfigError) as info:
-            parse_config(_doc(extra=extra, backend=backend, tenant_limits=limits), "f.yaml")
+            parse_config(doc, "f.yaml")
         [(field, message)] = info.value.problems
         assert field == "ext_proc.extra_listen"
         assert f"{extra + 1} ext_proc processes with quota_backend memory" in message
@@ -50,10 +60,18 @@ def test_a_limited_tenant_with_memory_quotas_and_extra_processes_is_refused(
         assert "quota_backend: redis" in message
 
 
-@given(limits=st.dictionaries(st.sampled_from(LIMITS), st.integers(1, 10**9)), extra=st.integers(0, 4))
-def test_redis_quotas_share_the_limits_between_processes(limits: dict[str, int], extra: int) -> None:
-    config = parse_config(_doc(extra=extra, backend="redis", tenant_limits=limits))
+@given(
+    limits=st.dictionaries(st.sampled_from(LIMITS), st.integers(1, 10**9)),
+    extra=st.integers(0, 4),
+    protocol=PROTOCOLS,
+)
+def test_redis_quotas_share_the_limits_between_processes(
+    limits: dict[str, int], extra: int, protocol: str
+) -> None:
+    config = parse_config(_doc(extra=extra, backend="redis", tenant_limits=limits, protocol=protocol))
     assert len(config.ext_proc.extra_listen) == extra
+    if protocol == "ext_authz":  # metered (the default): one settler per process
+        assert len(config.ext_proc.meter_addresses()) == extra + 1
     assert config.tenants[1].limits_set() == tuple(f for f in LIMITS if f in limits)
 
 

@@ -26,10 +26,10 @@ from inferlb.policy.length_aware import subset_key
 from xds_server.resources.common import (
     EXT_AUTHZ_CLUSTER,
     EXT_PROC_CLUSTER,
-    METER_CLUSTER,
     ads_source,
     duration_ms,
     grpc_service_address,
+    meter_cluster_name,
     pack,
 )
 
@@ -249,23 +249,34 @@ def build_ext_proc_cluster(config: Config) -> cluster_pb2.Cluster:
 
 def build_clusters(config: Config) -> list[cluster_pb2.Cluster]:
     """Every Cluster: one EDS cluster per model version (config order), then ``inferlb_ext_proc`` (or
-    ``inferlb_ext_authz``, and ``inferlb_meter`` when ext_authz mode meters responses)."""
+    ``inferlb_ext_authz``, and the settlers' clusters when ext_authz mode meters responses)."""
     out = [build_model_cluster(m.cluster_name(v.name), m.cluster) for m in config.models for v in m.versions]
     out.append(build_ext_proc_cluster(config))
-    if config.ext_proc.meters_access_log():
-        out.append(build_meter_cluster(config))
+    out += build_meter_clusters(config)
     return out
 
 
-def build_meter_cluster(config: Config) -> cluster_pb2.Cluster:
-    """The ``inferlb_meter`` cluster (``ext_proc.protocol: ext_authz`` with ``account_responses``): the
-    settler's gRPC access-log service on ``ext_proc.meter_listen``, HTTP/2, STATIC for an IP literal, else
-    LOGICAL_DNS. Envoy keeps one access-log stream per worker on it."""
-    addr = config.ext_proc.meter_listen
-    return cluster_pb2.Cluster(
-        name=METER_CLUSTER,
-        type=cluster_pb2.Cluster.STATIC if addr.is_ip else cluster_pb2.Cluster.LOGICAL_DNS,
-        connect_timeout=duration_ms(EXT_PROC_CONNECT_TIMEOUT_MS),
-        typed_extension_protocol_options=_http2_protocol_options(),
-        load_assignment=_static_endpoints(METER_CLUSTER, (addr,)),
-    )
+def build_meter_clusters(config: Config) -> list[cluster_pb2.Cluster]:
+    """One cluster per request-path process's settler (``ext_proc.protocol: ext_authz`` with
+    ``account_responses``; else none), in process order: ``inferlb_meter`` on ``ext_proc.meter_listen``,
+    then ``inferlb_meter_<i + 1>`` on each ``extra_meter_listen`` address
+    (:meth:`~inferlb.config.schema.ExtProcConfig.meter_addresses`,
+    :func:`~xds_server.resources.common.meter_cluster_name`): the gRPC access-log service, HTTP/2, STATIC
+    for an IP literal, else LOGICAL_DNS. One endpoint each, so an entry reaches the process that holds its
+    reservation (:func:`xds_server.resources.listener.build_meter_access_logs`). Envoy keeps one access-log
+    stream per worker on each."""
+    if not config.ext_proc.meters_access_log():
+        return []
+    out = []
+    for process, addr in enumerate(config.ext_proc.meter_addresses()):
+        name = meter_cluster_name(process)
+        out.append(
+            cluster_pb2.Cluster(
+                name=name,
+                type=cluster_pb2.Cluster.STATIC if addr.is_ip else cluster_pb2.Cluster.LOGICAL_DNS,
+                connect_timeout=duration_ms(EXT_PROC_CONNECT_TIMEOUT_MS),
+                typed_extension_protocol_options=_http2_protocol_options(),
+                load_assignment=_static_endpoints(name, (addr,)),
+            )
+        )
+    return out

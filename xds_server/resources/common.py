@@ -38,7 +38,8 @@ EXT_PROC_CLUSTER: Final = "inferlb_ext_proc"
 #: :data:`EXT_PROC_CLUSTER`.
 EXT_AUTHZ_CLUSTER: Final = "inferlb_ext_authz"
 #: The settler's gRPC access-log cluster (``ext_proc.protocol: ext_authz`` with ``account_responses``):
-#: ``ext_proc.meter_listen`` over HTTP/2.
+#: ``ext_proc.meter_listen`` over HTTP/2 (process 0's; the ``extra_listen`` processes' are
+#: :func:`meter_cluster_name`).
 METER_CLUSTER: Final = "inferlb_meter"
 #: The ext_authz HTTP filter's name in the chain.
 EXT_AUTHZ_FILTER: Final = "envoy.filters.http.ext_authz"
@@ -95,6 +96,12 @@ class XdsResources:
     """
 
     by_type: Mapping[str, Mapping[str, Message]]
+
+
+def meter_cluster_name(process: int) -> str:
+    """The access-log cluster of request-path process ``process``'s settler (0: ``ext_proc.meter_listen``,
+    :data:`METER_CLUSTER`; ``i + 1``: ``extra_meter_listen[i]``, ``inferlb_meter_<i + 1>``)."""
+    return METER_CLUSTER if process == 0 else f"{METER_CLUSTER}_{process}"
 
 
 def json_error_body(err: RequestError) -> str:

@@ -56,7 +56,7 @@ from xds.type.matcher.v3 import string_pb2 as xds_string_pb2
 from inferlb.config.schema import Config
 from inferlb.errors import RequestError
 from inferlb.policy.routing import missing_api_key
-from inferlb.policy.settlement import AUTHZ_NAMESPACE, USAGE_KEY, USAGE_NAMESPACE
+from inferlb.policy.settlement import AUTHZ_NAMESPACE, USAGE_KEY, USAGE_NAMESPACE, meter_id_prefix
 from inferlb.request import headers
 from xds_server.resources.common import (
     API_KEY_FILTER,
@@ -70,13 +70,13 @@ from xds_server.resources.common import (
     EXT_PROC_FILTER,
     LISTENER_NAME,
     LUA_FILTER,
-    METER_CLUSTER,
     METER_LUA_FILTER,
     ROUTE_CONFIG_NAME,
     ads_source,
     duration_ms,
     ext_authz_other_mode_paths,
     json_error_body,
+    meter_cluster_name,
     pack,
     socket_address,
 )
@@ -753,40 +753,59 @@ def meter_lua() -> str:
     )
 
 
-def build_meter_access_log(config: Config) -> accesslog_pb2.AccessLog:
-    """The gateway's gRPC access log to the settler (``envoy.access_loggers.http_grpc``, Envoy docs
-    "gRPC access log"): only requests whose ext_authz answer carried a meter id (a ``metadata_filter`` on
-    it, so others cost nothing here), batched per worker up to ``ext_proc.meter_buffer_bytes`` or
-    ``ext_proc.meter_flush_interval_ms``, to :data:`~xds_server.resources.common.METER_CLUSTER`. The entry
-    carries the stream's dynamic metadata (meter id, usage text) and the response code. Measured on Envoy
-    1.40: Envoy does not flush this buffer when it exits (SIGTERM lost the last partial batch, ~1% of a
-    300-request burst); after ``/drain_listeners?graceful``, the last request's end and one flush interval,
-    nothing was lost."""
+def build_meter_access_logs(config: Config) -> list[accesslog_pb2.AccessLog]:
+    """The gateway's gRPC access logs to the settlers (``envoy.access_loggers.http_grpc``, Envoy docs
+    "gRPC access log"), one per request-path process (``ext_proc.listen``, then each ``extra_listen``),
+    in that order; empty unless ext_authz mode meters responses.
+
+    Logger ``i`` takes only the requests whose ext_authz answer carried a meter id of process ``i``: an
+    access-log ``metadata_filter`` on the id in the ext_authz dynamic metadata, matching the prefix
+    :func:`~inferlb.policy.settlement.meter_id_prefix` of ``i``, with ``match_if_key_not_found`` false (its
+    default, true, logs every request without an id, to every logger: Envoy docs,
+    ``config.accesslog.v3.MetadataFilter``). So each entry goes to the one settler that holds its
+    reservation (:mod:`ext_authz.meter`), on its own cluster
+    (:func:`~xds_server.resources.common.meter_cluster_name`), and a request that was not metered (refused,
+    ``/v1/models``, failed open) is logged nowhere. Each batches per worker up to
+    ``ext_proc.meter_buffer_bytes`` or ``ext_proc.meter_flush_interval_ms``. The entry carries the stream's
+    dynamic metadata (meter id, usage text) and the response code. Measured on Envoy 1.40: Envoy does not
+    flush this buffer when it exits (SIGTERM lost the last partial batch, ~1% of a 300-request burst);
+    after ``/drain_listeners?graceful``, the last request's end and one flush interval, nothing was
+    lost."""
     ep = config.ext_proc
-    grpc_log = http_grpc_pb2.HttpGrpcAccessLogConfig(
-        common_config=http_grpc_pb2.CommonGrpcAccessLogConfig(
-            log_name="inferlb_meter",
-            grpc_service=grpc_service_pb2.GrpcService(
-                envoy_grpc=grpc_service_pb2.GrpcService.EnvoyGrpc(cluster_name=METER_CLUSTER)
-            ),
-            transport_api_version=config_source_pb2.ApiVersion.V3,
-            buffer_flush_interval=duration_ms(ep.meter_flush_interval_ms),
-            buffer_size_bytes=wrappers_pb2.UInt32Value(value=ep.meter_buffer_bytes),
-        )
-    )
-    return accesslog_pb2.AccessLog(
-        name="envoy.access_loggers.http_grpc",
-        filter=accesslog_pb2.AccessLogFilter(
-            metadata_filter=accesslog_pb2.MetadataFilter(
-                matcher=metadata_matcher_pb2.MetadataMatcher(
-                    filter=AUTHZ_NAMESPACE,
-                    path=[metadata_matcher_pb2.MetadataMatcher.PathSegment(key=headers.METER)],
-                    value=value_matcher_pb2.ValueMatcher(present_match=True),
-                )
+    if not ep.meters_access_log():
+        return []
+    out = []
+    for process in range(len(ep.meter_addresses())):
+        cluster = meter_cluster_name(process)
+        grpc_log = http_grpc_pb2.HttpGrpcAccessLogConfig(
+            common_config=http_grpc_pb2.CommonGrpcAccessLogConfig(
+                log_name=cluster,
+                grpc_service=grpc_service_pb2.GrpcService(
+                    envoy_grpc=grpc_service_pb2.GrpcService.EnvoyGrpc(cluster_name=cluster)
+                ),
+                transport_api_version=config_source_pb2.ApiVersion.V3,
+                buffer_flush_interval=duration_ms(ep.meter_flush_interval_ms),
+                buffer_size_bytes=wrappers_pb2.UInt32Value(value=ep.meter_buffer_bytes),
             )
-        ),
-        typed_config=pack(grpc_log),
-    )
+        )
+        owner = string_pb2.StringMatcher(prefix=meter_id_prefix(process))
+        out.append(
+            accesslog_pb2.AccessLog(
+                name="envoy.access_loggers.http_grpc",
+                filter=accesslog_pb2.AccessLogFilter(
+                    metadata_filter=accesslog_pb2.MetadataFilter(
+                        matcher=metadata_matcher_pb2.MetadataMatcher(
+                            filter=AUTHZ_NAMESPACE,
+                            path=[metadata_matcher_pb2.MetadataMatcher.PathSegment(key=headers.METER)],
+                            value=value_matcher_pb2.ValueMatcher(string_match=owner),
+                        ),
+                        match_if_key_not_found=wrappers_pb2.BoolValue(value=False),
+                    )
+                ),
+                typed_config=pack(grpc_log),
+            )
+        )
+    return out
 
 
 #: Headers of the ext_authz service's 200 answer set on the upstream request (exact names): the routing
@@ -997,7 +1016,7 @@ def build_listener(config: Config) -> listener_pb2.Listener:
         rds=http_connection_manager_pb2.Rds(config_source=ads_source(), route_config_name=ROUTE_CONFIG_NAME),
         **downstream_timeouts(config),
         local_reply_config=build_local_reply_config(config),
-        access_log=[build_meter_access_log(config)] if config.ext_proc.meters_access_log() else [],
+        access_log=build_meter_access_logs(config),
         http_filters=[
             *request_path_filters(config),
             *fail_open_filters(),

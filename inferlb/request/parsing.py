@@ -24,14 +24,14 @@ options ``dimensions`` and ``encoding_format``. The gateway and the simulated mo
 (:mod:`simulation.gpusim`) both parse with this module, so the prompt they count is the same. Fields neither
 uses are not validated (a real model server does that). Every refusal raises
 :class:`inferlb.errors.RequestError` with status 400 and OpenAI's ``invalid_request_error`` type, naming the
-parameter at fault; no client input can make this module raise anything else.
+parameter at fault; no client input can make this module raise anything else. The values are frozen
+keyword-only ``msgspec.Struct`` s (why: :mod:`ext_proc.handlers`).
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any, Final
 
@@ -106,8 +106,7 @@ class ImageDetail(StrEnum):
     AUTO = "auto"
 
 
-@dataclass(frozen=True, kw_only=True, slots=True)
-class ChatMessage:
+class ChatMessage(msgspec.Struct, frozen=True, kw_only=True):
     """One chat message reduced to what token counting needs.
 
     Attributes:
@@ -124,8 +123,7 @@ class ChatMessage:
     images: tuple[ImageDetail, ...] = ()
 
 
-@dataclass(frozen=True, kw_only=True, slots=True)
-class InferenceRequest:
+class InferenceRequest(msgspec.Struct, frozen=True, kw_only=True):
     """A parsed OpenAI inference request.
 
     Attributes:

@@ -479,6 +479,12 @@ def prepare_body(
     )
 
 
+#: The body field a context-length refusal names, by endpoint (``input`` for the others).
+_PROMPT_FIELD = MappingProxyType(
+    {EndpointKind.CHAT_COMPLETIONS: "messages", EndpointKind.COMPLETIONS: "prompt"}
+)
+
+
 def _over_context(
     kind: EndpointKind,
     prompt_tokens: tuple[int, ...],
@@ -489,7 +495,7 @@ def _over_context(
 ) -> ImmediateReply | None:
     """The 400 ``context_length_exceeded`` reply for the first prompt whose tokens + requested output
     exceed the model's context length, or None. ``exact=False``: the counts are floors ("at least")."""
-    field = {EndpointKind.CHAT_COMPLETIONS: "messages", EndpointKind.COMPLETIONS: "prompt"}.get(kind, "input")
+    field = _PROMPT_FIELD.get(kind, "input")
     for i, tokens in enumerate(prompt_tokens):
         if tokens + per_prompt_output <= model.context_length:
             continue

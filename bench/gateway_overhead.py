@@ -33,12 +33,20 @@ of the backend, and the ratios to Envoy alone in the same cell (same prompts, sa
 
 ``--profile-s N``: afterwards, py-spy (when installed) samples the ext_authz service's event-loop thread for
 N s under wrk at 16 connections through its Envoy, repeated then unique prompts (:func:`py_spy_profile`).
+
+``--baseline REV``: one more gateway, ``inferlb ext_authz @REV``: the same ext_authz stack run from
+``git archive REV`` (its processes import that tree: ``PYTHONPATH``), an A/B of a change in one run.
+``--only-authz``: only Envoy alone and the ext_authz gateways (no ext_proc, no peers). For every ext_authz
+gateway the ``new conns to svc`` column is the most TCP connections Envoy opened to the service during one
+cell (sampled every 0.25 s; pooled connections of earlier cells left out): with keep-alive honoured, at
+most one per check in flight at once.
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import json
 import os
 import random
@@ -47,6 +55,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -272,6 +281,8 @@ class Gateway:
     url: str = ""
     procs: dict[str, list[int]] = field(default_factory=dict)
     note: str = ""
+    #: the ext_authz service's pid and port, whose connections from Envoy are counted per cell
+    service: tuple[int, int] | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -391,14 +402,79 @@ INFERLB_DOES = {
 
 
 def start_inferlb(
-    work: Path, name: str, protocol: str, *, accounting: bool, backend: int, base_id: int
+    work: Path,
+    name: str,
+    protocol: str,
+    *,
+    accounting: bool,
+    backend: int,
+    base_id: int,
+    tree: Path | None = None,
 ) -> Stack:
-    """The inferlb gateway ``name`` (:data:`INFERLB`), started and answering."""
-    slug = name.replace(" ", "-").replace(",", "")
+    """The inferlb gateway ``name`` (:data:`INFERLB`), started and answering; its Python processes import
+    ``tree`` first when given (``PYTHONPATH``)."""
+    slug = name.replace(" ", "-").replace(",", "").replace("@", "")
     cfg = inferlb_config(work, slug, backend, protocol=protocol, accounting=accounting)
     stack = Stack(cfg, workdir=work / slug, log_level="warning", base_id=base_id)
-    stack.start(timeout_s=60)
+    saved = os.environ.get("PYTHONPATH")
+    if tree is not None:
+        os.environ["PYTHONPATH"] = str(tree)  # the stack's children inherit the environment at start
+    try:
+        stack.start(timeout_s=60)
+    finally:
+        if saved is None:
+            os.environ.pop("PYTHONPATH", None)
+        else:
+            os.environ["PYTHONPATH"] = saved
     return stack
+
+
+def baseline_tree(work: Path, rev: str) -> Path:
+    """``git archive rev`` of this repository, unpacked under ``work``.
+
+    Raises:
+        subprocess.CalledProcessError: ``rev`` is not a revision of the repository.
+    """
+    root = Path(__file__).resolve().parents[1]
+    out = work / "baseline"
+    out.mkdir()
+    archive = subprocess.run(["git", "-C", str(root), "archive", rev], check=True, capture_output=True)
+    subprocess.run(["tar", "-x", "-C", str(out)], input=archive.stdout, check=True)
+    return out
+
+
+class ConnectionCounter:
+    """TCP connections to ``port`` of process ``pid`` opened while it runs (a sampling thread): those seen
+    that were not open at the start (Envoy keeps idle pooled connections of an earlier cell open)."""
+
+    def __init__(self, pid: int, port: int, every_s: float = 0.25) -> None:
+        self._proc = psutil.Process(pid)
+        self._port = port
+        self._every_s = every_s
+        self._before = self._open()
+        self.opened: set[tuple[str, int]] = set()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _open(self) -> set[tuple[str, int]]:
+        return {
+            (c.raddr.ip, c.raddr.port)
+            for c in self._proc.net_connections(kind="tcp")
+            if c.laddr and c.laddr.port == self._port and c.raddr
+        }
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.opened |= self._open() - self._before
+            self._stop.wait(self._every_s)
+
+    def __enter__(self) -> ConnectionCounter:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
 
 
 def py_spy_profile(pid: int, url: str, script: Path, seconds: int, work: Path, *, title: str) -> None:
@@ -464,15 +540,22 @@ class Sample:
 
     result: WrkResult
     cpu_us: dict[str, float]  # group -> CPU us per request
+    service_conns: int | None = None  # connections to the ext_authz service opened (ConnectionCounter)
 
 
 def measure(gw: Gateway, script: Path, conns: int, duration_s: int, backend: list[int]) -> Sample:
     """wrk against ``gw`` and the CPU per request of each of its process groups and the backend."""
     groups = {**gw.procs, "backend": backend}
+    counter = ConnectionCounter(*gw.service) if gw.service is not None else contextlib.nullcontext()
     before = {k: tree_cpu_s(v) for k, v in groups.items()}
-    r = wrk(gw.url, script, conns, duration_s, timeout_s=10)
+    with counter:
+        r = wrk(gw.url, script, conns, duration_s, timeout_s=10)
     n = max(r.requests, 1)
-    return Sample(result=r, cpu_us={k: (tree_cpu_s(v) - before[k]) / n * 1e6 for k, v in groups.items()})
+    return Sample(
+        result=r,
+        cpu_us={k: (tree_cpu_s(v) - before[k]) / n * 1e6 for k, v in groups.items()},
+        service_conns=len(counter.opened) if isinstance(counter, ConnectionCounter) else None,
+    )
 
 
 def interleaved(
@@ -513,6 +596,7 @@ def print_table(
     )
     cols = ["gateway", "prompts", "conns", "req/s", "p50 ms", "p99 ms", "bad", "CPU us/req gateway"]
     cols += ["of it envoy", "of it python", "backend", "req/s / alone", "p50 - alone", "CPU / alone"]
+    cols += ["new conns to svc"]
     for col in cols:
         table.add_column(col, justify="left" if col in ("gateway", "prompts") else "right")
 
@@ -551,6 +635,7 @@ def print_table(
                     f"{_median(got, lambda s: cpu(s, 'python')):.0f}" if "python" in gw.procs else "-",
                     f"{_median(got, lambda s: cpu(s, 'backend')):.0f}",
                     *ratios,
+                    "-" if got[0].service_conns is None else str(max(s.service_conns or 0 for s in got)),
                 )
     console = Console(width=220)
     console.print(table)
@@ -574,6 +659,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--peers-dir", type=Path, default=PEERS_DIR)
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--profile-s", type=int, default=0, help="then py-spy the ext_authz service this long")
+    p.add_argument("--baseline", default="", help="also run ext_authz from this git revision (A/B)")
+    p.add_argument("--only-authz", action="store_true", help="only Envoy alone and the ext_authz gateways")
     args = p.parse_args(argv)
     setup = bench_setup(args, "gateway-bench-", ("wrk", "nginx"))
     if setup is None:
@@ -609,11 +696,23 @@ def main(argv: list[str] | None = None) -> int:
                 procs={"envoy": [alone.proc.pid]},
             )
         )
-        for i, (name, protocol, accounting) in enumerate(INFERLB):
+        runs: list[tuple[str, str, bool, Path | None]] = [(*g, None) for g in INFERLB]
+        if args.only_authz:
+            runs = [r for r in runs if r[1] == "ext_authz"]
+        if args.baseline:
+            runs.append(
+                (
+                    f"inferlb ext_authz @{args.baseline}",
+                    "ext_authz",
+                    False,
+                    baseline_tree(work, args.baseline),
+                )
+            )
+        for i, (name, protocol, accounting, tree) in enumerate(runs):
             say(f"starting {name}")
             base_id = (os.getpid() % 5_000) * 10 + 5 + i
             stack = start_inferlb(
-                work, name, protocol, accounting=accounting, backend=backend_port, base_id=base_id
+                work, name, protocol, accounting=accounting, backend=backend_port, base_id=base_id, tree=tree
             )
             stacks.append(stack)
             pids = {c.name: c.proc.pid for c in stack.children if c.proc is not None}
@@ -626,12 +725,15 @@ def main(argv: list[str] | None = None) -> int:
                     "python": [pid for n, pid in pids.items() if n.startswith(("ext_proc", "ext_authz"))],
                     "gateway": [pid for n, pid in pids.items() if n == "xds_server"],
                 },
+                service=(pids["ext_authz"], stack.config.ext_proc.listen.port)
+                if protocol == "ext_authz" and "ext_authz" in pids
+                else None,
             )
             problem = wait_ready(gw.url, None, 20)
             if problem is not None:
                 raise RuntimeError(f"{name} does not answer 200: {problem}")
             gateways.append(gw)
-        if args.peers:
+        if args.peers and not args.only_authz:
             only = {x.strip() for x in args.only_peers.split(",") if x.strip()}
             for peer in PEERS:
                 if only and peer.name not in only:

@@ -44,8 +44,9 @@ import asyncio
 import logging
 import time
 from collections.abc import Coroutine, Mapping
-from dataclasses import dataclass
 from typing import Any, Final
+
+import msgspec
 
 from ext_authz.meter import Meter
 from ext_proc import handlers
@@ -67,8 +68,7 @@ MAX_SPLICE_HEADER_BYTES: Final = 8192
 _JSON: Final = (("content-type", "application/json"),)
 
 
-@dataclass(frozen=True, kw_only=True, slots=True)
-class CheckRequest:
+class CheckRequest(msgspec.Struct, frozen=True, kw_only=True):
     """Envoy's authorization request.
 
     Attributes:
@@ -84,8 +84,7 @@ class CheckRequest:
     body: bytes
 
 
-@dataclass(frozen=True, kw_only=True, slots=True)
-class CheckAnswer:
+class CheckAnswer(msgspec.Struct, frozen=True, kw_only=True):
     """The HTTP answer to one check: 200 lets the request through with ``headers`` set upstream; any
     other status refuses it, and Envoy sends ``status``, ``headers`` and ``body`` to the client.
 

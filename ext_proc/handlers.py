@@ -15,6 +15,13 @@ Envoy sends each HTTP request to ext_proc as request headers (SEND) and then the
 Refusals are :class:`ImmediateReply` values carrying the OpenAI JSON error body
 (:meth:`inferlb.errors.RequestError.to_openai_json`) and a ``details`` token naming the reason (Envoy's
 ``%RESPONSE_CODE_DETAILS%``). The gRPC adapter is :mod:`ext_proc.servicer`.
+
+The decisions, like the parsed request (:mod:`inferlb.request.parsing`) and the quota answers
+(:mod:`inferlb.policy.quota`), are frozen keyword-only ``msgspec.Struct`` values rather than frozen
+dataclasses: the same contract (immutable, compared and hashed by value, keyword construction), built in C.
+A frozen dataclass sets each field through ``object.__setattr__`` and its call packs the keywords in a
+dict; the dozen such values of one check were ~29% of an ext_authz check's instructions (callgrind,
+in-process, 3 KB chat: 284 K instructions per check with Structs, 406 K with the dataclasses).
 """
 
 from __future__ import annotations
@@ -26,6 +33,8 @@ import random
 from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
+
+import msgspec
 
 from inferlb.config.checks import SHARED_TOKENIZERS
 from inferlb.config.schema import Config, ModelConfig, TenantConfig
@@ -74,8 +83,7 @@ COUNTING_BUDGET_DETAILS = "inferlb_counting_budget_exceeded"
 
 
 # -- decisions ------------------------------------------------------------------------------------
-@dataclass(frozen=True, kw_only=True, slots=True)
-class ImmediateReply:
+class ImmediateReply(msgspec.Struct, frozen=True, kw_only=True):
     """Answer the client now; the request never reaches a backend.
 
     Attributes:
@@ -91,8 +99,7 @@ class ImmediateReply:
     details: str
 
 
-@dataclass(frozen=True, kw_only=True, slots=True)
-class PendingRequest:
+class PendingRequest(msgspec.Struct, frozen=True, kw_only=True):
     """What the headers phase learned, carried to the body phase of the same stream."""
 
     tenant: TenantConfig
@@ -102,24 +109,21 @@ class PendingRequest:
     session: str | None = None
 
 
-@dataclass(frozen=True, kw_only=True, slots=True)
-class BodyExpected:
+class BodyExpected(msgspec.Struct, frozen=True, kw_only=True):
     """Headers accepted: continue with ``remove_headers`` applied and process the body next."""
 
     pending: PendingRequest
     remove_headers: tuple[str, ...]
 
 
-@dataclass(frozen=True, kw_only=True, slots=True)
-class PassThrough:
+class PassThrough(msgspec.Struct, frozen=True, kw_only=True):
     """A path that is not inference, let through unexamined (``ext_proc.non_inference_paths: allow``):
     continue with ``remove_headers`` applied and leave the body alone."""
 
     remove_headers: tuple[str, ...]
 
 
-@dataclass(frozen=True, kw_only=True, slots=True)
-class PreparedRequest:
+class PreparedRequest(msgspec.Struct, frozen=True, kw_only=True):
     """A parsed, counted request for a known model, ready for quota admission."""
 
     pending: PendingRequest
@@ -138,8 +142,7 @@ class PreparedRequest:
     usage_event_added: bool = False
 
 
-@dataclass(frozen=True, kw_only=True, slots=True)
-class ContinueRequest:
+class ContinueRequest(msgspec.Struct, frozen=True, kw_only=True):
     """Let the request go upstream with these header changes (and re-pick the route when asked).
 
     Attributes:
@@ -382,7 +385,7 @@ def _method_not_allowed(method: str, path: str, allowed: str) -> ImmediateReply:
         code="method_not_allowed",
     )
     reply = refusal(err, "inferlb_method_not_allowed")
-    return dataclasses.replace(reply, headers=(*reply.headers, ("allow", allowed)))
+    return msgspec.structs.replace(reply, headers=(*reply.headers, ("allow", allowed)))
 
 
 def prepare_body(
@@ -484,6 +487,12 @@ def prepare_body(
     )
 
 
+#: The body field a context-length refusal names, by endpoint (``input`` for the others).
+_PROMPT_FIELD = MappingProxyType(
+    {EndpointKind.CHAT_COMPLETIONS: "messages", EndpointKind.COMPLETIONS: "prompt"}
+)
+
+
 def _over_context(
     kind: EndpointKind,
     prompt_tokens: tuple[int, ...],
@@ -494,7 +503,7 @@ def _over_context(
 ) -> ImmediateReply | None:
     """The 400 ``context_length_exceeded`` reply for the first prompt whose tokens + requested output
     exceed the model's context length, or None. ``exact=False``: the counts are floors ("at least")."""
-    field = {EndpointKind.CHAT_COMPLETIONS: "messages", EndpointKind.COMPLETIONS: "prompt"}.get(kind, "input")
+    field = _PROMPT_FIELD.get(kind, "input")
     for i, tokens in enumerate(prompt_tokens):
         if tokens + per_prompt_output <= model.context_length:
             continue

@@ -62,6 +62,8 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Final, Protocol
 
+import msgspec
+
 from inferlb.config.schema import Config
 
 
@@ -145,8 +147,7 @@ class TenantLimits:
     daily_token_budget: int | None = None
 
 
-@dataclass(frozen=True, kw_only=True, slots=True)
-class Admitted:
+class Admitted(msgspec.Struct, frozen=True, kw_only=True):
     """The request fits: ``tokens`` (prompt + output cap) and one request were counted in the windows.
 
     Attributes:
@@ -167,8 +168,7 @@ class Admitted:
     degraded: bool = False
 
 
-@dataclass(frozen=True, kw_only=True, slots=True)
-class Refused:
+class Refused(msgspec.Struct, frozen=True, kw_only=True):
     """The request does not fit now (or ever); nothing was taken.
 
     Attributes:

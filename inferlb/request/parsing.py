@@ -24,16 +24,18 @@ options ``dimensions`` and ``encoding_format``. The gateway and the simulated mo
 (:mod:`simulation.gpusim`) both parse with this module, so the prompt they count is the same. Fields neither
 uses are not validated (a real model server does that). Every refusal raises
 :class:`inferlb.errors.RequestError` with status 400 and OpenAI's ``invalid_request_error`` type, naming the
-parameter at fault; no client input can make this module raise anything else.
+parameter at fault; no client input can make this module raise anything else. The values are frozen
+keyword-only ``msgspec.Struct`` s (why: :mod:`ext_proc.handlers`).
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any, Final
+
+import msgspec
 
 from inferlb.errors import RequestError
 
@@ -104,8 +106,7 @@ class ImageDetail(StrEnum):
     AUTO = "auto"
 
 
-@dataclass(frozen=True, kw_only=True, slots=True)
-class ChatMessage:
+class ChatMessage(msgspec.Struct, frozen=True, kw_only=True):
     """One chat message reduced to what token counting needs.
 
     Attributes:
@@ -122,8 +123,7 @@ class ChatMessage:
     images: tuple[ImageDetail, ...] = ()
 
 
-@dataclass(frozen=True, kw_only=True, slots=True)
-class InferenceRequest:
+class InferenceRequest(msgspec.Struct, frozen=True, kw_only=True):
     """A parsed OpenAI inference request.
 
     Attributes:
@@ -216,8 +216,17 @@ def _is_token_array(value: object) -> bool:
     return isinstance(value, list) and bool(value) and all(_is_int(t) and t >= 0 for t in value)
 
 
+#: msgspec's untyped JSON decoder (~2.4x faster than ``json.loads`` on a 3 KB chat body). Where it reads a
+#: body at all it reads it as ``json.loads`` does: the same dicts, lists, strings, ints of any size, floats
+#: and key order, duplicate keys included (the last wins); a body it refuses (not UTF-8, a BOM, ``NaN``, a
+#: lone surrogate escape, a number beyond a double, nesting past the interpreter's recursion limit) goes
+#: to ``json.loads``, whose reading and error message stand. orjson was not taken: it reads an integer
+#: beyond 64 bits as a float, which turns a ``max_tokens`` error into another.
+_decode_json: Final = msgspec.json.Decoder().decode
+
+
 def parse_json_body(body: bytes) -> dict[str, Any]:
-    """Decode a request body that must be a JSON object.
+    """Decode a request body that must be a JSON object (:data:`_decode_json`, else ``json.loads``).
 
     Raises:
         RequestError: 400 ``invalid_request_error`` when the body is empty, not UTF-8 JSON, nested too
@@ -226,11 +235,15 @@ def parse_json_body(body: bytes) -> dict[str, Any]:
     if not body.strip():
         raise _bad("The request body is empty; expected a JSON object.", None)
     try:
-        data = json.loads(body)
-    except RecursionError:
-        raise _bad("The request body is nested too deeply to parse.", None) from None
-    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError, int digit limit
-        raise _bad(f"We could not parse the JSON body of your request: {exc}", None) from None
+        data = _decode_json(body)
+    except (msgspec.DecodeError, RecursionError):
+        # the standard library reads it again: its reading (BOM, NaN...) or its error message stands
+        try:
+            data = json.loads(body)
+        except RecursionError:
+            raise _bad("The request body is nested too deeply to parse.", None) from None
+        except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError, int digit limit
+            raise _bad(f"We could not parse the JSON body of your request: {exc}", None) from None
     if not isinstance(data, dict):
         raise _bad(f"The request body must be a JSON object, got {_type_name(data)}.", None)
     return data
@@ -521,7 +534,7 @@ def _parse_part(
     elif isinstance(kind, str) and kind:
         # input_audio, file, input_file and future part types: counted by the tokens of their compact JSON
         # (module docstring); reported so the caller can log them
-        texts.append(json.dumps(part, separators=(",", ":"), ensure_ascii=False))
+        texts.append(_compact_json(part))
         unknown.append(echo(kind, 64))
     else:
         raise _bad(f"'{where}.type' must be a non-empty string, got {_type_name(kind)}.", f"{where}.type")
@@ -598,7 +611,7 @@ def _parse_input_item(i: int, item: object, unknown: list[str]) -> ChatMessage:
         raise _bad(f"'{where}.type' must be a non-empty string, got {_type_name(kind)}.", f"{where}.type")
     # reasoning, item_reference, built-in tool calls...: counted by their JSON, reported
     unknown.append(echo(kind, 64))
-    return ChatMessage(role="assistant", texts=(json.dumps(item, separators=(",", ":"), ensure_ascii=False),))
+    return ChatMessage(role="assistant", texts=(_compact_json(item),))
 
 
 def _message_role(where: str, msg: Mapping[str, Any]) -> str:
@@ -654,4 +667,17 @@ def _tools_json(data: Mapping[str, Any]) -> str | None:
         return None
     # OpenAI renders definitions into the prompt in an internal format; their compact JSON is a
     # documented stand-in of similar size
-    return json.dumps(defs, separators=(",", ":"), ensure_ascii=False)
+    return _compact_json(defs)
+
+
+def _compact_json(value: object) -> str:
+    """``value``'s compact JSON (what unknown parts and tool definitions are counted by).
+
+    Raises:
+        RequestError: 400 when it nests too deeply to encode (the decoder's limit and the encoder's both
+            come from the interpreter's recursion limit, reached a few levels apart).
+    """
+    try:
+        return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
+    except RecursionError:
+        raise _bad("The request body is nested too deeply to parse.", None) from None

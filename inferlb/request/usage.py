@@ -39,6 +39,8 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any, Final
 
+import msgspec
+
 from inferlb.request.rewrite import rewrite_request
 from inferlb.request.tokens import TextTokenCounter
 
@@ -385,8 +387,7 @@ class SseMeter:
 
 
 # -- one response ---------------------------------------------------------------------------------
-@dataclass(frozen=True, kw_only=True, slots=True)
-class Reservation:
+class Reservation(msgspec.Struct, frozen=True, kw_only=True):
     """What admission knew about a request, for settling its usage.
 
     Attributes:

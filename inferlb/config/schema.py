@@ -338,13 +338,13 @@ class XdsConfig(_Frozen):
 class ExtProcConfig(_Frozen):
     """Our request-path service (quota, routing headers) and how Envoy calls it."""
 
-    #: How Envoy calls the request-path service: ``ext_proc`` (``envoy.filters.http.ext_proc``, a gRPC stream
-    #: per request; ``python -m ext_proc``) or ``ext_authz`` (``envoy.filters.http.ext_authz`` in HTTP-service
-    #: mode, one HTTP/1.1 check per request with the buffered body; ``python -m ext_authz``). Both serve the
-    #: same decisions (:mod:`ext_proc.handlers`) on the addresses below. ``ext_authz`` meters responses in
-    #: Envoy (a Lua filter reads the usage, the gRPC access log brings it to ``meter_listen``, or to the
-    #: ``extra_meter_listen`` address of the ``extra_listen`` process that admitted the request).
-    protocol: Literal["ext_proc", "ext_authz"] = "ext_proc"
+    #: How Envoy calls the request-path service: ``ext_authz`` (the default: ``envoy.filters.http.ext_authz``
+    #: in HTTP-service mode, one HTTP/1.1 check per request with the buffered body; ``python -m ext_authz``)
+    #: or ``ext_proc`` (``envoy.filters.http.ext_proc``, a gRPC stream per request; ``python -m ext_proc``).
+    #: Both serve the same decisions (:mod:`ext_proc.handlers`) on the addresses below. ``ext_authz`` meters
+    #: responses in Envoy (a Lua filter reads the usage, the gRPC access log brings it to ``meter_listen``, or
+    #: to the ``extra_meter_listen`` address of the ``extra_listen`` process that admitted the request).
+    protocol: Literal["ext_proc", "ext_authz"] = "ext_authz"
     listen: HostPort = HostPort(host="127.0.0.1", port=18080)
     #: Serve ext_proc (ext_authz's HTTP service with ``protocol: ext_authz``) on this Unix domain socket (an
     #: absolute path) instead of ``listen``, the socket file mode 0600 (only the user running the service,

@@ -522,7 +522,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     b.set_defaults(fn=cmd_bootstrap)
 
-    u = sub.add_parser("up", help="run the local stack (xDS, ext_proc, simulated GPUs, Envoy)")
+    u = sub.add_parser("up", help="run the local stack (xDS, ext_authz or ext_proc, simulated GPUs, Envoy)")
     _config_arg(u, positional=True)
     u.add_argument("--workdir", default=None, help="where bootstrap and logs go (default: a temp dir)")
     u.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])

@@ -121,10 +121,10 @@ REQUEST_PATH_MODES = ("ext_proc", "ext_authz")
 
 
 def in_mode(doc: dict[str, Any], mode: str) -> dict[str, Any]:
-    """``doc`` set to serve requests through ``mode`` (``ext_proc.protocol``); ``doc``'s
-    ``account_responses`` is kept (in ``ext_authz`` mode Envoy meters responses into the access log)."""
-    if mode == "ext_authz":
-        doc["ext_proc"]["protocol"] = "ext_authz"
+    """``doc`` set to serve requests through ``mode`` (``ext_proc.protocol``, set explicitly whatever the
+    default is); ``doc``'s ``account_responses`` is kept (in ``ext_authz`` mode Envoy meters responses into
+    the access log)."""
+    doc.setdefault("ext_proc", {})["protocol"] = mode
     return doc
 
 

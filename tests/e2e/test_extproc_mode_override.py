@@ -18,7 +18,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.conftest import make_config_doc
-from tests.e2e.conftest import RunningStack, http_request, started_stack
+from tests.e2e.conftest import RunningStack, http_request, in_mode, started_stack
 
 pytestmark = pytest.mark.e2e
 
@@ -31,7 +31,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningStack]:
     """The default fleet with response accounting on (the default), other paths let through, and one
     tenant of its own."""
     work = tmp_path_factory.mktemp("mode-override")
-    doc = make_config_doc()
+    doc = in_mode(make_config_doc(), "ext_proc")  # ext_proc's own messages are what this module counts
     doc["ext_proc"].pop("account_responses", None)
     doc["ext_proc"]["non_inference_paths"] = "allow"
     doc["tenants"] += [{"name": TENANT, "api_keys": [KEY]}]

@@ -50,8 +50,9 @@ def settled(metrics_addr: str) -> float:
 
 def _doc_without_tenant_limits() -> dict[str, Any]:
     """The test config with every tenant unlimited: with ``quota_backend: memory`` each ext_proc process
-    would enforce a limit on its own share, so the config refuses extra processes plus limits."""
-    doc = make_config_doc()
+    would enforce a limit on its own share, so the config refuses extra processes plus limits. The
+    protocol is ext_proc (ext_authz mode meters in one process: extra_listen is refused there)."""
+    doc = in_mode(make_config_doc(), "ext_proc")
     doc["tenants"] = [{k: t[k] for k in ("name", "api_keys", "priority")} for t in doc["tenants"]]
     return doc
 
@@ -119,7 +120,7 @@ def test_a_busy_extra_ext_proc_address_is_refused_up_front(tmp_path: Path) -> No
 
 
 def test_metrics_listen_port_zero_picks_a_free_port(tmp_path: Path) -> None:
-    doc = make_config_doc()
+    doc = in_mode(make_config_doc(), "ext_proc")
     path = write_config(tmp_path / "c.yaml", doc)
     (listen,) = free_ports(1)
     child = Child(

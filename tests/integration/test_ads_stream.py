@@ -20,6 +20,7 @@ from google.rpc import status_pb2
 from inferlb.config.schema import default_config_path
 from tests.conftest import wait_until
 from xds_server import resources as r
+from xds_server.resources.common import EXT_AUTHZ_CLUSTER, METER_CLUSTER
 from xds_server.server import XdsServer
 
 CLUSTERS = ["llama-3.1-8b-instruct--v1", "llama-3.1-8b-instruct--v2", "qwen2.5-7b-instruct--v1"]
@@ -155,7 +156,7 @@ async def test_first_request_answered_then_ack_recorded(
         c = cluster_pb2.Cluster()
         assert any_.Unpack(c)
         names.add(c.name)
-    assert names == {*CLUSTERS, r.EXT_PROC_CLUSTER}
+    assert names == {*CLUSTERS, EXT_AUTHZ_CLUSTER, METER_CLUSTER}  # the default request path
     await client.ack(resp)
     await _until(lambda: server.servicer.stats.acks == 1, "the ACK")
     await client.expect_silence(0.3)

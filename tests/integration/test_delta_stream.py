@@ -21,6 +21,7 @@ from inferlb.config.schema import default_config_path
 from tests.conftest import wait_until
 from xds_server import ads
 from xds_server import resources as r
+from xds_server.resources.common import EXT_AUTHZ_CLUSTER, METER_CLUSTER
 from xds_server.server import XdsServer
 
 CLUSTERS = ["llama-3.1-8b-instruct--v1", "llama-3.1-8b-instruct--v2", "qwen2.5-7b-instruct--v1"]
@@ -146,7 +147,8 @@ async def test_delta_subscribe_ack_and_incremental_push(
 ) -> None:
     client = connect()
     held = await _synced(client)
-    assert set(held[r.CLUSTER_TYPE]) == {*CLUSTERS, r.EXT_PROC_CLUSTER}
+    # the models' clusters and the default request path's (ext_authz, the settler)
+    assert set(held[r.CLUSTER_TYPE]) == {*CLUSTERS, EXT_AUTHZ_CLUSTER, METER_CLUSTER}
     assert set(held[r.ENDPOINT_TYPE]) == set(CLUSTERS)
     await _until(lambda: server.servicer.stats.acks == 2, "two ACKs")
     (info,) = server.servicer.clients_json()

@@ -26,7 +26,7 @@ from tests.conftest import wait_until
 
 TPM = 1_000
 CONFIG: dict[str, Any] = {
-    "ext_proc": {"account_responses": True},
+    "ext_proc": {"protocol": "ext_proc", "account_responses": True},  # ext_proc meters on its own stream
     "models": [{"name": "llama", "default_max_tokens": 100}],
     "tenants": [
         {"name": "metered", "api_keys": ["sk-metered-1"], "tokens_per_minute": TPM},
@@ -326,7 +326,7 @@ async def test_stream_settles_at_done_even_without_an_end_of_stream_message(harn
 
 
 async def test_without_response_accounting_the_reservation_is_the_charge() -> None:
-    cfg = {**CONFIG, "ext_proc": {"account_responses": False}}
+    cfg = {**CONFIG, "ext_proc": {"protocol": "ext_proc", "account_responses": False}}
     async with serving(cfg) as hx:
         call, r = await admit(hx, "sk-metered-1", chat(stream=True))
         assert not r.request_body.response.HasField("body_mutation")  # no include_usage rewrite

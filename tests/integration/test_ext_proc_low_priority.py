@@ -17,7 +17,8 @@ from tests.integration.test_ext_proc_stream_ends import JSON_USAGE, Client, serv
 HIGH, PLAIN, LOW, TINY = "sk-high-0001", "sk-plain-001", "sk-low-00001", "sk-tiny-0001"
 CLUSTER = "llama--v1"
 CONFIG: dict[str, Any] = {
-    "ext_proc": {"account_responses": True},
+    # ext_proc mode sheds low by in-flight count
+    "ext_proc": {"protocol": "ext_proc", "account_responses": True},
     "gateway": {"overflow_retry_after_s": 2},
     # limit: 50% of 4 = 2 DEFAULT-priority requests in flight before low is refused
     "models": [
@@ -114,7 +115,7 @@ async def test_a_quota_refusal_and_an_eof_hold_nothing() -> None:
 
 
 async def test_without_response_accounting_nothing_is_counted_or_shed() -> None:
-    cfg = {**CONFIG, "ext_proc": {"account_responses": False}}
+    cfg = {**CONFIG, "ext_proc": {"protocol": "ext_proc", "account_responses": False}}
     async with serving(cfg) as c:
         calls = []
         for _ in range(5):

@@ -23,7 +23,7 @@ from tests.integration.test_ext_proc_accounting import serving
 Mode = processing_mode_pb2.ProcessingMode
 TPM = 1_000
 CONFIG: dict[str, Any] = {
-    "ext_proc": {"account_responses": True, "non_inference_paths": "allow"},
+    "ext_proc": {"protocol": "ext_proc", "account_responses": True, "non_inference_paths": "allow"},
     "models": [{"name": "llama", "default_max_tokens": 100}],
     "tenants": [
         {

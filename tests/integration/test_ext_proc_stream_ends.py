@@ -36,7 +36,8 @@ from tests.integration.test_ext_proc_accounting import serving as harness_servin
 
 KEY = "sk-narrow-01"
 CONFIG: dict[str, Any] = {
-    "ext_proc": {"account_responses": True},
+    # ext_proc holds leases to its stream's end
+    "ext_proc": {"protocol": "ext_proc", "account_responses": True},
     "models": [{"name": "llama", "default_max_tokens": 100}],
     "tenants": [{"name": "narrow", "api_keys": [KEY], "max_concurrent_requests": 2}],
 }

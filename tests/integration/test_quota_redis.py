@@ -532,6 +532,7 @@ async def test_two_ext_proc_processes_sharing_redis_never_over_admit(
         doc = {
             **cfg,
             "ext_proc": {
+                "protocol": "ext_proc",  # ext_authz mode meters in one process
                 "listen": f"127.0.0.1:{ports[2 * i]}",
                 "metrics_listen": f"127.0.0.1:{ports[2 * i + 1]}",
                 "account_responses": True,

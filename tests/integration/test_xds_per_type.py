@@ -47,7 +47,7 @@ async def test_cds_sotw_stream_serves_clusters_only(server: XdsServer) -> None:
         await call.write(discovery_pb2.DiscoveryRequest(node=NODE))
         resp = await asyncio.wait_for(call.read(), WAIT_S)
         assert resp.type_url == r.CLUSTER_TYPE
-        assert len(resp.resources) == len(CLUSTERS) + 1
+        assert len(resp.resources) == len(CLUSTERS) + 2  # + the default request path: ext_authz, the settler
         await call.write(discovery_pb2.DiscoveryRequest(type_url=r.LISTENER_TYPE))  # not this service's type
         await call.write(
             discovery_pb2.DiscoveryRequest(

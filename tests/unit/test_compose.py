@@ -26,6 +26,7 @@ def _norm(doc: dict[str, Any]) -> dict[str, Any]:
     doc["xds"].pop("api_listen")
     doc["ext_proc"].pop("listen")
     doc["ext_proc"].pop("metrics_listen")
+    doc["ext_proc"].pop("meter_listen")
     for e in doc["endpoints"]:
         e.pop("address")
     return doc
@@ -43,8 +44,10 @@ def test_compose_services_are_the_stack_services() -> None:
     doc = yaml.safe_load((ROOT / "docker-compose.yml").read_text(encoding="utf-8"))
     services = doc["services"]
     assert set(services) == {"gpusim", "xds-server", "ext-proc", "ext-authz", "ext-authz-2", "envoy"}
-    # the ext_authz request path is opt-in, on ext-proc's ports
-    assert services["ext-authz"]["profiles"] == ["ext_authz"]
+    # the ext_authz request path is the default; ext_proc's is opt-in, on ext-authz's ports
+    assert "profiles" not in services["ext-authz"]
+    assert services["ext-proc"]["profiles"] == ["ext_proc"]
+    assert "ext-authz" in services["envoy"]["depends_on"]
     # ext-proc's ports, and the settler's (ext_proc.meter_listen's default port)
     settler = str(ExtProcConfig().meter_listen.port)
     assert services["ext-authz"]["expose"] == [*services["ext-proc"]["expose"], settler]
@@ -65,12 +68,15 @@ def test_compose_services_are_the_stack_services() -> None:
         str(compose.xds.listen.port),
         str(compose.xds.api_listen.port),
     ]
-    assert services["ext-proc"]["expose"] == [
+    assert compose.ext_proc.protocol == "ext_authz"
+    assert services["ext-authz"]["expose"] == [
         str(compose.ext_proc.listen.port),
         str(compose.ext_proc.metrics_listen.port),
+        str(compose.ext_proc.meter_listen.port),
     ]
     assert sorted(services["gpusim"]["expose"]) == sorted(str(e.address.port) for e in compose.endpoints)
-    assert {compose.xds.listen.host, compose.ext_proc.listen.host} == {"xds-server", "ext-proc"}
+    assert {compose.xds.listen.host, compose.ext_proc.listen.host} == {"xds-server", "ext-authz"}
+    assert compose.ext_proc.meter_listen.host == "ext-authz"
     assert services["envoy"]["image"].startswith("envoyproxy/envoy:v1.")
     assert "./envoy/bootstrap-compose.yaml:/etc/envoy/bootstrap.yaml:ro" in services["envoy"]["volumes"]
 

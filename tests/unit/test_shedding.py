@@ -78,7 +78,8 @@ def test_in_flight_counts_enters_minus_leaves_never_below_zero(ops: list[tuple[s
 def _config(**ext_proc: Any) -> Any:
     return parse_config(
         {
-            "ext_proc": ext_proc,
+            # ext_proc mode's gateway-side low-priority shedding (by in-flight count)
+            "ext_proc": {"protocol": "ext_proc", **ext_proc},
             "gateway": {"overflow_retry_after_s": 3},
             "models": [
                 {

@@ -35,6 +35,7 @@ from xds_server.resources.common import EXT_AUTHZ_CLUSTER
 
 def _doc(**sections: dict[str, Any]) -> dict[str, Any]:
     doc: dict[str, Any] = copy.deepcopy(yaml.safe_load(default_config_path().read_text(encoding="utf-8")))
+    doc["ext_proc"]["protocol"] = "ext_proc"  # listen_unix is ext_proc mode's (ext_authz mode refuses it)
     for name, fields in sections.items():
         doc[name].update(fields)
     return doc

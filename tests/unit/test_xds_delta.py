@@ -13,10 +13,14 @@ from inferlb.config.schema import default_config_path, parse_config
 from xds_server import resources as r
 from xds_server.cache import Snapshot, SnapshotCache
 from xds_server.delta import DeltaStream, SharedDeltaResponses, held_versions
+from xds_server.resources.common import EXT_AUTHZ_CLUSTER, METER_CLUSTER
 from xds_server.sotw import AckReceived, NackReceived, StaleNonceIgnored, SubscriptionOpened
 
 CLUSTERS = ["llama-3.1-8b-instruct--v1", "llama-3.1-8b-instruct--v2", "qwen2.5-7b-instruct--v1"]
-ALL_CLUSTERS = sorted([*CLUSTERS, r.EXT_PROC_CLUSTER])
+#: The default config's request-path clusters (``ext_proc.protocol: ext_authz`` metering responses): the
+#: check service and the settler.
+REQUEST_PATH_CLUSTERS = [EXT_AUTHZ_CLUSTER, METER_CLUSTER]
+ALL_CLUSTERS = sorted([*CLUSTERS, *REQUEST_PATH_CLUSTERS])
 NODE = base_pb2.Node(id="envoy-delta-1", cluster="inferlb-gateway")
 
 
@@ -94,7 +98,7 @@ def test_initial_resource_versions_are_honoured_and_gone_ones_removed() -> None:
     stream = DeltaStream()
     (resp,) = stream.handle_request(_req(r.CLUSTER_TYPE, initial=held), snap).responses
     # only what the reconnecting client lacks or holds in another version; the vanished one is removed
-    assert _names(resp) == sorted([CLUSTERS[2], r.EXT_PROC_CLUSTER])
+    assert _names(resp) == sorted([CLUSTERS[2], *REQUEST_PATH_CLUSTERS])
     assert list(resp.removed_resources) == ["old-cluster--v0"]
 
 

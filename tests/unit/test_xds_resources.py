@@ -24,6 +24,14 @@ from inferlb.errors import ConfigError
 from inferlb.request import headers
 from xds_server import resources as r
 from xds_server.cache import SnapshotCache
+from xds_server.resources.common import (
+    EXT_AUTHZ_CLUSTER,
+    EXT_AUTHZ_FILTER,
+    EXT_PROC_FILTER,
+    LUA_FILTER,
+    METER_CLUSTER,
+    METER_LUA_FILTER,
+)
 
 
 @pytest.fixture(scope="module")
@@ -37,17 +45,33 @@ def _default_doc() -> dict[str, Any]:
     return doc
 
 
+def _in_protocol(protocol: str) -> Config:
+    """The default config with ``ext_proc.protocol`` set to ``protocol``."""
+    doc = _default_doc()
+    doc["ext_proc"]["protocol"] = protocol
+    return parse_config(doc)
+
+
+#: Each request-path protocol's own clusters and the HTTP filters it puts before the fail-open ones.
+REQUEST_PATH = {
+    "ext_proc": ({r.EXT_PROC_CLUSTER}, [EXT_PROC_FILTER]),
+    "ext_authz": ({EXT_AUTHZ_CLUSTER, METER_CLUSTER}, [EXT_AUTHZ_FILTER, LUA_FILTER, METER_LUA_FILTER]),
+}
+
+
 def _hcm(listener: listener_pb2.Listener) -> http_connection_manager_pb2.HttpConnectionManager:
     hcm = http_connection_manager_pb2.HttpConnectionManager()
     assert listener.filter_chains[0].filters[0].typed_config.Unpack(hcm)
     return hcm
 
 
-def test_one_eds_cluster_per_model_version_plus_ext_proc(config: Config) -> None:
+@pytest.mark.parametrize("protocol", sorted(REQUEST_PATH))
+def test_one_eds_cluster_per_model_version_plus_the_request_paths(protocol: str) -> None:
+    config = _in_protocol(protocol)
     clusters = {c.name: c for c in r.build_clusters(config)}
     expected = {m.cluster_name(v.name) for m in config.models for v in m.versions}
     assert expected == {"llama-3.1-8b-instruct--v1", "llama-3.1-8b-instruct--v2", "qwen2.5-7b-instruct--v1"}
-    assert set(clusters) == expected | {r.EXT_PROC_CLUSTER}
+    assert set(clusters) == expected | REQUEST_PATH[protocol][0]
     for name in expected:
         c = clusters[name]
         assert c.type == cluster_pb2.Cluster.EDS
@@ -113,7 +137,8 @@ def test_lb_policy_from_config(policy: str, expected: int) -> None:
         assert c.least_request_lb_config.active_request_bias.default_value == 1.5
 
 
-def test_ext_proc_cluster_is_static_http2(config: Config) -> None:
+def test_ext_proc_cluster_is_static_http2() -> None:
+    config = _in_protocol("ext_proc")
     c = next(c for c in r.build_clusters(config) if c.name == r.EXT_PROC_CLUSTER)
     assert c.type == cluster_pb2.Cluster.STATIC
     opts = http_protocol_options_pb2.HttpProtocolOptions()
@@ -171,7 +196,9 @@ def test_empty_pool_yields_an_empty_assignment() -> None:
     SnapshotCache().set_resources(res)
 
 
-def test_listener_buffer_limit_and_filter_chain(config: Config) -> None:
+@pytest.mark.parametrize("protocol", sorted(REQUEST_PATH))
+def test_listener_buffer_limit_and_filter_chain(protocol: str) -> None:
+    config = _in_protocol(protocol)
     listener = r.build_listener(config)
     assert listener.name == r.LISTENER_NAME
     sa = listener.address.socket_address
@@ -182,7 +209,7 @@ def test_listener_buffer_limit_and_filter_chain(config: Config) -> None:
     assert hcm.rds.route_config_name == r.ROUTE_CONFIG_NAME
     assert hcm.rds.config_source.HasField("ads")
     assert [f.name for f in hcm.http_filters] == [
-        "envoy.filters.http.ext_proc",
+        *REQUEST_PATH[protocol][1],
         r.BODY_MODEL_FILTER,
         r.CANONICAL_MODEL_FILTER,
         r.API_KEY_FILTER,
@@ -222,6 +249,7 @@ def test_listener_buffer_limit_and_filter_chain(config: Config) -> None:
 def test_ext_proc_filter_settings() -> None:
     doc = _default_doc()
     doc["ext_proc"] = {
+        "protocol": "ext_proc",
         "listen": "127.0.0.1:18080",
         "message_timeout_ms": 7000,
         "failure_mode_allow": True,

@@ -34,7 +34,8 @@ from xds_server.resources.common import EXT_AUTHZ_FILTER, EXT_AUTHZ_OTHER_MODE_F
 def _doc(**ext_proc: Any) -> dict[str, Any]:
     doc = yaml.safe_load(default_config_path().read_text(encoding="utf-8"))
     assert isinstance(doc, dict)
-    doc["ext_proc"].update(ext_proc)
+    # the ext_proc filter's failure modes unless the caller names the protocol (ext_authz mode: two filters)
+    doc["ext_proc"].update({"protocol": "ext_proc", **ext_proc})
     return doc
 
 

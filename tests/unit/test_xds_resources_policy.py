@@ -77,6 +77,7 @@ def test_api_key_is_removed_on_model_routes_and_the_peer_address_is_envoys() -> 
 
 def test_each_ext_proc_process_is_its_own_endpoint() -> None:
     doc = _default_doc()
+    doc["ext_proc"]["protocol"] = "ext_proc"  # ext_authz mode meters in one process
     doc["ext_proc"]["extra_listen"] = ["127.0.0.1:18090", "127.0.0.1:18091"]
     doc["ext_proc"]["quota_backend"] = "redis"  # the processes share the tenants' limits
     cluster = r.build_ext_proc_cluster(parse_config(doc))

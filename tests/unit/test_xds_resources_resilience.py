@@ -32,6 +32,7 @@ from inferlb.request import headers
 from xds_server import resources as r
 from xds_server.bootstrap import ADS_MODES, AdsMode, render_bootstrap
 from xds_server.config_source import ConfigSourceRewriter, per_type_source
+from xds_server.resources.common import EXT_AUTHZ_CLUSTER, METER_CLUSTER
 
 QWEN = "qwen2.5-7b-instruct--v1"
 
@@ -80,9 +81,12 @@ def test_model_clusters_health_check_the_health_path_by_default() -> None:
             # an ejection or failed check takes effect at once (Envoy's default window is 1 s)
             assert c.common_lb_config.HasField("update_merge_window")
             assert c.common_lb_config.update_merge_window.ToMilliseconds() == 0
-    # the ext_proc cluster is not health checked
-    ext = r.build_resources(config).by_type[r.CLUSTER_TYPE][r.EXT_PROC_CLUSTER]
-    assert isinstance(ext, cluster_pb2.Cluster) and list(ext.health_checks) == []
+    # the request-path service's clusters (by default the ext_authz check and the settler) are not health
+    # checked
+    clusters = r.build_resources(config).by_type[r.CLUSTER_TYPE]
+    for name in (EXT_AUTHZ_CLUSTER, METER_CLUSTER):
+        ext = clusters[name]
+        assert isinstance(ext, cluster_pb2.Cluster) and list(ext.health_checks) == []
 
 
 def test_health_checks_can_be_tuned_or_turned_off() -> None:

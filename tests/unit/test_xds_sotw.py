@@ -87,7 +87,8 @@ def test_first_request_is_answered_with_the_current_snapshot() -> None:
     [resp] = step.responses
     assert resp.type_url == r.CLUSTER_TYPE
     assert resp.version_info == snap.version(r.CLUSTER_TYPE)
-    assert len(resp.resources) == 4
+    # every cluster: the models' and the default request path's two (ext_authz, the settler)
+    assert len(resp.resources) == len(snap.resources[r.CLUSTER_TYPE]) == len(CLUSTERS) + 2
     assert resp.nonce
     assert resp.control_plane.identifier == cache.instance_id
     assert step.events[0] == SubscriptionOpened(type_url=r.CLUSTER_TYPE, resource_names=())

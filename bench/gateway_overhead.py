@@ -14,8 +14,9 @@ Set-up, all on 127.0.0.1, every gateway started before the first measurement and
 - ``inferlb ext_proc, metered``: the real gateway (``inferlb.ops.stack.Stack``: xds_server, Envoy over ADS,
   one ``python -m ext_proc``), ``ext_proc.account_responses`` on (the default: the response goes through
   ext_proc and settles the quota with its usage); ``..., unmetered``: the same with it off;
-- ``inferlb ext_authz``: ``ext_proc.protocol: ext_authz`` (one ``python -m ext_authz``), accounting off (the
-  mode meters nothing yet);
+- ``inferlb ext_authz, metered``: ``ext_proc.protocol: ext_authz`` (one ``python -m ext_authz``), responses
+  metered in Envoy (the Lua usage scan, the batched gRPC access log to the settler in the ext_authz
+  process); ``..., unmetered``: ``account_responses`` off (each request settled at its reservation);
 - every inferlb gateway with quota limits on: the tenant has requests and tokens per minute (and a daily
   budget) far above what the run sends, so each request is admitted, reserved and settled, never refused;
 - the peers, each in its own venv (``--peers-dir``): sglang-router (``round_robin`` and ``cache_aware``),
@@ -194,12 +195,13 @@ def wait_ready(url: str, child: Child | None, timeout_s: float) -> str | None:
 def inferlb_config(work: Path, name: str, backend: int, *, protocol: str, accounting: bool) -> Path:
     """An inferlb config on free ports: one model on ``backend``, one tenant with :data:`HIGH_LIMITS`."""
     doc = yaml.safe_load(default_config_path().read_text(encoding="utf-8"))
-    ports = free_ports(6)
+    ports = free_ports(7)
     doc["gateway"].update(listen=f"127.0.0.1:{ports[0]}", admin=f"127.0.0.1:{ports[1]}")
     doc["xds"].update(listen=f"127.0.0.1:{ports[2]}", api_listen=f"127.0.0.1:{ports[3]}")
     doc["ext_proc"].update(
         listen=f"127.0.0.1:{ports[4]}",
         metrics_listen=f"127.0.0.1:{ports[5]}",
+        meter_listen=f"127.0.0.1:{ports[6]}",
         protocol=protocol,
         account_responses=accounting,
     )
@@ -391,13 +393,21 @@ def start_peer(peer: Peer, work: Path, backend: int, peers_dir: Path) -> tuple[G
 INFERLB = [
     ("inferlb ext_proc, metered", "ext_proc", True),
     ("inferlb ext_proc, unmetered", "ext_proc", False),
-    ("inferlb ext_authz", "ext_authz", False),
+    ("inferlb ext_authz, metered", "ext_authz", True),
+    ("inferlb ext_authz, unmetered", "ext_authz", False),
 ]
+#: How each mode settles, metered (True) or not (False), said beside its rows.
+METERING = {
+    "ext_proc": {True: "; response usage read", False: ""},
+    "ext_authz": {
+        True: "; usage read by Envoy's Lua filter, batched gRPC access log to the settler",
+        False: ", settled at the reservation",
+    },
+}
 INFERLB_DOES = {
     "ext_proc": "API key -> tenant, JSON body parse, prompt token count (cached per text), quota "
     "reserve + settle, routing headers; gRPC stream per request",
-    "ext_authz": "the same decisions over one HTTP/1.1 check per request (body buffered by Envoy), "
-    "settled at the reservation",
+    "ext_authz": "the same decisions over one HTTP/1.1 check per request (body buffered by Envoy)",
 }
 
 
@@ -718,7 +728,7 @@ def main(argv: list[str] | None = None) -> int:
             pids = {c.name: c.proc.pid for c in stack.children if c.proc is not None}
             gw = Gateway(
                 name=name,
-                does=INFERLB_DOES[protocol] + ("; response usage read" if accounting else ""),
+                does=INFERLB_DOES[protocol] + METERING[protocol][accounting],
                 url=f"http://{stack.config.gateway.listen}{CHAT_PATH}",
                 procs={
                     "envoy": [pids["envoy"]],
@@ -757,7 +767,7 @@ def main(argv: list[str] | None = None) -> int:
             lambda cell: measure(by_name[cell[0]], scripts[cell[1]], cell[2], duration, backend),
         )
         print_table(gateways, cells, conns, duration=duration, rounds=rounds)
-        authz = next(gw for gw in gateways if gw.name == "inferlb ext_authz")
+        authz = next(gw for gw in gateways if gw.name == "inferlb ext_authz, metered")
         for prompts, script in scripts.items() if args.profile_s > 0 else ():
             title = f"py-spy, inferlb ext_authz service behind Envoy, {prompts} prompts"
             seconds = min(args.profile_s, 60)

@@ -72,7 +72,7 @@ CONFIG: dict[str, Any] = {
     "models": [{"name": MODEL}],
     "endpoints": [{"address": "127.0.0.1:9", "model": MODEL, "gpu": "H100"}],
     "tenants": [{"name": "bench", "api_keys": [API_KEY]}],
-    "ext_proc": {"account_responses": True},
+    "ext_proc": {"protocol": "ext_proc", "account_responses": True},
 }
 SSE_WORDS = ("Hello", " there", ",", " how", " can", " I", " help", " you", " today", "?")
 

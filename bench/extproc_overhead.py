@@ -354,6 +354,7 @@ def gateway_config(work: Path, backend: int, processes: int, *, accounting: bool
     doc["gateway"].update(listen=f"127.0.0.1:{ports[0]}", admin=f"127.0.0.1:{ports[1]}")
     doc["xds"].update(listen=f"127.0.0.1:{ports[2]}", api_listen=f"127.0.0.1:{ports[3]}")
     doc["ext_proc"].update(
+        protocol="ext_proc",  # this bench measures the ext_proc mode (gateway_overhead.py has both)
         listen=f"127.0.0.1:{ports[4]}",
         metrics_listen=f"127.0.0.1:{ports[5]}",
         extra_listen=[f"127.0.0.1:{p}" for p in ports[6 : 6 + extra]],

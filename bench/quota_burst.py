@@ -73,6 +73,7 @@ def replica_config(redis_url: str, rpm: int, mode: str, listen: int, metrics: in
         "models": [{"name": MODEL, "default_max_tokens": 16}],
         "tenants": [{"name": "burst", "api_keys": [API_KEY], "requests_per_minute": rpm}],
         "ext_proc": {
+            "protocol": "ext_proc",  # the replicas are python -m ext_proc processes
             "listen": f"127.0.0.1:{listen}",
             "metrics_listen": f"127.0.0.1:{metrics}",
             "quota_backend": "redis",

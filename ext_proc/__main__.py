@@ -49,7 +49,17 @@ async def serve(
     poll_interval_s: float,
     metrics_listen: HostPort | None = None,
 ) -> int:
-    """Run the server until SIGINT/SIGTERM; returns the exit status."""
+    """Run the server until SIGINT/SIGTERM; returns the exit status (1 when the config's
+    ``ext_proc.protocol`` is not ``ext_proc``: Envoy would not call this service, and its metering would be
+    Envoy's)."""
+    if config.ext_proc.protocol != "ext_proc":
+        log.error(
+            "cannot start: ext_proc.protocol is %s, not ext_proc (run python -m %s, or set "
+            "ext_proc.protocol: ext_proc)",
+            config.ext_proc.protocol,
+            config.ext_proc.protocol,
+        )
+        return 1
     state = await open_state(config, poller, log)
     if state is None:
         return 1

@@ -109,7 +109,11 @@ async def test_xds_server_never_serves_a_file_cut_before_endpoints(tmp_path: Pat
 async def test_ext_proc_answers_no_401_while_the_file_is_cut_before_tenants(tmp_path: Path) -> None:
     port, metrics_port = free_port(), free_port()
     cfg = {
-        "ext_proc": {"listen": f"127.0.0.1:{port}", "metrics_listen": f"127.0.0.1:{metrics_port}"},
+        "ext_proc": {
+            "protocol": "ext_proc",
+            "listen": f"127.0.0.1:{port}",
+            "metrics_listen": f"127.0.0.1:{metrics_port}",
+        },
         **CONFIG,
     }
     assert list(cfg)[-1] == "tenants"

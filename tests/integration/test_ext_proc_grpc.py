@@ -10,6 +10,7 @@ import json
 import logging
 import signal
 import socket
+import subprocess
 import sys
 import time
 import urllib.request
@@ -282,7 +283,11 @@ async def test_process_serves_reloads_and_stops(tmp_path: Path) -> None:
     metrics_port = free_port()
     cfg = {
         **CONFIG,
-        "ext_proc": {"listen": f"127.0.0.1:{port}", "metrics_listen": f"127.0.0.1:{metrics_port}"},
+        "ext_proc": {
+            "protocol": "ext_proc",
+            "listen": f"127.0.0.1:{port}",
+            "metrics_listen": f"127.0.0.1:{metrics_port}",
+        },
     }
     path = tmp_path / "inferlb.yaml"
     path.write_text(yaml.safe_dump(cfg))
@@ -374,3 +379,26 @@ async def test_process_refuses_a_bad_config_at_start(tmp_path: Path) -> None:
         raise AssertionError("ext_proc did not exit on a bad config")
     assert proc.returncode == 1
     assert b"models[0].versions" in err
+
+
+@pytest.mark.parametrize("service", ["ext_proc", "ext_authz"])
+def test_each_service_refuses_a_config_of_the_other_protocol(tmp_path: Path, service: str) -> None:
+    """``python -m ext_proc`` on an ``ext_authz`` config (the default) and the reverse exit 1 naming the
+    protocol: Envoy would call the other service, and metering would be nobody's."""
+    other = "ext_authz" if service == "ext_proc" else "ext_proc"
+    cfg = {
+        **CONFIG,
+        "ext_proc": {
+            "protocol": other,
+            "listen": f"127.0.0.1:{free_port()}",
+            "metrics_listen": f"127.0.0.1:{free_port()}",
+        },
+    }
+    path = tmp_path / "inferlb.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    done = subprocess.run(
+        [sys.executable, "-m", service, "--config", str(path)],
+        check=False, capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL,
+    )  # fmt: skip
+    assert done.returncode == 1, done.stderr
+    assert f"ext_proc.protocol is {other}, not {service}" in done.stderr

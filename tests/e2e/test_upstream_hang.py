@@ -113,11 +113,17 @@ async def test_streams_are_retried_before_their_first_byte_and_cut_after_it(stac
     finally:
         await _recover(stack)
     # nothing is held past the idle timeout: a stream stopped mid-way is cut (the client sees it end
-    # without [DONE]; Envoy cannot retry once the response started), the others are retried or served
-    slowest = max(o.seconds for o in outcomes)
-    assert slowest <= STREAM_IDLE_S + MARGIN_S, slowest
+    # without [DONE]; Envoy cannot retry once the response started) at most the idle timeout after the
+    # hang; one that had no byte yet waits at most one per-try timeout more than a healthy stream of the
+    # same run (the streams sent after the ejection: their own length varies with the shared machine's
+    # load) and is retried; the others are served
     failed = [o for o in outcomes if not o.ok]
     assert all(o.endpoint == HUNG and o.status != 200 for o in failed), failed
+    cut_late = [o for o in failed if o.started + o.seconds > hung_at + STREAM_IDLE_S + MARGIN_S]
+    assert not cut_late, cut_late
+    healthy = max((o.seconds for o in outcomes if o.started > out_at), default=0.0)
+    slowest = max(o.seconds for o in outcomes)
+    assert slowest <= healthy + PER_TRY_S + MARGIN_S, (slowest, healthy)
     # only streams that had started on the hung GPU before the hang fail; every stream sent after the
     # health check took it out is served whole
     assert all(o.started < hung_at for o in failed), failed

@@ -91,7 +91,7 @@ def parse_kv_events_config(text: str) -> KvEventsConfig:
 
 
 class _WireEvent(msgspec.Struct, array_like=True, omit_defaults=True, tag=True):
-    pass
+    """The base of the events: each encodes as an array whose first item is its tag (the event name)."""
 
 
 class _WireBlockStored(_WireEvent, tag="BlockStored"):
@@ -110,7 +110,7 @@ class _WireBlockRemoved(_WireEvent, tag="BlockRemoved"):
 
 
 class _WireAllBlocksCleared(_WireEvent, tag="AllBlocksCleared"):
-    pass
+    """Every cached block was dropped (vLLM's prefix-cache reset): the tag alone."""
 
 
 class _WireBatch(msgspec.Struct, array_like=True, omit_defaults=True):

@@ -19,11 +19,11 @@ from typing import Any
 import grpc
 import pytest
 from envoy.service.ext_proc.v3 import external_processor_pb2, external_processor_pb2_grpc
-from prometheus_client.parser import text_string_to_metric_families
 
 from inferlb.ops.stack import port_open
 from tests.conftest import make_config_doc
 from tests.e2e.conftest import Reply, RunningStack, http_request, in_mode, skip_in, started_stack
+from tests.e2e.test_extproc_accounting import process_samples
 from tests.e2e.test_extproc_fail_open import _stat
 from xds_server.resources.common import FAILED_OPEN_HEADER
 
@@ -177,12 +177,8 @@ FIRST_ERROR, OTHER_ALLOWED = f"{FIRST}error", f"{OTHER}failure_mode_allowed"
 
 def _settled_metered(rs: RunningStack) -> float:
     """``inferlb_meter_settlements_total{outcome="metered"}`` of the ext_authz process."""
-    metrics = http_request(str(rs.config.ext_proc.metrics_listen), "GET", "/metrics").body.decode()
-    for family in text_string_to_metric_families(metrics):
-        for sample in family.samples:
-            if sample.name == "inferlb_meter_settlements_total" and sample.labels["outcome"] == "metered":
-                return sample.value
-    return 0.0
+    samples = process_samples(rs.config.ext_proc.metrics_listen, "inferlb_meter_settlements_total")
+    return samples.get("metered", 0.0)
 
 
 def test_each_request_is_checked_once_by_the_filter_of_its_paths_mode(

@@ -20,32 +20,16 @@ from inferlb.ops.stack import Child, Stack, StackError, clusters_json, free_port
 from inferlb.ops.status import host_rows
 from tests.conftest import make_config_doc, write_config
 from tests.e2e.conftest import http_request, in_mode
+from tests.e2e.test_extproc_accounting import process_samples
 
 pytestmark = pytest.mark.e2e
 
 REQUESTS = 24
 
 
-def _requests_served(metrics_addr: str) -> float:
-    """Sum of ``inferlb_requests_total`` on one ext_proc's ``/metrics``."""
-    with urllib.request.urlopen(f"http://{metrics_addr}/metrics", timeout=5) as resp:
-        text = resp.read().decode()
-    return sum(
-        float(line.rsplit(" ", 1)[1])
-        for line in text.splitlines()
-        if line.startswith("inferlb_requests_total{")
-    )
-
-
-def settled(metrics_addr: str) -> float:
-    """Sum of ``inferlb_meter_settlements_total`` on one ext_authz process's ``/metrics``."""
-    with urllib.request.urlopen(f"http://{metrics_addr}/metrics", timeout=5) as resp:
-        text = resp.read().decode()
-    return sum(
-        float(line.rsplit(" ", 1)[1])
-        for line in text.splitlines()
-        if line.startswith("inferlb_meter_settlements_total{")
-    )
+def _total(metrics_addr: str, name: str) -> float:
+    """Sum of metric ``name``'s samples on one request-path process's ``/metrics``."""
+    return sum(process_samples(metrics_addr, name).values())
 
 
 def _doc_without_tenant_limits() -> dict[str, Any]:
@@ -83,8 +67,8 @@ def test_each_extra_listen_address_gets_its_own_ext_proc_process(tmp_path: Path,
                 timeout_s=15,
             )
             assert r.status == 200, r.body
-        first = _requests_served(str(stack.config.ext_proc.metrics_listen))
-        other = _requests_served(f"127.0.0.1:{extra_metrics}")
+        first = _total(str(stack.config.ext_proc.metrics_listen), "inferlb_requests_total")
+        other = _total(f"127.0.0.1:{extra_metrics}", "inferlb_requests_total")
         # Envoy round-robins requests over the request-path cluster's two endpoints: both processes work
         assert first > 0 and other > 0, (first, other)
         assert first + other == REQUESTS
@@ -98,7 +82,8 @@ def test_each_extra_listen_address_gets_its_own_ext_proc_process(tmp_path: Path,
             }
             assert stack.drain_envoy()
             got = [
-                settled(str(a)) for a in (stack.config.ext_proc.metrics_listen, f"127.0.0.1:{extra_metrics}")
+                _total(str(a), "inferlb_meter_settlements_total")
+                for a in (stack.config.ext_proc.metrics_listen, f"127.0.0.1:{extra_metrics}")
             ]
             assert got == [first, other]
     finally:

@@ -37,7 +37,7 @@ from __future__ import annotations
 import hashlib
 import math
 from collections.abc import Collection, Mapping, Sequence
-from typing import Final
+from typing import Final, Protocol
 
 import msgspec
 
@@ -49,6 +49,38 @@ DEFAULT_MAX_HOSTS: Final = 3
 
 class NoEligibleEndpoint(InferlbError):
     """No endpoint can take the request: none is healthy, or none is in the request's subset."""
+
+
+class PrefixIndex(Protocol):
+    """Where a request's prompt blocks are cached, per endpoint: the seam between :func:`pick` and the
+    indexes that feed it (*approximate*, learnt from the gateway's own picks; *precise*, rebuilt from the
+    model servers' KV events).
+
+    A block key is an ``int`` naming one full block of prompt tokens together with every block before it
+    (a chained hash, as vLLM's block hashes are), so equal keys at position ``i`` mean equal prompts up to
+    the end of block ``i``.
+    """
+
+    def matched_blocks(self, keys: Sequence[int], addresses: Collection[str]) -> Mapping[str, int]:
+        """Address -> how many of ``keys``, from the first, the endpoint holds (addresses holding none may
+        be left out)."""
+        ...
+
+    def record_pick(self, address: str, keys: Sequence[int]) -> None:
+        """The request with ``keys`` was sent to ``address`` (an approximate index learns from it; a
+        precise one may ignore it)."""
+        ...
+
+
+class NoPrefixIndex:
+    """A :class:`PrefixIndex` that knows of no cached block: picks by load alone."""
+
+    def matched_blocks(self, keys: Sequence[int], addresses: Collection[str]) -> Mapping[str, int]:
+        """Nothing is known cached: an empty mapping."""
+        return {}
+
+    def record_pick(self, address: str, keys: Sequence[int]) -> None:
+        """Nothing to learn."""
 
 
 class EndpointState(msgspec.Struct, frozen=True, kw_only=True):

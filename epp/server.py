@@ -76,10 +76,23 @@ class EndpointPickerProcessor(ep_grpc.ExternalProcessorServicer):  # type: ignor
         """Answer each ``ProcessingRequest`` of one HTTP request's stream (see the module doc)."""
         picker = self.picker
         counted: str | None = None
+        released = False
 
         def on_served(routed: Routed, served: str | None) -> None:
             nonlocal counted
             counted = picker.served(routed, served)
+
+        def release() -> None:
+            # the request's end, once: an unreported pick counted as such, the in-flight count left
+            nonlocal counted, released
+            if released:
+                return
+            released = True
+            if ex.routed is not None and not ex.served_reported:
+                ex.served_reported = True
+                counted = picker.served(ex.routed, None)
+            if counted is not None:
+                picker.finished(counted)
 
         ex = Exchange(
             picker.decide,
@@ -108,6 +121,8 @@ class EndpointPickerProcessor(ep_grpc.ExternalProcessorServicer):  # type: ignor
                     for answer in out:
                         await write(answer)
                     continue
+                # the request ends with this answer: leave the count before the client can see the end
+                release()
                 for answer in out[:-1]:
                     await write(answer)
                 if out:
@@ -117,11 +132,7 @@ class EndpointPickerProcessor(ep_grpc.ExternalProcessorServicer):  # type: ignor
                 await asyncio.sleep(self.reset_wait_s)
                 return
         finally:
-            if ex.routed is not None and not ex.served_reported:
-                ex.served_reported = True
-                counted = picker.served(ex.routed, None)
-            if counted is not None:
-                picker.finished(counted)
+            release()
 
 
 class Health:

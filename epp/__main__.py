@@ -31,7 +31,7 @@ import uvloop  # the event loop, as ext_proc's (~7% fewer instructions per reque
 from prometheus_client import start_http_server
 
 from epp.metrics import EppMetrics
-from epp.picking import EndpointPicker
+from epp.picking import DEFAULT_EPP_WEIGHTS, EndpointPicker
 from epp.pool import (
     DEFAULT_SCRAPE_INTERVAL_S,
     Pool,
@@ -75,7 +75,10 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--kv-usage", type=float, default=0.8, help="KV-cache usage (0..1] that saturates one")
     p.add_argument(
-        "--max-hosts", type=int, default=1, help="endpoints per pick (ORIGINAL_DST takes exactly one)"
+        "--max-hosts",
+        type=int,
+        default=DEFAULT_EPP_WEIGHTS.max_hosts,
+        help="endpoints per pick (ORIGINAL_DST takes exactly one)",
     )
     p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES, help="larger bodies: 413")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])

@@ -27,13 +27,18 @@ import msgspec
 from epp.metrics import EppMetrics
 from epp.pool import Pool, Saturation, saturated
 from inferlb.errors import RequestError
-from inferlb.policy.picker import DEFAULT_WEIGHTS, NoPrefixIndex, PickerWeights, PrefixIndex, pick
+from inferlb.policy.picker import NoPrefixIndex, PickerWeights, PrefixIndex, pick
 from inferlb.request.parsing import INFERENCE_PATHS, InferenceRequest, parse_request
 
 #: ``error.code`` of the 503 when no endpoint is eligible.
 NO_ENDPOINT_CODE: Final = "no_endpoint_available"
 #: ``error.code`` of the 429 when every eligible endpoint is saturated.
 SATURATED_CODE: Final = "pool_saturated"
+#: The picker's weights by default: the picker core's, with one host per pick, since an ORIGINAL_DST cluster
+#: (the Gateway API Inference Extension's reference gateway config) takes exactly one ``ip:port`` from the
+#: header (Envoy 1.40 answered a list with 503 "no healthy upstream"); a gateway that walks the list
+#: (Envoy's ``override_host`` policy) can take more.
+DEFAULT_EPP_WEIGHTS: Final = PickerWeights(max_hosts=1)
 #: ``retry-after`` of a 429 shed (seconds): a couple of scrape intervals, when the queues may have drained.
 SHED_RETRY_AFTER_S: Final = 1
 
@@ -140,7 +145,8 @@ class EndpointPicker:
     Args:
         pool: the endpoints and their live state.
         metrics: where picks, outcomes and served reports are counted.
-        weights: :func:`~inferlb.policy.picker.pick`'s score weights and load guard.
+        weights: :func:`~inferlb.policy.picker.pick`'s score weights and load guard
+            (:data:`DEFAULT_EPP_WEIGHTS`).
         saturation: when an endpoint counts as saturated (429 when all eligible ones are).
         index: the prefix index (:func:`prefix_index` by default).
         salt: tie-break salt (a per-process random value by default, so replicas do not herd).
@@ -151,7 +157,7 @@ class EndpointPicker:
         pool: Pool,
         metrics: EppMetrics,
         *,
-        weights: PickerWeights = DEFAULT_WEIGHTS,
+        weights: PickerWeights = DEFAULT_EPP_WEIGHTS,
         saturation: Saturation | None = None,
         index: PrefixIndex | None = None,
         salt: bytes | None = None,

@@ -245,7 +245,7 @@ class EndpointPicker:
             match = "fallback"
         else:
             match = "other"
-        in_pool = served is not None and served in self.pool.addresses
+        in_pool = served is not None and served in self.pool
         self.metrics.served.labels(served if in_pool else first, match).inc()
         if served is not None and in_pool and served != first:
             self.pool.leave(first)

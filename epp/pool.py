@@ -149,11 +149,16 @@ class Pool:
             raise PoolError("endpoints", "the pool lists an endpoint address twice")
         self.stale_after_s = stale_after_s
         self._clock = clock
+        self._addresses = tuple(self._live)
 
     @property
     def addresses(self) -> tuple[str, ...]:
         """Every endpoint's address, in configured order."""
-        return tuple(self._live)
+        return self._addresses
+
+    def __contains__(self, address: object) -> bool:
+        """True when ``address`` is one of the pool's endpoints."""
+        return address in self._live
 
     @property
     def synced(self) -> bool:

@@ -340,6 +340,13 @@ def test_requests_land_on_the_picked_endpoints(stack: EppStack) -> None:
     assert seen <= set(stack.addresses.values())
 
 
+def test_a_request_without_a_body_is_picked_at_its_headers(stack: EppStack) -> None:
+    r = http_request(stack.gateway, "GET", "/v1/models")
+    assert r.status == 200, r.body
+    assert stack.addresses[r.headers["x-inferlb-endpoint"]] == r.headers["x-test-picked-header"]
+    assert r.json()["data"], r.body
+
+
 def test_the_served_report_comes_back_on_the_response_path(stack: EppStack) -> None:
     before = stack.metrics()
     for _ in range(3):

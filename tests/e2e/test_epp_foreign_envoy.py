@@ -47,8 +47,30 @@ def _http_filter(name: str, type_url: str, **config: Any) -> dict[str, Any]:
     return {"name": name, "typed_config": {"@type": type_url, **config}}
 
 
-def foreign_bootstrap(*, listen: int, admin: int, epp: int, log: Path) -> dict[str, Any]:
-    """A static Envoy bootstrap in the style of GIE's ``test/testdata/envoy.yaml`` (no xDS)."""
+#: The processing mode of GIE's current gateway configs (the EPP protocol's streaming mode).
+FULL_DUPLEX_MODE = {
+    "request_header_mode": "SEND",
+    "response_header_mode": "SEND",
+    "request_body_mode": "FULL_DUPLEX_STREAMED",
+    "response_body_mode": "FULL_DUPLEX_STREAMED",
+    "request_trailer_mode": "SEND",
+    "response_trailer_mode": "SEND",
+}
+#: The processing mode of GIE's older test config: a BUFFERED request body, no response phases.
+BUFFERED_MODE = {
+    "request_header_mode": "SEND",
+    "response_header_mode": "SKIP",
+    "request_body_mode": "BUFFERED",
+    "request_trailer_mode": "SKIP",
+    "response_trailer_mode": "SKIP",
+}
+
+
+def foreign_bootstrap(
+    *, listen: int, admin: int, epp: int, log: Path, mode: dict[str, str] = FULL_DUPLEX_MODE
+) -> dict[str, Any]:
+    """A static Envoy bootstrap in the style of GIE's ``test/testdata/envoy.yaml`` (no xDS), with the
+    ext_proc filter's ``processing_mode`` ``mode``."""
     h2m = "type.googleapis.com/envoy.extensions.filters.http.header_to_metadata.v3.Config"
     filters = [
         _http_filter(
@@ -70,14 +92,7 @@ def foreign_bootstrap(*, listen: int, admin: int, epp: int, log: Path) -> dict[s
             "envoy.filters.http.ext_proc",
             "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor",
             grpc_service={"envoy_grpc": {"cluster_name": "ext_proc"}, "timeout": "10s"},
-            processing_mode={
-                "request_header_mode": "SEND",
-                "response_header_mode": "SEND",
-                "request_body_mode": "FULL_DUPLEX_STREAMED",
-                "response_body_mode": "FULL_DUPLEX_STREAMED",
-                "request_trailer_mode": "SEND",
-                "response_trailer_mode": "SEND",
-            },
+            processing_mode=mode,
             message_timeout="10s",
             metadata_options={
                 "forwarding_namespaces": {"untyped": ["envoy.lb.subset_hint", "envoy.lb"]},
@@ -198,6 +213,8 @@ def foreign_bootstrap(*, listen: int, admin: int, epp: int, log: Path) -> dict[s
 @dataclass
 class EppStack:
     gateway: str
+    #: a second Envoy on the same EPP with GIE's older BUFFERED-body, no-response-phase mode
+    buffered_gateway: str
     admin: str
     epp: str
     epp_metrics: str
@@ -208,6 +225,10 @@ class EppStack:
     def chat(self, content: str = "hello", headers: dict[str, str] | None = None, **extra: Any) -> Reply:
         body = {"model": MODEL, "messages": [{"role": "user", "content": content}], "max_tokens": 4, **extra}
         return http_request(self.gateway, "POST", "/v1/chat/completions", body, headers)
+
+    def in_flight(self) -> float:
+        """Requests the EPP counts in flight over the whole pool."""
+        return sum(v for k, v in self.metrics().items() if k.startswith("inferlb_epp_in_flight{"))
 
     def metrics(self) -> dict[str, float]:
         """The EPP's Prometheus samples, ``name{labels}`` -> value."""
@@ -253,11 +274,19 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EppStack]:
     work = tmp_path_factory.mktemp("epp")
     doc = make_config_doc()
     config = write_config(work / "inferlb.yaml", doc)
-    listen, admin, epp, epp_metrics = free_ports(4)
+    listen, admin, epp, epp_metrics, buffered_listen, buffered_admin = free_ports(6)
     access_log = work / "access.log"
     bootstrap = work / "envoy.yaml"
     bootstrap.write_text(
         yaml.safe_dump(foreign_bootstrap(listen=listen, admin=admin, epp=epp, log=access_log))
+    )
+    buffered = work / "envoy-buffered.yaml"
+    buffered.write_text(
+        yaml.safe_dump(
+            foreign_bootstrap(
+                listen=buffered_listen, admin=buffered_admin, epp=epp, log=access_log, mode=BUFFERED_MODE
+            )
+        )
     )
     pool = {e["name"]: e["address"] for e in doc["endpoints"] if e["model"] == MODEL}
     procs: list[subprocess.Popen[bytes]] = []
@@ -273,18 +302,15 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EppStack]:
                     *("--scrape-interval", "0.2"),
                 ],
             ),
-            (
-                "envoy",
-                [
-                    *(
-                        find_envoy(),
-                        "-c",
-                        str(bootstrap),
-                        "--base-id",
-                        str(random.randint(10_000, 2_000_000)),
-                    ),
-                    *("--concurrency", "1", "-l", "warning"),
-                ],
+            *(
+                (
+                    envoy,
+                    [
+                        *(find_envoy(), "-c", str(path), "--base-id", str(random.randint(10_000, 2_000_000))),
+                        *("--concurrency", "1", "-l", "warning"),
+                    ],
+                )
+                for envoy, path in (("envoy", bootstrap), ("envoy-buffered", buffered))
             ),
         ):
             log = (work / f"{name}.log").open("wb")
@@ -294,9 +320,11 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EppStack]:
             "the pool's /health", lambda: all(_get(f"http://{a}/health") == 200 for a in pool.values()), procs
         )
         _wait("the EPP's readiness", lambda: _health(f"127.0.0.1:{epp}", "readiness") == 1, procs)
-        _wait("Envoy's /ready", lambda: _get(f"http://127.0.0.1:{admin}/ready") == 200, procs)
+        for port in (admin, buffered_admin):
+            _wait("Envoy's /ready", lambda port=port: _get(f"http://127.0.0.1:{port}/ready") == 200, procs)
         yield EppStack(
             gateway=f"127.0.0.1:{listen}",
+            buffered_gateway=f"127.0.0.1:{buffered_listen}",
             admin=f"127.0.0.1:{admin}",
             epp=f"127.0.0.1:{epp}",
             epp_metrics=f"127.0.0.1:{epp_metrics}",
@@ -363,7 +391,7 @@ def test_the_served_report_comes_back_on_the_response_path(stack: EppStack) -> N
     assert total(after, "first") - total(before, "first") == 3
     assert total(after, "unreported") == total(before, "unreported")
     # every request ended: nothing left in flight
-    assert sum(v for k, v in after.items() if k.startswith("inferlb_epp_in_flight{")) == 0
+    assert stack.in_flight() == 0
 
 
 def test_the_subset_hint_is_honoured(stack: EppStack) -> None:
@@ -428,3 +456,22 @@ def test_a_chunked_request_with_trailers_is_picked_at_the_trailers(stack: EppSta
     head, _, _ = data.partition(b"\r\n\r\n")
     assert head.startswith(b"HTTP/1.1 200"), data[:500]
     assert b"x-inferlb-endpoint" in head.lower()
+
+
+def test_a_buffered_body_gateway_without_response_phases_is_answered_in_its_order(stack: EppStack) -> None:
+    """GIE's older test config (request body BUFFERED, response phases skipped): Envoy waits for the
+    headers answer before it sends the body, so the EPP reads the mode from the stream's protocol_config,
+    answers the headers at once and routes on the body answer."""
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "buffered"}], "max_tokens": 4}
+    for _ in range(3):
+        r = http_request(stack.buffered_gateway, "POST", "/v1/chat/completions", body)
+        assert r.status == 200, r.body
+        assert stack.addresses[r.headers["x-inferlb-endpoint"]] == r.headers["x-test-picked-header"]
+        assert r.headers["x-test-picked-metadata"] == r.headers["x-test-picked-header"]
+    r = http_request(stack.buffered_gateway, "POST", "/v1/chat/completions", {"model": MODEL})
+    assert r.status == 400 and r.json()["error"]["param"] == "messages"
+    # no response phase reports the end: the count is left when Envoy ends the stream
+    deadline = time.monotonic() + 10
+    while (left := stack.in_flight()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert left == 0

@@ -20,9 +20,11 @@ when the request has some. Envoy forwards upstream only the body the server stre
   back as is when the response body mode is ``FULL_DUPLEX_STREAMED`` (a plain continue otherwise), the
   trailers unchanged.
 
-A stream whose ``protocol_config`` says the request body mode is ``BUFFERED`` (or ``NONE``) is answered in
-that mode's order instead: the headers are answered at once, the decision rides on the body answer (or on
-the headers answer when no body comes). The subset hint is read from the ``metadata_context`` of any request
+A stream whose ``protocol_config`` says the request body mode is ``BUFFERED`` (or ``BUFFERED_PARTIAL``) is
+answered in that mode's order instead: the headers at once, the decision on the body answer. In ``NONE`` and
+``STREAMED`` (where Envoy waits for the headers answer and forwards each chunk as answered) the EPP never
+holds the body before the headers go: it picks on the headers answer by load alone (no parse) and lets the
+chunks through. The subset hint is read from the ``metadata_context`` of any request
 message (Envoy forwards the namespaces its ``metadata_options`` names): key
 ``x-gateway-destination-endpoint-subset`` of namespace ``envoy.lb.subset_hint``, a list of ``ip:port``
 strings or one comma-separated string (a header-to-metadata filter writes the latter).
@@ -254,9 +256,9 @@ class Exchange:
 
     def _on_request_headers(self, msg: ep.HttpHeaders) -> list[ep.ProcessingResponse]:
         self._headers = {hv.key.lower(): _header_value(hv) for hv in msg.headers.headers}
-        if msg.end_of_stream or self._request_body_mode == _Mode.NONE:
-            # no body will come: decide on the headers alone
-            decision = self._decision()
+        if msg.end_of_stream or self._request_body_mode in (_Mode.NONE, _Mode.STREAMED):
+            # no body before the headers answer: decide on the headers alone
+            decision = self._decision(body_read=msg.end_of_stream)
             if isinstance(decision, Refused):
                 return self._refusal(decision)
             return [
@@ -323,11 +325,15 @@ class Exchange:
             out.append(_REQUEST_TRAILERS_CONTINUE)
         return out
 
-    def _decision(self) -> Routed | Refused:
+    def _decision(self, *, body_read: bool = True) -> Routed | Refused:
         headers = self._headers or {}
         path = headers.get(":path", "").partition("?")[0]
         seen = RequestSeen(
-            method=headers.get(":method", ""), path=path, body=b"".join(self._body), subset=self._subset
+            method=headers.get(":method", ""),
+            path=path,
+            body=b"".join(self._body),
+            subset=self._subset,
+            body_read=body_read,
         )
         decision = self._decide(seen)
         if isinstance(decision, Routed):

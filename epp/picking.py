@@ -71,12 +71,15 @@ class RequestSeen(msgspec.Struct, frozen=True, kw_only=True):
         path: ``:path`` without its query string.
         body: the whole request body (bytes; empty without one).
         subset: the gateway's subset hint (``ip:port`` values), None when it sent none.
+        body_read: False when the gateway's processing mode shows the EPP no body before the pick
+            (``NONE``, or ``STREAMED``, where the headers must be answered first): nothing is parsed.
     """
 
     method: str
     path: str
     body: bytes = b""
     subset: tuple[str, ...] | None = None
+    body_read: bool = True
 
 
 class Routed(msgspec.Struct, frozen=True, kw_only=True):
@@ -174,7 +177,7 @@ class EndpointPicker:
         first choice until :meth:`finished`."""
         request: InferenceRequest | None = None
         kind = INFERENCE_PATHS.get(seen.path)
-        if kind is not None and seen.method == "POST":
+        if kind is not None and seen.method == "POST" and seen.body_read:
             try:
                 request = parse_request(kind, seen.body)
             except RequestError as err:

@@ -345,3 +345,24 @@ def test_a_pool_is_refused_empty_or_with_a_repeated_address() -> None:
     assert not pool.synced
     pool.scrape_failed(A)
     assert pool.synced and not pool.snapshot()[0].healthy
+
+
+@pytest.mark.parametrize("mode", [_Mode.NONE, _Mode.STREAMED])
+def test_modes_without_the_body_first_pick_at_the_headers_and_pass_the_chunks(mode: int) -> None:
+    """NONE and STREAMED: Envoy needs the headers answer before any body, so the pick is by load alone,
+    nothing is parsed (no 400 for the body it has not seen), and a body chunk gets a plain continue."""
+    picker, _, _ = make_picker()
+    ex = make_exchange(picker)
+    first = headers_msg()
+    first.protocol_config.request_body_mode = mode
+    (out,) = ex.on_message(first)
+    assert destination(out)[0] in (A, B, C)
+    (chunk,) = ex.on_message(body_msg(b"not json", end_of_stream=True))
+    assert chunk.WhichOneof("response") == "request_body"
+    assert not chunk.request_body.response.HasField("body_mutation")
+
+
+def test_a_post_without_a_body_on_an_inference_path_is_a_400() -> None:
+    picker, _, _ = make_picker()
+    (out,) = make_exchange(picker).on_message(headers_msg(end_of_stream=True))
+    assert out.immediate_response.status.code == 400

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-PACKAGES = ("inferlb", "xds_server", "ext_proc", "ext_authz", "simulation")
+PACKAGES = ("inferlb", "xds_server", "ext_proc", "ext_authz", "epp", "simulation")
 
 #: Layer of each module prefix; the longest matching prefix wins.
 LAYER_OF = {
@@ -31,6 +31,7 @@ LAYER_OF = {
     "xds_server": "services",
     "ext_proc": "services",
     "ext_authz": "services",
+    "epp": "services",
     "inferlb.ops": "ops",
     "inferlb.__main__": "ops",
     "simulation": "simulation",
@@ -44,7 +45,7 @@ MAY_IMPORT = {
     "core": CORE,
     "adapters": (*CORE, "inferlb.adapters"),
     # each service its own package only: see FORBIDDEN_WITHIN
-    "services": (*CORE, "inferlb.adapters", "xds_server", "ext_proc", "ext_authz"),
+    "services": (*CORE, "inferlb.adapters", "xds_server", "ext_proc", "ext_authz", "epp"),
     # operator tools run the services as processes; they import only the pure Envoy bootstrap of one
     "ops": (*CORE, "inferlb.adapters", "inferlb.ops", "xds_server.bootstrap"),
     "simulation": (*CORE, "simulation"),
@@ -57,9 +58,11 @@ FORBIDDEN_WITHIN = (
     ("inferlb.config", ("inferlb.policy", "inferlb.traces")),
     # the services never import each other, except that ext_authz serves ext_proc's transport-free modules
     # (handlers, state, process, poller, stores, metrics) over HTTP: never its gRPC servicer or process
-    ("xds_server", ("ext_proc", "ext_authz")),
-    ("ext_proc", ("xds_server", "ext_authz")),
-    ("ext_authz", ("xds_server", "ext_proc.servicer", "ext_proc.__main__")),
+    ("xds_server", ("ext_proc", "ext_authz", "epp")),
+    ("ext_proc", ("xds_server", "ext_authz", "epp")),
+    ("ext_authz", ("xds_server", "ext_proc.servicer", "ext_proc.__main__", "epp")),
+    # the endpoint picker stands alone beside a gateway inferlb did not configure
+    ("epp", ("xds_server", "ext_proc", "ext_authz")),
     # the fleet simulation takes its serving engines by injection
     ("simulation.fleetsim", ("simulation.gpusim",)),
 )
@@ -178,6 +181,9 @@ def test_dependencies_point_one_way() -> None:
         ("ext_proc/handlers.py", "from ext_authz import check"),
         ("ext_authz/check.py", "from ext_proc.servicer import ExternalProcessor"),
         ("ext_authz/server.py", "import grpc"),
+        ("epp/server.py", "from ext_proc.servicer import RESET_WAIT_S"),
+        ("ext_proc/servicer.py", "from epp.exchange import Exchange"),
+        ("epp/exchange.py", "from simulation.gpusim import server"),
         ("xds_server/cache.py", "from inferlb.ops.stack import Stack"),
         ("inferlb/ops/cli.py", "from simulation.gpusim.server import SimulatedEndpoint"),
         ("simulation/gpusim/server.py", "from inferlb.adapters.quota_redis import RedisQuotaStore"),

@@ -1,0 +1,205 @@
+"""``python -m epp (--endpoint IP:PORT ... | --config PATH [--model NAME]) [options]``: serve the Gateway API
+Inference Extension's endpoint-picker protocol (ext_proc) over one pool of model servers.
+
+The pool is the ``--endpoint`` addresses (repeatable, or comma-separated; weight 1 each), or the endpoints
+of one model of an inferlb config file (``--model``, needed when the file has several models), each
+weighted by its GPU profile's ``relative_capacity``. Every address must be an IP literal with a port: the
+gateway's ORIGINAL_DST cluster connects to it as written.
+
+Serves ext_proc and the gRPC health services on ``--listen`` (``127.0.0.1:9002``; port 0 picks a free
+one), Prometheus metrics on ``http://--metrics-listen/metrics`` (``127.0.0.1:9090``), scrapes every
+endpoint's ``/metrics`` each ``--scrape-interval`` seconds. Logs ``epp ready on HOST:PORT`` once it accepts
+streams and ``epp metrics on HOST:PORT``; readiness turns SERVING once each endpoint was scraped once.
+SIGINT/SIGTERM stop it (health NOT_SERVING, in-flight streams get :data:`SHUTDOWN_GRACE_S`). Exit status: 0
+after a clean stop, 2 for a bad command line or pool (the field named), 1 when an address cannot be bound.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import signal
+import sys
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Final
+
+import uvloop  # the event loop, as ext_proc's (~7% fewer instructions per request there)
+from prometheus_client import start_http_server
+
+from epp.metrics import EppMetrics
+from epp.picking import DEFAULT_EPP_WEIGHTS, EndpointPicker
+from epp.pool import (
+    DEFAULT_SCRAPE_INTERVAL_S,
+    Pool,
+    PoolEndpoint,
+    PoolError,
+    Saturation,
+    Scraper,
+    parse_address,
+)
+from epp.server import add_to_server, make_server
+from inferlb.config.schema import load_config
+from inferlb.errors import ConfigError
+from inferlb.policy.capacity import WEIGHT_SCALE, capacity_weight
+from inferlb.policy.picker import PickerWeights
+
+log = logging.getLogger("epp")
+
+#: Seconds in-flight streams get to finish on shutdown.
+SHUTDOWN_GRACE_S: Final = 2.0
+#: Default request body limit (bytes): the gateway's default ``max_request_body_bytes``.
+DEFAULT_MAX_BODY_BYTES: Final = 4 * 1024 * 1024
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m epp", description="inferlb as a GIE endpoint picker (EPP)")
+    pool = p.add_argument_group("the pool (one of)")
+    pool.add_argument(
+        "--endpoint", action="append", default=[], help="IP:PORT of a model server (repeatable)"
+    )
+    pool.add_argument("--config", type=Path, help="inferlb config file: the endpoints of --model")
+    pool.add_argument("--model", help="the model whose endpoints form the pool (with --config)")
+    p.add_argument("--listen", default="127.0.0.1:9002", help="HOST:PORT for ext_proc and health (gRPC)")
+    p.add_argument("--metrics-listen", default="127.0.0.1:9090", help="HOST:PORT for Prometheus /metrics")
+    p.add_argument("--scrape-interval", type=float, default=DEFAULT_SCRAPE_INTERVAL_S, help="seconds")
+    p.add_argument(
+        "--stale-after", type=float, help="seconds without a good scrape before an endpoint is unhealthy "
+        "(default: 3 scrape intervals)"
+    )  # fmt: skip
+    p.add_argument(
+        "--queue-depth", type=float, default=5.0, help="waiting requests that saturate an endpoint"
+    )
+    p.add_argument("--kv-usage", type=float, default=0.8, help="KV-cache usage (0..1] that saturates one")
+    p.add_argument(
+        "--max-hosts",
+        type=int,
+        default=DEFAULT_EPP_WEIGHTS.max_hosts,
+        help="endpoints per pick (ORIGINAL_DST takes exactly one)",
+    )
+    p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES, help="larger bodies: 413")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    return p
+
+
+def pool_endpoints(args: argparse.Namespace) -> list[PoolEndpoint]:
+    """The pool the command line names.
+
+    Raises:
+        PoolError: neither or both of ``--endpoint`` and ``--config``, an unknown or missing ``--model``,
+            a model without endpoints, or an address that is not ``ip:port`` (the field named).
+        ConfigError: the config file is unreadable or invalid.
+    """
+    if bool(args.endpoint) == (args.config is not None):
+        raise PoolError("--endpoint/--config", "give the pool as --endpoint IP:PORT ... or --config PATH")
+    if args.endpoint:
+        texts = [part for arg in args.endpoint for part in arg.split(",") if part.strip()]
+        return [PoolEndpoint(address=parse_address(t, field="--endpoint")) for t in texts]
+    config = load_config(args.config)
+    names = [m.name for m in config.models]
+    model = args.model
+    if model is None:
+        if len(names) != 1:
+            raise PoolError("--model", f"the config has models {names}; name the pool's")
+        model = names[0]
+    elif model not in names:
+        raise PoolError("--model", f"{model!r} is not a model of the config (models: {names})")
+    out = [
+        PoolEndpoint(
+            address=parse_address(str(e.address), field=f"endpoints[{i}].address"),
+            weight=capacity_weight(config, e) / WEIGHT_SCALE,
+        )
+        for i, e in enumerate(config.endpoints)
+        if e.model == model
+    ]
+    if not out:
+        raise PoolError("--model", f"model {model!r} has no endpoints in the config")
+    return out
+
+
+def _host_port(text: str, flag: str) -> tuple[str, int]:
+    host, sep, port = text.rpartition(":")
+    if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise PoolError(flag, f"{text!r} is not HOST:PORT")
+    return host.strip("[]"), int(port)
+
+
+async def serve(args: argparse.Namespace, endpoints: list[PoolEndpoint]) -> int:
+    """Run the EPP until SIGINT/SIGTERM; returns the exit status."""
+    interval = args.scrape_interval
+    pool = Pool(endpoints, stale_after_s=args.stale_after if args.stale_after else 3 * interval)
+    metrics = EppMetrics(pool.addresses, pool.in_flight)
+    picker = EndpointPicker(
+        pool,
+        metrics,
+        weights=PickerWeights(max_hosts=args.max_hosts),
+        saturation=Saturation(queue_depth=args.queue_depth, kv_usage=args.kv_usage),
+    )
+    scraper = Scraper(pool, interval_s=interval, on_error=lambda a: metrics.scrape_errors.labels(a).inc())
+    host, port = _host_port(args.listen, "--listen")
+    mhost, mport = _host_port(args.metrics_listen, "--metrics-listen")
+    server = make_server()
+    _, checks = add_to_server(server, picker, max_body_bytes=args.max_body_bytes)
+    try:
+        bound = server.add_insecure_port(f"[{host}]:{port}" if ":" in host else f"{host}:{port}")
+        metrics_server, metrics_thread = start_http_server(mport, addr=mhost, registry=metrics.registry)
+    except (RuntimeError, OSError) as exc:
+        log.error("cannot listen: %s", exc)
+        return 1
+    assert isinstance(metrics_thread, threading.Thread)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await checks.alive()
+    await server.start()
+    log.info("epp ready on %s:%d (%d endpoints)", host, bound, len(endpoints))
+    log.info("epp metrics on %s:%d", mhost, metrics_server.server_address[1])
+    try:
+        await scraper.scrape_once()
+        await checks.ready()
+        scraper.start()
+        await stop.wait()
+    finally:
+        await checks.shutting_down()
+        await server.stop(SHUTDOWN_GRACE_S)
+        await scraper.stop()
+        metrics_server.shutdown()
+        metrics_server.server_close()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            with contextlib.suppress(Exception):
+                loop.remove_signal_handler(sig)
+    log.info("epp stopped")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``python -m epp``."""
+    args = _parser().parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    try:
+        endpoints = pool_endpoints(args)
+        PickerWeights(max_hosts=args.max_hosts)
+        Saturation(queue_depth=args.queue_depth, kv_usage=args.kv_usage)
+        if args.scrape_interval <= 0:
+            raise PoolError("--scrape-interval", "must be > 0")
+        _host_port(args.listen, "--listen")
+        _host_port(args.metrics_listen, "--metrics-listen")
+    except (PoolError, ConfigError) as err:
+        log.error("cannot start: %s", err)
+        return 2
+    except ValueError as exc:
+        log.error("cannot start: %s", exc)
+        return 2
+    return uvloop.run(serve(args, endpoints))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

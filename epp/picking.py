@@ -1,0 +1,261 @@
+"""The EPP's decision for one request, transport-free: parse the OpenAI body, pick endpoints from the
+pool's live state, or refuse with the status the EPP protocol names.
+
+Order of the checks (the Gateway API Inference Extension's endpoint-picker protocol, proposal 004):
+
+1. A body on an OpenAI inference path (``POST /v1/chat/completions``, ``/v1/completions``,
+   ``/v1/embeddings``, ``/v1/responses``) is parsed with :mod:`inferlb.request.parsing`; a bad one is
+   refused 400 ``invalid_request_error`` naming the field. Other paths (``GET /v1/models``...) are picked
+   by load alone.
+2. The eligible endpoints are the healthy ones (:mod:`epp.pool`), within the subset hint when the gateway
+   sent one. None: 503 (also for an empty hint, or one naming no endpoint of the pool).
+3. Every eligible endpoint saturated (:func:`epp.pool.saturated`): 429 (shed).
+4. Otherwise :func:`inferlb.policy.picker.pick` orders them; the first choice enters the in-flight count
+   until the stream ends, moved to the endpoint the gateway reports as having served it when that differs.
+
+The model named in the body is not checked against the pool: the gateway's route chose the pool.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Collection, Mapping
+from typing import Final
+
+import msgspec
+
+from epp.metrics import EppMetrics
+from epp.pool import Pool, Saturation, saturated
+from inferlb.errors import RequestError
+from inferlb.policy.picker import NoPrefixIndex, PickerWeights, PrefixIndex, pick
+from inferlb.request.parsing import INFERENCE_PATHS, InferenceRequest, parse_request
+
+#: ``error.code`` of the 503 when no endpoint is eligible.
+NO_ENDPOINT_CODE: Final = "no_endpoint_available"
+#: ``error.code`` of the 429 when every eligible endpoint is saturated.
+SATURATED_CODE: Final = "pool_saturated"
+#: The picker's weights by default: the picker core's, with one host per pick, since an ORIGINAL_DST cluster
+#: (the Gateway API Inference Extension's reference gateway config) takes exactly one ``ip:port`` from the
+#: header (Envoy 1.40 answered a list with 503 "no healthy upstream"); a gateway that walks the list
+#: (Envoy's ``override_host`` policy) can take more.
+DEFAULT_EPP_WEIGHTS: Final = PickerWeights(max_hosts=1)
+#: ``retry-after`` of a 429 shed (seconds): a couple of scrape intervals, when the queues may have drained.
+SHED_RETRY_AFTER_S: Final = 1
+
+
+def prefix_index() -> PrefixIndex:
+    """The prefix index the EPP's picks consult.
+
+    :class:`~inferlb.policy.picker.NoPrefixIndex` (picks by load and KV usage alone) until the approximate
+    (:mod:`inferlb.policy.prefix_index`) and precise (:mod:`inferlb.policy.kv_index`) indexes are on this
+    branch; this function is where one of them is built.
+    """
+    return NoPrefixIndex()
+
+
+def block_keys(request: InferenceRequest | None) -> tuple[int, ...]:
+    """The request's prompt block keys for the prefix index.
+
+    None yet: :func:`inferlb.request.blocks.prompt_block_keys` (the gateway's block keys, laid out as
+    gpusim lays its token ids) is not on this branch, and :func:`prefix_index` knows no block; with no
+    keys a pick is by load and KV usage alone, which is what ``NoPrefixIndex`` gives anyway.
+    """
+    return ()
+
+
+class RequestSeen(msgspec.Struct, frozen=True, kw_only=True):
+    """What the EPP learnt of one request from its ext_proc stream.
+
+    Attributes:
+        method: ``:method``.
+        path: ``:path`` without its query string.
+        body: the whole request body (bytes; empty without one).
+        subset: the gateway's subset hint (``ip:port`` values), None when it sent none.
+        body_read: False when the gateway's processing mode shows the EPP no body before the pick
+            (``NONE``, or ``STREAMED``, where the headers must be answered first): nothing is parsed.
+    """
+
+    method: str
+    path: str
+    body: bytes = b""
+    subset: tuple[str, ...] | None = None
+    body_read: bool = True
+
+
+class Routed(msgspec.Struct, frozen=True, kw_only=True):
+    """Send the request to ``endpoints`` (first choice first, then the fallback order)."""
+
+    endpoints: tuple[str, ...]
+
+    @property
+    def value(self) -> str:
+        """The ``x-gateway-destination-endpoint`` value: ``ip:port[,ip:port...]``."""
+        return ",".join(self.endpoints)
+
+
+class Refused(msgspec.Struct, frozen=True, kw_only=True):
+    """Answer the client now with an OpenAI-style error; nothing goes upstream.
+
+    Attributes:
+        status: HTTP status (400, 413, 429, 503, 500).
+        body: the OpenAI error JSON.
+        headers: response headers (``content-type``, ``retry-after``).
+        details: Envoy's ``%RESPONSE_CODE_DETAILS%`` for its access log.
+    """
+
+    status: int
+    body: bytes
+    headers: tuple[tuple[str, str], ...]
+    details: str
+
+
+def refused(err: RequestError, details: str) -> Refused:
+    """``err`` as a :class:`Refused` (its status, OpenAI JSON body, ``retry-after`` when it carries one)."""
+    headers: tuple[tuple[str, str], ...] = (("content-type", "application/json"),)
+    if err.retry_after_s is not None:
+        headers = (*headers, ("retry-after", str(max(1, round(err.retry_after_s)))))
+    return Refused(
+        status=err.status, body=msgspec.json.encode(err.to_openai_json()), headers=headers, details=details
+    )
+
+
+def internal_error() -> Refused:
+    """The 500 answered when the EPP itself failed on a message (never a bare stream abort)."""
+    return refused(
+        RequestError(
+            500, "The endpoint picker failed to process the request; it was not sent.", type="server_error"
+        ),
+        "inferlb_epp_internal_error",
+    )
+
+
+def body_too_large(limit: int) -> Refused:
+    """The 413 of a request body over ``limit`` bytes."""
+    return refused(
+        RequestError(
+            413,
+            f"The request body is larger than the endpoint picker accepts ({limit} bytes).",
+            type="invalid_request_error",
+            code="request_too_large",
+        ),
+        "inferlb_epp_body_too_large",
+    )
+
+
+class EndpointPicker:
+    """Decides requests over ``pool``'s live state.
+
+    Args:
+        pool: the endpoints and their live state.
+        metrics: where picks, outcomes and served reports are counted.
+        weights: :func:`~inferlb.policy.picker.pick`'s score weights and load guard
+            (:data:`DEFAULT_EPP_WEIGHTS`).
+        saturation: when an endpoint counts as saturated (429 when all eligible ones are).
+        index: the prefix index (:func:`prefix_index` by default).
+        salt: tie-break salt (a per-process random value by default, so replicas do not herd).
+    """
+
+    def __init__(
+        self,
+        pool: Pool,
+        metrics: EppMetrics,
+        *,
+        weights: PickerWeights = DEFAULT_EPP_WEIGHTS,
+        saturation: Saturation | None = None,
+        index: PrefixIndex | None = None,
+        salt: bytes | None = None,
+    ) -> None:
+        self.pool = pool
+        self.metrics = metrics
+        self.weights = weights
+        self.saturation = saturation if saturation is not None else Saturation()
+        self.index = index if index is not None else prefix_index()
+        self.salt = salt if salt is not None else os.urandom(16)
+
+    def decide(self, seen: RequestSeen) -> Routed | Refused:
+        """Route ``seen`` or refuse it (see the module doc); a routed request is counted in flight on its
+        first choice until :meth:`finished`."""
+        request: InferenceRequest | None = None
+        kind = INFERENCE_PATHS.get(seen.path)
+        if kind is not None and seen.method == "POST" and seen.body_read:
+            try:
+                request = parse_request(kind, seen.body)
+            except RequestError as err:
+                return self._refuse(refused(err, "inferlb_epp_bad_request"))
+        subset: Collection[str] | None = None if seen.subset is None else frozenset(seen.subset)
+        states = self.pool.snapshot()
+        eligible = [s for s in states if s.healthy and (subset is None or s.address in subset)]
+        if not eligible:
+            where = " in the gateway's subset hint" if subset is not None else ""
+            return self._refuse(
+                refused(
+                    RequestError(
+                        503,
+                        f"No model server endpoint{where} is ready to take the request.",
+                        type="server_error",
+                        code=NO_ENDPOINT_CODE,
+                    ),
+                    "inferlb_epp_no_endpoint",
+                )
+            )
+        if all(saturated(s, self.saturation) for s in eligible):
+            return self._refuse(
+                refused(
+                    RequestError(
+                        429,
+                        "Every model server endpoint that could take the request is saturated; retry later.",
+                        type="rate_limit_error",
+                        code=SATURATED_CODE,
+                        retry_after_s=SHED_RETRY_AFTER_S,
+                    ),
+                    "inferlb_epp_shed",
+                )
+            )
+        keys = block_keys(request)
+        matched: Mapping[str, int] = (
+            self.index.matched_blocks(keys, [s.address for s in eligible]) if keys else {}
+        )
+        chosen = pick(
+            eligible, prompt_blocks=len(keys), matched_blocks=matched, weights=self.weights, salt=self.salt
+        )
+        first = chosen[0]
+        if keys:
+            self.index.record_pick(first, keys)
+        self.pool.enter(first)
+        self.metrics.picks.labels(first).inc()
+        self.metrics.requests.labels("routed").inc()
+        return Routed(endpoints=chosen)
+
+    def _refuse(self, reply: Refused) -> Refused:
+        self.metrics.requests.labels(str(reply.status)).inc()
+        return reply
+
+    def count_refusal(self, reply: Refused) -> None:
+        """Count a refusal decided outside :meth:`decide` (413, 500)."""
+        self._refuse(reply)
+
+    def served(self, routed: Routed, served: str | None) -> str:
+        """The gateway reported ``served`` (None: it reported nothing) for ``routed``: counted by how it
+        compares with the pick (``first``, ``fallback``, ``other``, ``unreported``), and the in-flight
+        count moved to ``served`` when that is another endpoint of the pool. Returns the address now holding
+        the request's in-flight count (pass it to :meth:`finished`)."""
+        first = routed.endpoints[0]
+        if served is None:
+            match = "unreported"
+        elif served == first:
+            match = "first"
+        elif served in routed.endpoints:
+            match = "fallback"
+        else:
+            match = "other"
+        in_pool = served is not None and served in self.pool
+        self.metrics.served.labels(served if in_pool else first, match).inc()
+        if served is not None and in_pool and served != first:
+            self.pool.leave(first)
+            self.pool.enter(served)
+            return served
+        return first
+
+    def finished(self, address: str) -> None:
+        """The request counted in flight on ``address`` ended."""
+        self.pool.leave(address)

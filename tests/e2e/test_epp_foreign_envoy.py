@@ -1,0 +1,477 @@
+"""``python -m epp`` as the endpoint picker of an Envoy inferlb did not configure: a static bootstrap written
+the way the Gateway API Inference Extension's own test config is (an ORIGINAL_DST cluster that takes the
+upstream from the ``x-gateway-destination-endpoint`` header, the ext_proc filter in
+``FULL_DUPLEX_STREAMED`` with trailers SEND), with simulated GPUs as the pool.
+
+What the foreign config adds beyond GIE's, to exercise the rest of the protocol: a header-to-metadata
+filter turning the test header ``x-subset-hint`` into the ``envoy.lb.subset_hint`` metadata the EPP reads;
+the route writing the upstream address into ``x-gateway-destination-endpoint-served`` and a second
+header-to-metadata filter turning it into ``envoy.lb`` metadata on the response path (the served report a
+GIE gateway makes); and response headers echoing, per request, the header and the ``envoy.lb`` dynamic
+metadata the EPP set, so each answer shows what was picked and where it ran (gpusim's
+``x-inferlb-endpoint``).
+
+One stack for the module: gpusim, the EPP, Envoy.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+import yaml
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from inferlb.ops.stack import find_envoy, free_ports
+from tests.conftest import make_config_doc, write_config
+from tests.e2e.conftest import Reply, http_request
+
+pytestmark = pytest.mark.e2e
+
+MODEL = "llama-3.1-8b-instruct"
+START_TIMEOUT_S = 60.0
+
+
+def _http_filter(name: str, type_url: str, **config: Any) -> dict[str, Any]:
+    return {"name": name, "typed_config": {"@type": type_url, **config}}
+
+
+#: The processing mode of GIE's current gateway configs (the EPP protocol's streaming mode).
+FULL_DUPLEX_MODE = {
+    "request_header_mode": "SEND",
+    "response_header_mode": "SEND",
+    "request_body_mode": "FULL_DUPLEX_STREAMED",
+    "response_body_mode": "FULL_DUPLEX_STREAMED",
+    "request_trailer_mode": "SEND",
+    "response_trailer_mode": "SEND",
+}
+#: The processing mode of GIE's older test config: a BUFFERED request body, no response phases.
+BUFFERED_MODE = {
+    "request_header_mode": "SEND",
+    "response_header_mode": "SKIP",
+    "request_body_mode": "BUFFERED",
+    "request_trailer_mode": "SKIP",
+    "response_trailer_mode": "SKIP",
+}
+
+
+def foreign_bootstrap(
+    *, listen: int, admin: int, epp: int, log: Path, mode: dict[str, str] = FULL_DUPLEX_MODE
+) -> dict[str, Any]:
+    """A static Envoy bootstrap in the style of GIE's ``test/testdata/envoy.yaml`` (no xDS), with the
+    ext_proc filter's ``processing_mode`` ``mode``."""
+    h2m = "type.googleapis.com/envoy.extensions.filters.http.header_to_metadata.v3.Config"
+    filters = [
+        _http_filter(
+            "envoy.filters.http.header_to_metadata",
+            h2m,
+            request_rules=[
+                {
+                    "header": "x-subset-hint",
+                    "on_header_present": {
+                        "metadata_namespace": "envoy.lb.subset_hint",
+                        "key": "x-gateway-destination-endpoint-subset",
+                        "type": "STRING",
+                    },
+                    "remove": True,
+                }
+            ],
+        ),
+        _http_filter(
+            "envoy.filters.http.ext_proc",
+            "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor",
+            grpc_service={"envoy_grpc": {"cluster_name": "ext_proc"}, "timeout": "10s"},
+            processing_mode=mode,
+            message_timeout="10s",
+            metadata_options={
+                "forwarding_namespaces": {"untyped": ["envoy.lb.subset_hint", "envoy.lb"]},
+                "receiving_namespaces": {"untyped": ["envoy.lb"]},
+            },
+        ),
+        # on the response path this runs before ext_proc (filters encode in reverse order)
+        _http_filter(
+            "envoy.filters.http.header_to_metadata.served",
+            h2m,
+            response_rules=[
+                {
+                    "header": "x-gateway-destination-endpoint-served",
+                    "on_header_present": {
+                        "metadata_namespace": "envoy.lb",
+                        "key": "x-gateway-destination-endpoint-served",
+                        "type": "STRING",
+                    },
+                }
+            ],
+        ),
+        _http_filter(
+            "envoy.filters.http.router", "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"
+        ),
+    ]
+    route = {
+        "match": {"prefix": "/"},
+        "route": {"cluster": "original_destination_cluster", "timeout": "60s"},
+        "response_headers_to_add": [
+            {"header": {"key": k, "value": v}, "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"}
+            for k, v in (
+                ("x-gateway-destination-endpoint-served", "%UPSTREAM_REMOTE_ADDRESS%"),
+                ("x-test-picked-header", "%REQ(x-gateway-destination-endpoint)%"),
+                ("x-test-picked-metadata", "%DYNAMIC_METADATA(envoy.lb:x-gateway-destination-endpoint)%"),
+            )
+        ],
+    }
+    hcm = {
+        "@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3"
+        ".HttpConnectionManager",
+        "stat_prefix": "epp-e2e",
+        "http_protocol_options": {"enable_trailers": True},
+        "route_config": {
+            "name": "vllm",
+            "virtual_hosts": [{"name": "all", "domains": ["*"], "routes": [route]}],
+        },
+        "http_filters": filters,
+        "access_log": [
+            {
+                "name": "envoy.access_loggers.file",
+                "typed_config": {
+                    "@type": "type.googleapis.com/envoy.extensions.access_loggers.file.v3.FileAccessLog",
+                    "path": str(log),
+                },
+            }
+        ],
+    }
+    return {
+        "admin": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": admin}}},
+        "static_resources": {
+            "listeners": [
+                {
+                    "name": "vllm",
+                    "address": {"socket_address": {"address": "127.0.0.1", "port_value": listen}},
+                    "filter_chains": [
+                        {
+                            "filters": [
+                                {"name": "envoy.filters.network.http_connection_manager", "typed_config": hcm}
+                            ]
+                        }
+                    ],
+                }
+            ],
+            "clusters": [
+                {
+                    "name": "original_destination_cluster",
+                    "type": "ORIGINAL_DST",
+                    "connect_timeout": "5s",
+                    "lb_policy": "CLUSTER_PROVIDED",
+                    "original_dst_lb_config": {
+                        "use_http_header": True,
+                        "http_header_name": "x-gateway-destination-endpoint",
+                    },
+                },
+                {
+                    "name": "ext_proc",
+                    "type": "STATIC",
+                    "connect_timeout": "5s",
+                    "typed_extension_protocol_options": {
+                        "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
+                            "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3"
+                            ".HttpProtocolOptions",
+                            "explicit_http_config": {"http2_protocol_options": {}},
+                        }
+                    },
+                    "load_assignment": {
+                        "cluster_name": "ext_proc",
+                        "endpoints": [
+                            {
+                                "lb_endpoints": [
+                                    {
+                                        "endpoint": {
+                                            "address": {
+                                                "socket_address": {"address": "127.0.0.1", "port_value": epp}
+                                            }
+                                        }
+                                    }
+                                ]
+                            }
+                        ],
+                    },
+                },
+            ],
+        },
+    }
+
+
+@dataclass
+class EppStack:
+    gateway: str
+    #: a second Envoy on the same EPP with GIE's older BUFFERED-body, no-response-phase mode
+    buffered_gateway: str
+    admin: str
+    epp: str
+    epp_metrics: str
+    #: gpusim display name -> address, for the pool's endpoints
+    addresses: dict[str, str]
+    access_log: Path
+
+    def chat(self, content: str = "hello", headers: dict[str, str] | None = None, **extra: Any) -> Reply:
+        body = {"model": MODEL, "messages": [{"role": "user", "content": content}], "max_tokens": 4, **extra}
+        return http_request(self.gateway, "POST", "/v1/chat/completions", body, headers)
+
+    def in_flight(self) -> float:
+        """Requests the EPP counts in flight over the whole pool."""
+        return sum(v for k, v in self.metrics().items() if k.startswith("inferlb_epp_in_flight{"))
+
+    def metrics(self) -> dict[str, float]:
+        """The EPP's Prometheus samples, ``name{labels}`` -> value."""
+        with urllib.request.urlopen(f"http://{self.epp_metrics}/metrics", timeout=5) as resp:
+            text = resp.read().decode()
+        out: dict[str, float] = {}
+        for line in text.splitlines():
+            if line and not line.startswith("#"):
+                key, _, value = line.rpartition(" ")
+                out[key] = float(value)
+        return out
+
+
+def _wait(what: str, ready: Any, procs: list[subprocess.Popen[bytes]]) -> None:
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while time.monotonic() < deadline:
+        for p in procs:
+            assert p.poll() is None, f"{p.args} exited with {p.returncode} while waiting for {what}"
+        try:
+            if ready():
+                return
+        except (OSError, grpc.RpcError):
+            pass
+        time.sleep(0.1)
+    raise AssertionError(f"timed out after {START_TIMEOUT_S}s waiting for {what}")
+
+
+def _health(addr: str, service: str) -> int:
+    with grpc.insecure_channel(addr) as channel:
+        reply = health_pb2_grpc.HealthStub(channel).Check(
+            health_pb2.HealthCheckRequest(service=service), timeout=2
+        )
+    return int(reply.status)
+
+
+def _get(url: str) -> int:
+    with urllib.request.urlopen(url, timeout=2) as resp:
+        return int(resp.status)
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EppStack]:
+    work = tmp_path_factory.mktemp("epp")
+    doc = make_config_doc()
+    config = write_config(work / "inferlb.yaml", doc)
+    listen, admin, epp, epp_metrics, buffered_listen, buffered_admin = free_ports(6)
+    access_log = work / "access.log"
+    bootstrap = work / "envoy.yaml"
+    bootstrap.write_text(
+        yaml.safe_dump(foreign_bootstrap(listen=listen, admin=admin, epp=epp, log=access_log))
+    )
+    buffered = work / "envoy-buffered.yaml"
+    buffered.write_text(
+        yaml.safe_dump(
+            foreign_bootstrap(
+                listen=buffered_listen, admin=buffered_admin, epp=epp, log=access_log, mode=BUFFERED_MODE
+            )
+        )
+    )
+    pool = {e["name"]: e["address"] for e in doc["endpoints"] if e["model"] == MODEL}
+    procs: list[subprocess.Popen[bytes]] = []
+    logs = []
+    try:
+        for name, argv in (
+            ("gpusim", [sys.executable, "-m", "simulation.gpusim", "--config", str(config)]),
+            (
+                "epp",
+                [
+                    *(sys.executable, "-m", "epp", "--config", str(config), "--model", MODEL),
+                    *("--listen", f"127.0.0.1:{epp}", "--metrics-listen", f"127.0.0.1:{epp_metrics}"),
+                    *("--scrape-interval", "0.2"),
+                ],
+            ),
+            *(
+                (
+                    envoy,
+                    [
+                        *(find_envoy(), "-c", str(path), "--base-id", str(random.randint(10_000, 2_000_000))),
+                        *("--concurrency", "1", "-l", "warning"),
+                    ],
+                )
+                for envoy, path in (("envoy", bootstrap), ("envoy-buffered", buffered))
+            ),
+        ):
+            log = (work / f"{name}.log").open("wb")
+            logs.append(log)
+            procs.append(subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT))
+        _wait(
+            "the pool's /health", lambda: all(_get(f"http://{a}/health") == 200 for a in pool.values()), procs
+        )
+        _wait("the EPP's readiness", lambda: _health(f"127.0.0.1:{epp}", "readiness") == 1, procs)
+        for port in (admin, buffered_admin):
+            _wait("Envoy's /ready", lambda port=port: _get(f"http://127.0.0.1:{port}/ready") == 200, procs)
+        yield EppStack(
+            gateway=f"127.0.0.1:{listen}",
+            buffered_gateway=f"127.0.0.1:{buffered_listen}",
+            admin=f"127.0.0.1:{admin}",
+            epp=f"127.0.0.1:{epp}",
+            epp_metrics=f"127.0.0.1:{epp_metrics}",
+            addresses=pool,
+            access_log=access_log,
+        )
+    finally:
+        for p in reversed(procs):
+            p.terminate()
+        for p in reversed(procs):
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait(10)
+        for log in logs:
+            log.close()
+
+
+def test_health_services_answer_serving(stack: EppStack) -> None:
+    for service in ("liveness", "readiness", "envoy.service.ext_proc.v3.ExternalProcessor"):
+        assert _health(stack.epp, service) == health_pb2.HealthCheckResponse.SERVING, service
+    with pytest.raises(grpc.RpcError) as err:
+        _health(stack.epp, "no.such.Service")
+    assert err.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+def test_requests_land_on_the_picked_endpoints(stack: EppStack) -> None:
+    seen = set()
+    for i in range(12):
+        r = stack.chat(f"request {i}")
+        assert r.status == 200, r.body
+        picked = r.headers["x-test-picked-header"]
+        # the header and the envoy.lb dynamic metadata carry the same value, and the request ran there
+        assert r.headers["x-test-picked-metadata"] == picked
+        assert stack.addresses[r.headers["x-inferlb-endpoint"]] == picked.split(",")[0]
+        assert set(picked.split(",")) <= set(stack.addresses.values())
+        seen.add(picked.split(",")[0])
+        assert r.json()["choices"], r.body
+    # sequential requests on an idle pool: load ties broken by the salted hash, still one of the pool
+    assert seen <= set(stack.addresses.values())
+
+
+def test_a_request_without_a_body_is_picked_at_its_headers(stack: EppStack) -> None:
+    r = http_request(stack.gateway, "GET", "/v1/models")
+    assert r.status == 200, r.body
+    assert stack.addresses[r.headers["x-inferlb-endpoint"]] == r.headers["x-test-picked-header"]
+    assert r.json()["data"], r.body
+
+
+def test_the_served_report_comes_back_on_the_response_path(stack: EppStack) -> None:
+    before = stack.metrics()
+    for _ in range(3):
+        assert stack.chat().status == 200
+    after = stack.metrics()
+
+    def total(samples: dict[str, float], match: str) -> float:
+        return sum(
+            v
+            for k, v in samples.items()
+            if k.startswith("inferlb_epp_served_total{") and f'match="{match}"' in k
+        )
+
+    assert total(after, "first") - total(before, "first") == 3
+    assert total(after, "unreported") == total(before, "unreported")
+    # every request ended: nothing left in flight
+    assert stack.in_flight() == 0
+
+
+def test_the_subset_hint_is_honoured(stack: EppStack) -> None:
+    subset = sorted(stack.addresses.values())[:2]
+    for i in range(8):
+        r = stack.chat(f"subset {i}", headers={"x-subset-hint": ",".join(subset)})
+        assert r.status == 200, r.body
+        assert stack.addresses[r.headers["x-inferlb-endpoint"]] in subset
+        assert set(r.headers["x-test-picked-header"].split(",")) <= set(subset)
+
+
+def test_no_eligible_endpoint_is_a_503_with_an_openai_error(stack: EppStack) -> None:
+    r = stack.chat(headers={"x-subset-hint": "192.0.2.1:9"})
+    assert r.status == 503, r.body
+    assert r.headers["content-type"] == "application/json"
+    err = r.json()["error"]
+    assert err["type"] == "server_error" and err["code"] == "no_endpoint_available"
+    assert "x-inferlb-endpoint" not in r.headers
+
+
+def test_a_bad_body_is_a_400_naming_the_field(stack: EppStack) -> None:
+    r = http_request(stack.gateway, "POST", "/v1/chat/completions", {"model": MODEL, "messages": "hi"})
+    assert r.status == 400, r.body
+    assert r.json()["error"]["param"] == "messages"
+
+
+def test_a_large_body_arrives_in_chunks_and_goes_upstream_whole(stack: EppStack) -> None:
+    """A ~600 KB body (a field no parser reads pads it) reaches the EPP in several body messages and the
+    model server whole: a cut or empty body would not parse as JSON there (400)."""
+    before = stack.metrics().get('inferlb_epp_processing_seconds_count{phase="request_body"}', 0.0)
+    pad = "".join(f"{i:07d}" for i in range(80_000))
+    r = stack.chat("large body", x_pad=pad)
+    after = stack.metrics()['inferlb_epp_processing_seconds_count{phase="request_body"}']
+    assert r.status == 200, r.body[:300]
+    assert r.json()["choices"], r.body[:300]
+    assert r.headers["x-test-picked-header"] == stack.addresses[r.headers["x-inferlb-endpoint"]]
+    assert after - before >= 2, "the body came in one message; the test does not exercise streaming"
+
+
+def test_a_chunked_request_with_trailers_is_picked_at_the_trailers(stack: EppStack) -> None:
+    """HTTP/1.1 chunked body with a trailer: Envoy ends the body with the trailers message, not with an
+    end_of_stream body chunk; the EPP picks there and the request still goes upstream whole."""
+
+    body = json.dumps(
+        {"model": MODEL, "messages": [{"role": "user", "content": "trailers"}], "max_tokens": 4}
+    )
+    half = len(body) // 2
+    chunks = [body[:half].encode(), body[half:].encode()]
+    host, port = stack.gateway.rsplit(":", 1)
+    wire = (
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: epp\r\nContent-Type: application/json\r\n"
+        b"Transfer-Encoding: chunked\r\nTrailer: x-checksum\r\nConnection: close\r\n\r\n"
+    )
+    for c in chunks:
+        wire += f"{len(c):x}\r\n".encode() + c + b"\r\n"
+    wire += b"0\r\nx-checksum: 1\r\n\r\n"
+    with socket.create_connection((host, int(port)), timeout=10) as s:
+        s.sendall(wire)
+        data = b""
+        while chunk := s.recv(65536):
+            data += chunk
+    head, _, _ = data.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200"), data[:500]
+    assert b"x-inferlb-endpoint" in head.lower()
+
+
+def test_a_buffered_body_gateway_without_response_phases_is_answered_in_its_order(stack: EppStack) -> None:
+    """GIE's older test config (request body BUFFERED, response phases skipped): Envoy waits for the
+    headers answer before it sends the body, so the EPP reads the mode from the stream's protocol_config,
+    answers the headers at once and routes on the body answer."""
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "buffered"}], "max_tokens": 4}
+    for _ in range(3):
+        r = http_request(stack.buffered_gateway, "POST", "/v1/chat/completions", body)
+        assert r.status == 200, r.body
+        assert stack.addresses[r.headers["x-inferlb-endpoint"]] == r.headers["x-test-picked-header"]
+        assert r.headers["x-test-picked-metadata"] == r.headers["x-test-picked-header"]
+    r = http_request(stack.buffered_gateway, "POST", "/v1/chat/completions", {"model": MODEL})
+    assert r.status == 400 and r.json()["error"]["param"] == "messages"
+    # no response phase reports the end: the count is left when Envoy ends the stream
+    deadline = time.monotonic() + 10
+    while (left := stack.in_flight()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert left == 0

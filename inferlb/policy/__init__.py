@@ -13,6 +13,8 @@
 - :mod:`inferlb.policy.settlement`: the exactly-once rule that settles reservations from access-log entries
   (ext_authz mode's metering).
 - :mod:`inferlb.policy.picker`: the endpoint picker's scoring (prefix match, load, KV usage, the load guard).
+- :mod:`inferlb.policy.endpoint_book`: a request-path process's view of the picking models' endpoints
+  (the xDS server's state, its own in-flight counts per endpoint) as the picker's inputs.
 
 May import: :mod:`inferlb.errors`, :mod:`inferlb.config`, :mod:`inferlb.request`, prometheus_client's text
 parser; no server, client, Redis, NVML or simulator.

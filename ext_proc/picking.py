@@ -31,7 +31,10 @@ Staleness bounds: an endpoint appears, drains or leaves within one poll period a
 plus a poll period and are ignored past ``weights.stale_after_ms``. Between those bounds Envoy covers the
 gap: a picked host that is gone from EDS is skipped, a dead or 503ing one is retried on the next listed
 host (``retry_on`` connect-failure/reset/503; the fallback policy after the list), so a stale pick costs a
-retry, not an error. Envoy 1.40's ``override_host`` does not check a listed host's health itself.
+retry, not an error. Envoy 1.40's ``override_host`` does not check a listed host's health itself, and its
+retries walk the list without the route's ``previous_hosts`` predicate (a list ``A,A,C`` was tried A, A,
+C; the fallback policy after the list does honour it), so :func:`~inferlb.policy.picker.pick` lists each
+host once.
 
 Herding: several replicas reading the same state would all pick the same least-loaded endpoint. Three
 things keep them apart: each process salts the picker's tie-break with random bytes of its own (equal

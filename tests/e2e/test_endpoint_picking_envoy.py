@@ -95,10 +95,13 @@ def test_envoy_acks_the_override_host_cluster(picking_stack: RunningStack) -> No
     [policy] = clusters[CLUSTER]["load_balancing_policy"]["policies"]
     typed = policy["typed_extension_config"]
     assert typed["name"] == "envoy.load_balancing_policies.override_host"
-    assert typed["typed_config"]["override_host_sources"] == [
-        {"header": h.DESTINATION_ENDPOINT},
-        {"metadata": {"key": "envoy.lb", "path": [{"key": h.DESTINATION_ENDPOINT}]}},
-    ]
+    # ext_proc mode hands Envoy the envoy.lb metadata, ext_authz mode the header
+    source = (
+        {"metadata": {"key": "envoy.lb", "path": [{"key": h.DESTINATION_ENDPOINT}]}}
+        if rs.config.ext_proc.protocol == "ext_proc"
+        else {"header": h.DESTINATION_ENDPOINT}
+    )
+    assert typed["typed_config"]["override_host_sources"] == [source]
     [fallback] = typed["typed_config"]["fallback_policy"]["policies"]
     assert fallback["typed_extension_config"]["name"] == "envoy.load_balancing_policies.least_request"
     # a model without picking keeps its legacy least-request cluster
@@ -153,6 +156,7 @@ def test_a_failing_pick_falls_back_then_leaves_the_picks(picking_stack: RunningS
         state = _wait_for_state(rs, healthy=2)
         failed = next(r for r in state["clusters"][CLUSTER] if r["name"] == picked)
         assert failed["healthy"] is False
+        time.sleep(0.5)  # five request-path polls (100 ms each) after the xDS server knew
         # once out of the picks, no request is sent to it (no retry more)
         retries = _cluster_stat(rs, CLUSTER, "upstream_rq_retry")
         for _ in range(10):
@@ -170,7 +174,7 @@ def test_load_picking_spreads_a_burst(picking_stack: RunningStack) -> None:
     rs = picking_stack
     _wait_for_state(rs, healthy=3)
     burst = 30
-    body = {"model": QWEN, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 200}
+    body = {"model": QWEN, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 400}
     url = f"http://{rs.gateway}/v1/chat/completions"
 
     async def one(http: aiohttp.ClientSession) -> tuple[int, str]:

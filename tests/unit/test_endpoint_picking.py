@@ -133,9 +133,9 @@ def test_a_picking_model_gets_override_host_with_its_least_request_as_fallback()
     assert policy.typed_extension_config.name == "envoy.load_balancing_policies.override_host"
     oh = override_host_pb2.OverrideHost()
     assert policy.typed_extension_config.typed_config.Unpack(oh)
-    assert [s.header for s in oh.override_host_sources] == [h.DESTINATION_ENDPOINT, ""]
-    meta = oh.override_host_sources[1].metadata
-    assert meta.key == "envoy.lb" and [p.key for p in meta.path] == [h.DESTINATION_ENDPOINT]
+    # ext_authz mode (the default) can send the header only
+    [source] = oh.override_host_sources
+    assert source.header == h.DESTINATION_ENDPOINT and not source.HasField("metadata")
     [fallback] = oh.fallback_policy.policies
     assert fallback.typed_extension_config.name == "envoy.load_balancing_policies.least_request"
     lr = least_request_pb2.LeastRequest()
@@ -149,6 +149,20 @@ def test_a_picking_model_gets_override_host_with_its_least_request_as_fallback()
     llama = clusters["llama-3.1-8b-instruct--v1"]
     assert llama.lb_policy == cluster_pb2.Cluster.LEAST_REQUEST
     assert not llama.HasField("load_balancing_policy")
+
+
+def test_ext_proc_mode_reads_the_hosts_from_the_envoy_lb_metadata_only() -> None:
+    doc = _doc({"mode": "load"})
+    doc["ext_proc"]["protocol"] = "ext_proc"
+    qwen = _clusters(parse_config(doc))[f"{QWEN}--v1"]
+    oh = override_host_pb2.OverrideHost()
+    assert qwen.load_balancing_policy.policies[0].typed_extension_config.typed_config.Unpack(oh)
+    # one source: Envoy joins the lists of every source it finds, so the same list twice would be walked
+    # twice on retries
+    [source] = oh.override_host_sources
+    assert not source.header
+    assert source.metadata.key == "envoy.lb"
+    assert [seg.key for seg in source.metadata.path] == [h.DESTINATION_ENDPOINT]
 
 
 def test_round_robin_slow_start_and_locality_weighting_move_into_the_fallback() -> None:

@@ -13,7 +13,7 @@ checks. A length-aware model's clusters get an ``lb_subset_config`` (one selecto
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Final
+from typing import Final, Literal
 
 from envoy.config.cluster.v3 import circuit_breaker_pb2, cluster_pb2, outlier_detection_pb2
 from envoy.config.core.v3 import base_pb2, extension_pb2, health_check_pb2, protocol_pb2
@@ -76,9 +76,12 @@ def _thresholds(priority: int, cb: CircuitBreaker) -> circuit_breaker_pb2.Circui
     )
 
 
-def build_model_cluster(name: str, policy: ClusterPolicy, *, picking: bool = False) -> cluster_pb2.Cluster:
+def build_model_cluster(
+    name: str, policy: ClusterPolicy, *, picking: HostSource | None = None
+) -> cluster_pb2.Cluster:
     """One EDS Cluster for one model version, every resilience knob set explicitly from ``policy``; with
-    ``picking`` (the model's ``endpoint_picking`` on) its load balancing is :func:`override_host_policy`.
+    ``picking`` (the model's ``endpoint_picking`` on: where the request path puts its hosts) its load
+    balancing is :func:`override_host_policy`.
 
     Envoy's defaults differ from what inference needs (Envoy docs, outlier detection and
     ``healthy_panic_threshold``): gateway-failure enforcement
@@ -156,7 +159,7 @@ def build_model_cluster(name: str, policy: ClusterPolicy, *, picking: bool = Fal
         cluster.ClearField("least_request_lb_config")
         cluster.ClearField("round_robin_lb_config")
         cluster.common_lb_config.ClearField("locality_weighted_lb_config")
-        cluster.load_balancing_policy.CopyFrom(override_host_policy(name, policy))
+        cluster.load_balancing_policy.CopyFrom(override_host_policy(name, policy, picking))
     if policy.length_aware is not None:
         cluster.lb_subset_config.CopyFrom(length_aware_subsets(policy))
     hc = policy.health_check
@@ -216,29 +219,46 @@ def fallback_policy(name: str, policy: ClusterPolicy) -> extension_pb2.TypedExte
     raise ValueError(f"no override_host fallback for lb_policy {policy.lb_policy}")
 
 
-def override_host_policy(name: str, policy: ClusterPolicy) -> cluster_pb2.LoadBalancingPolicy:
+#: Where a picking model's hosts are read from: the header, or the ``envoy.lb`` dynamic metadata.
+HostSource = Literal["header", "metadata"]
+
+
+def host_source(config: Config) -> HostSource:
+    """Where the request path puts its picks for Envoy: ext_proc mode writes the ``envoy.lb`` metadata (and
+    the header, for the model server to see), ext_authz mode only the header (its filter writes only its
+    own namespace)."""
+    return "metadata" if config.ext_proc.protocol == "ext_proc" else "header"
+
+
+def override_host_policy(
+    name: str, policy: ClusterPolicy, source: HostSource
+) -> cluster_pb2.LoadBalancingPolicy:
     """The ``load_balancing_policy`` of a picking model's cluster: Envoy's
     ``envoy.load_balancing_policies.override_host`` (API ``extensions.load_balancing_policies.override_host
-    .v3.OverrideHost``, built for endpoint pickers), reading the hosts from the header
-    :data:`~inferlb.request.headers.DESTINATION_ENDPOINT` and from dynamic metadata ``envoy.lb`` /
+    .v3.OverrideHost``, built for endpoint pickers), reading the hosts from ``source``: the header
+    :data:`~inferlb.request.headers.DESTINATION_ENDPOINT` or dynamic metadata ``envoy.lb`` /
     ``x-gateway-destination-endpoint``, as the Gateway API Inference Extension's protocol names them, and
     falling back to :func:`fallback_policy` (the cluster's own weighted least request or round robin).
 
     Envoy sends the request to the first listed host it holds in the cluster and each retry to the next
     listed one; a host it does not hold is skipped, and with none left (or no list at all: a request the
     picker did not see, one that failed open) the fallback picks as for any cluster, so EDS weights,
-    health checks, outlier detection, circuit breakers and retries keep working around a pick.
+    health checks, outlier detection, circuit breakers and retries keep working around a pick. One
+    source, not both: Envoy 1.40 joins the lists of every source it finds (measured: header ``A,B`` and
+    metadata ``C`` were tried A, B, C), so the same list in both would be walked twice, a retry going back
+    to the first host instead of to the fallback.
     """
+    if source == "header":
+        oh_source = override_host_pb2.OverrideHost.OverrideHostSource(header=headers.DESTINATION_ENDPOINT)
+    else:
+        oh_source = override_host_pb2.OverrideHost.OverrideHostSource(
+            metadata=metadata_pb2.MetadataKey(
+                key=headers.DESTINATION_ENDPOINT_NAMESPACE,
+                path=[metadata_pb2.MetadataKey.PathSegment(key=headers.DESTINATION_ENDPOINT)],
+            )
+        )
     oh = override_host_pb2.OverrideHost(
-        override_host_sources=[
-            override_host_pb2.OverrideHost.OverrideHostSource(header=headers.DESTINATION_ENDPOINT),
-            override_host_pb2.OverrideHost.OverrideHostSource(
-                metadata=metadata_pb2.MetadataKey(
-                    key=headers.DESTINATION_ENDPOINT_NAMESPACE,
-                    path=[metadata_pb2.MetadataKey.PathSegment(key=headers.DESTINATION_ENDPOINT)],
-                )
-            ),
-        ],
+        override_host_sources=[oh_source],
         fallback_policy=cluster_pb2.LoadBalancingPolicy(
             policies=[
                 cluster_pb2.LoadBalancingPolicy.Policy(typed_extension_config=fallback_policy(name, policy))
@@ -355,7 +375,11 @@ def build_clusters(config: Config) -> list[cluster_pb2.Cluster]:
     """Every Cluster: one EDS cluster per model version (config order), then ``inferlb_ext_proc`` (or
     ``inferlb_ext_authz``, and the settlers' clusters when ext_authz mode meters responses)."""
     out = [
-        build_model_cluster(m.cluster_name(v.name), m.cluster, picking=m.endpoint_picking.enabled)
+        build_model_cluster(
+            m.cluster_name(v.name),
+            m.cluster,
+            picking=host_source(config) if m.endpoint_picking.enabled else None,
+        )
         for m in config.models
         for v in m.versions
     ]

@@ -6,9 +6,10 @@ Extension's endpoint-picker protocol does: header ``x-gateway-destination-endpoi
 in dynamic metadata ``envoy.lb`` (ext_authz's filter writes only its own namespace). The model's clusters
 run Envoy's ``override_host`` policy (:func:`xds_server.resources.clusters.override_host_policy`), reading
 the metadata in ext_proc mode and the header in ext_authz mode (one source: Envoy joins the lists of all
-it finds), and the header still reaches the model server in both: the first listed host gets the request, a retry the next, and with none usable the cluster's own least-request
-balancing picks. A client's own header is removed by the gateway's early header mutation before any
-filter runs, so it never reaches ``override_host``.
+it finds), and the header still reaches the model server in both: the first listed host gets the
+request, a retry the next, and with none usable the cluster's own least-request balancing picks. A
+client's own header is removed by the gateway's early header mutation before any filter runs, so it never
+reaches ``override_host``.
 
 Where the state lives and how it reaches each replica:
 

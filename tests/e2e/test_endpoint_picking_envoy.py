@@ -3,8 +3,9 @@
 One stack per mode: qwen (one H100, two V100s) picks endpoints (``endpoint_picking.mode: load``), llama
 does not. What is checked: Envoy ACKs qwen's ``override_host`` cluster; the request path's pick is what
 serves (the upstream's recorded ``x-gateway-destination-endpoint`` names the serving endpoint first) and
-a client's own header changes nothing; a picked endpoint that fails is retried on the next listed one
-and then left out of the picks; a burst spreads over every endpoint. Which GPU served is gpusim's
+a client's own header changes nothing; a picked endpoint that fails (503s), or that is dead (registered
+through the fleet API, nothing listening), is retried on the next listed one and then left out of the
+picks; a burst spreads over every endpoint. Which GPU served is gpusim's
 ``x-inferlb-endpoint``.
 """
 
@@ -15,12 +16,13 @@ import json
 import time
 from collections import Counter
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import aiohttp
 import pytest
 
-from inferlb.ops.stack import admin_get
+from inferlb.ops.stack import admin_get, free_ports
 from inferlb.request import headers as h
 from tests.conftest import make_config_doc
 from tests.e2e.conftest import RunningStack, http_request, in_mode, sim_fault, started_stack
@@ -38,7 +40,9 @@ def picking_stack(tmp_path_factory: pytest.TempPathFactory, request_path: str) -
     doc = in_mode(make_config_doc(), request_path)
     qwen = next(m for m in doc["models"] if m["name"] == QWEN)
     qwen["endpoint_picking"] = {"mode": "load"}
-    # a failing GPU is out of the picks within ~2 probes of 200 ms plus a 100 ms poll
+    # a failing GPU is out of the picks after 4 probes of 200 ms plus a 100 ms poll (a window long enough
+    # for a dozen requests to meet a stale pick on this loaded machine)
+    qwen["cluster"] = {"health_check": {"unhealthy_threshold": 4}}
     doc["telemetry"] = {"scrape_interval_ms": 200, "scrape_timeout_ms": 500}
     doc["ext_proc"]["endpoint_state_poll_ms"] = 100
     with started_stack(tmp_path_factory.mktemp("picking"), doc) as rs:
@@ -168,6 +172,49 @@ def test_a_failing_pick_falls_back_then_leaves_the_picks(picking_stack: RunningS
     finally:
         sim_fault(rs.config, picked, "recover")
     _wait_for_state(rs, healthy=3)
+
+
+def test_a_dead_pick_falls_back_then_leaves_the_picks(picking_stack: RunningStack) -> None:
+    rs = picking_stack
+    _wait_for_state(rs, healthy=3)
+    api = str(rs.config.xds.api_listen)
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    dead = f"127.0.0.1:{free_ports(1)[0]}"  # nothing listens there
+    # one long request on each live endpoint (the picker spreads three over three idle ones), so that an
+    # endpoint registered now, idle, is the picker's first choice until the xDS server's probes find it dead
+    background = ThreadPoolExecutor(max_workers=3)
+    long = [background.submit(rs.chat, QWEN, max_tokens=20_000) for _ in range(3)]
+    time.sleep(0.2)
+    spec = {"name": "dead-h100", "address": dead, "model": QWEN, "gpu": "H100"}
+    reply = http_request(api, "POST", "/v1/endpoints", spec, headers=auth)
+    assert reply.status == 201, reply.body
+    try:
+        listed_first = 0
+        statuses: Counter[int] = Counter()
+        started = time.monotonic()
+        while time.monotonic() - started < 3.0:
+            reply = rs.chat(QWEN)
+            statuses[reply.status] += 1
+            served = reply.headers.get("x-inferlb-endpoint", "?")
+            assert served != "dead-h100"
+            if reply.status == 200:
+                sent = _last_upstream_headers(rs, served)[h.DESTINATION_ENDPOINT]
+                listed_first += sent.split(",")[0] == dead
+        assert statuses == Counter({200: sum(statuses.values())}), statuses
+        assert listed_first >= 1, "the dead endpoint was never picked first: nothing fell back"
+        state = _wait_for_state(rs, healthy=3)  # the three live ones; the dead one is out
+        [row] = [r for r in state["clusters"][CLUSTER] if r["address"] == dead]
+        assert row["healthy"] is False
+        print(f"dead pick listed first {listed_first} times of {sum(statuses.values())}, every request 200")
+        assert [f.result().status for f in long] == [200] * 3
+    finally:
+        background.shutdown(wait=True)
+        reply = http_request(api, "DELETE", f"/v1/endpoints/{dead}", headers=auth)
+        assert reply.status == 200, reply.body
+    deadline = time.monotonic() + 10
+    while any(r["address"] == dead for r in _picking(rs)["clusters"][CLUSTER]):
+        assert time.monotonic() < deadline, "the dead endpoint never left the picking state"
+        time.sleep(0.1)
 
 
 def test_load_picking_spreads_a_burst(picking_stack: RunningStack) -> None:

@@ -101,27 +101,60 @@ def parse_picking_state(doc: Any) -> BookedState:
     return BookedState(clusters=clusters, stale_after_ms=stale)
 
 
+class _Row(msgspec.Struct, frozen=True):
+    """One endpoint prepared at :meth:`EndpointBook.update`: its state with telemetry and without, and the
+    monotonic time (s) until which the telemetry counts."""
+
+    fresh: EndpointState
+    stale: EndpointState
+    fresh_until: float
+
+
 class EndpointBook:
     """The last endpoint state a process received, and its own in-flight count per endpoint (not
     thread-safe: the service's event loop owns it).
 
+    Each endpoint's :class:`~inferlb.policy.picker.EndpointState` is built once per received state, with
+    and without its telemetry; a pick only chooses between the two and adds this process's in-flight
+    count where it has one.
+
     Args:
         state: a state to start from (tests), else none: :meth:`states` answers None until :meth:`update`.
+        received_at: the monotonic time (s) ``state`` counts as received.
 
     Attributes:
         received_at: the monotonic time (s) the current state arrived, None before any.
     """
 
-    __slots__ = ("_in_flight", "_state", "received_at")
+    __slots__ = ("_in_flight", "_rows", "received_at")
 
     def __init__(self, state: BookedState | None = None, *, received_at: float = 0.0) -> None:
-        self._state = state
-        self.received_at: float | None = received_at if state is not None else None
+        self._rows: dict[str, tuple[_Row, ...]] | None = None
+        self.received_at: float | None = None
         self._in_flight: dict[str, int] = {}
+        if state is not None:
+            self.update(state, received_at)
 
     def update(self, state: BookedState, now: float) -> None:
         """Serve ``state``, received at monotonic ``now`` (s), from now on; in-flight counts are kept."""
-        self._state = state
+        rows: dict[str, tuple[_Row, ...]] = {}
+        for cluster, endpoints in state.clusters.items():
+            out = []
+            for r in endpoints:
+                stale = EndpointState(address=r.address, weight=r.weight, healthy=r.healthy)
+                if r.telemetry_age_ms is None:
+                    out.append(_Row(stale, stale, -math.inf))
+                    continue
+                fresh = EndpointState(
+                    address=r.address,
+                    weight=r.weight,
+                    healthy=r.healthy,
+                    waiting=r.waiting or 0.0,
+                    kv_usage=r.kv_usage or 0.0,
+                )
+                out.append(_Row(fresh, stale, now + (state.stale_after_ms - r.telemetry_age_ms) / 1000))
+            rows[cluster] = tuple(out)
+        self._rows = rows
         self.received_at = now
 
     def age_s(self, now: float) -> float | None:
@@ -132,27 +165,19 @@ class EndpointBook:
         """The :class:`~inferlb.policy.picker.EndpointState` of every endpoint of ``cluster``, with this
         process's in-flight counts; None when the book has no state for it (none received yet, or a cluster
         the last state did not list: a model whose picking was just turned on). Telemetry older than the
-        state's ``stale_after_ms`` (now) is dropped (waiting and KV usage 0)."""
-        state = self._state
-        if state is None:
+        state's ``stale_after_ms`` (its age at the server plus the time since it arrived) is dropped
+        (waiting and KV usage 0)."""
+        if self._rows is None:
             return None
-        rows = state.clusters.get(cluster)
+        rows = self._rows.get(cluster)
         if rows is None:
             return None
-        since_ms = (now - (self.received_at or now)) * 1000
+        counts = self._in_flight
         out = []
         for r in rows:
-            fresh = r.telemetry_age_ms is not None and r.telemetry_age_ms + since_ms <= state.stale_after_ms
-            out.append(
-                EndpointState(
-                    address=r.address,
-                    weight=r.weight,
-                    healthy=r.healthy,
-                    in_flight=self._in_flight.get(r.address, 0),
-                    waiting=(r.waiting or 0.0) if fresh else 0.0,
-                    kv_usage=(r.kv_usage or 0.0) if fresh else 0.0,
-                )
-            )
+            e = r.fresh if now <= r.fresh_until else r.stale
+            n = counts.get(e.address) if counts else None
+            out.append(msgspec.structs.replace(e, in_flight=n) if n else e)
         return out
 
     def enter(self, address: str) -> None:

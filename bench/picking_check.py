@@ -19,21 +19,17 @@ import argparse
 import json
 import random
 import statistics
-import sys
 import time
-from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from ext_authz.check import CheckAnswer, CheckRequest, CheckService  # noqa: E402
-from ext_authz.meter import Meter  # noqa: E402
-from ext_proc.state import ExtProcState  # noqa: E402
-from inferlb.config.schema import parse_config  # noqa: E402
-from inferlb.policy.endpoint_book import BookedEndpoint, BookedState  # noqa: E402
-from inferlb.request import headers as h  # noqa: E402
+from ext_authz.check import CheckAnswer, CheckRequest, CheckService
+from ext_authz.meter import Meter
+from ext_proc.state import ExtProcState
+from inferlb.config.schema import parse_config
+from inferlb.policy.endpoint_book import BookedEndpoint, BookedState
+from inferlb.request import headers as h
 
 KEY = "sk-bench-0001"
 CLUSTER = "m--v1"

@@ -155,7 +155,7 @@ class PickingState:
         return held[1]
 
 
-def no_eligible_endpoint(model: str, cluster: str, why: str) -> ImmediateReply:
+def no_eligible_endpoint(model: str, why: str) -> ImmediateReply:
     """The 503 of a request whose cluster has no endpoint the picker may choose (the EPP protocol's answer
     when nothing is ready)."""
     return refusal(
@@ -203,7 +203,7 @@ def choose(
     except NoEligibleEndpoint as exc:
         metrics.endpoint_picks.labels(model.name, "no_eligible").inc()
         why = str(exc) if states else "no endpoint is registered"
-        return no_eligible_endpoint(model.name, cluster, why)
+        return no_eligible_endpoint(model.name, why)
     if keys:
         source.index.record_pick(hosts[0], keys)
     state.book.enter(hosts[0])
@@ -257,10 +257,13 @@ class EndpointStatePoller:
         async with aiohttp.ClientSession() as http:
             while True:
                 cfg = self._config()
-                if any(m.endpoint_picking.enabled for m in cfg.models):
-                    await self.poll_once(http, cfg)
-                age = self.state.book.age_s(self._clock())
-                self._metrics.endpoint_state_age.set(-1 if age is None else age)
+                try:
+                    if any(m.endpoint_picking.enabled for m in cfg.models):
+                        await self.poll_once(http, cfg)
+                    age = self.state.book.age_s(self._clock())
+                    self._metrics.endpoint_state_age.set(-1 if age is None else age)
+                except Exception:  # the loop must outlive anything one period throws
+                    log.exception("endpoint state poll failed; polling again next period")
                 await asyncio.sleep(cfg.ext_proc.endpoint_state_poll_ms / 1000)
 
     async def poll_once(self, http: aiohttp.ClientSession, cfg: Config) -> bool:

@@ -36,6 +36,13 @@ of its cluster (or a ``low`` one is refused 503 ``overloaded`` once the count re
 settlement of its reservation leaves the count (:mod:`ext_authz.meter`), and a request that is not metered
 (refused, or answered without a meter id) leaves it at once. Without ``account_responses`` nothing is
 counted and ``low`` is shed only by Envoy's circuit breaker, as in ext_proc mode.
+
+Endpoint picking (:mod:`ext_proc.picking`), for a model with ``endpoint_picking``: after shedding and
+before admission the picker orders the version's endpoints, the first entering this process's in-flight
+count of it (left at the settlement, as the shedding count); the 200 answer carries
+:data:`~inferlb.request.headers.DESTINATION_ENDPOINT` (in ``allowed_upstream_headers``), which Envoy's
+``override_host`` policy reads. No eligible endpoint: 503 ``no_eligible_endpoint`` (as 403 +
+``x-inferlb-status``).
 """
 
 from __future__ import annotations
@@ -50,6 +57,7 @@ import msgspec
 
 from ext_authz.meter import Meter
 from ext_proc import handlers
+from ext_proc.picking import Picked, choose
 from ext_proc.state import OFFLOAD_BODY_BYTES, ExtProcState
 from inferlb.errors import RequestError
 from inferlb.policy.quota import Admitted, MemoryQuotaStore, Refused
@@ -231,20 +239,24 @@ class CheckService:
         held = self._shed_or_hold(prepared, version)
         if isinstance(held, CheckAnswer):
             return held
+        picked = self._pick(prepared, version)
+        if isinstance(picked, CheckAnswer):
+            self._release(held)
+            return picked
         try:
             decision = state.quotas.admit_now(first.pending.tenant.name, prepared.reserved_tokens)
-            answer = self._admitted(prepared, decision, len(request.body), version)
+            answer = self._admitted(prepared, decision, len(request.body), version, picked)
         except BaseException:
-            self._release(held)
+            self._release(held, picked)
             raise
         if isinstance(decision, Admitted):
-            metered = self._metered(prepared, decision, answer, held)
+            metered = self._metered(prepared, decision, answer, held, picked)
             if metered is not None:
                 return metered
-            self._release(held)
+            self._release(held, picked)
             state.quotas.settle_now(decision, decision.tokens)
         else:
-            self._release(held)
+            self._release(held, picked)
         return answer
 
     async def _check_async(
@@ -266,21 +278,27 @@ class CheckService:
             held = self._shed_or_hold(prepared, version)
             if isinstance(held, CheckAnswer):
                 return held
+            picked = self._pick(prepared, version)
+            if isinstance(picked, CheckAnswer):
+                self._release(held)
+                return picked
             try:
                 decision = await state.quotas.admit(
                     pending.tenant.name, prepared.reserved_tokens, deadline=arrived + gateway.admit_budget_s
                 )
-                answer = self._admitted(prepared, decision, len(body), version)
+                answer = self._admitted(prepared, decision, len(body), version, picked)
             except BaseException:
-                self._release(held)
+                self._release(held, picked)
                 raise
             metered = (
-                self._metered(prepared, decision, answer, held) if isinstance(decision, Admitted) else None
+                self._metered(prepared, decision, answer, held, picked)
+                if isinstance(decision, Admitted)
+                else None
             )
             if metered is not None:
                 answer = metered
             else:
-                self._release(held)
+                self._release(held, picked)
                 if isinstance(decision, Admitted):
                     try:
                         await state.quotas.settle(decision, decision.tokens)
@@ -293,20 +311,30 @@ class CheckService:
         return answer
 
     def _metered(
-        self, prepared: handlers.PreparedRequest, decision: Admitted, answer: CheckAnswer, held: str | None
+        self,
+        prepared: handlers.PreparedRequest,
+        decision: Admitted,
+        answer: CheckAnswer,
+        held: str | None,
+        picked: Picked | None = None,
     ) -> CheckAnswer | None:
         """``answer`` with the request's meter id when its reservation waits for Envoy's access-log entry
         (a meter is set, ``account_responses`` is on, the request goes upstream); None when the caller
         settles the reservation at once (and releases ``held``). A degraded admission (the Redis store
         failing open) is metered too: its settlement changes nothing in the store, but its end leaves the
-        in-flight count ``held`` (the cluster :meth:`_shed_or_hold` counted it on)."""
+        in-flight count ``held`` (the cluster :meth:`_shed_or_hold` counted it on) and the endpoint count
+        ``picked`` holds (:meth:`_pick`)."""
         meter = self.meter
         if meter is None or answer.status != 200:
             return None
         if not self.state.gateway.config.ext_proc.account_responses:
             return None
         meter_id = meter.reserve(
-            decision, model=prepared.model.name, prompt_tokens=prepared.prompt_tokens, in_flight=held
+            decision,
+            model=prepared.model.name,
+            prompt_tokens=prepared.prompt_tokens,
+            in_flight=held,
+            picked=None if picked is None else picked.held,
         )
         return CheckAnswer(status=200, headers=(*answer.headers, (h.METER, meter_id)))
 
@@ -334,26 +362,57 @@ class CheckService:
         state.in_flight.enter(cluster)
         return cluster
 
-    def _release(self, held: str | None) -> None:
-        """Leave the in-flight count :meth:`_shed_or_hold` entered, for a request not metered."""
+    def _pick(self, prepared: handlers.PreparedRequest, version: str) -> Picked | CheckAnswer | None:
+        """Endpoint picking (:func:`ext_proc.picking.choose`) for ``version``'s cluster: the hosts (their
+        first entered in the process's count, left by the request's settlement), the 503 refusal when no
+        endpoint is eligible, or None (the model does not pick, or no state yet)."""
+        state = self.state
+        out = choose(
+            state.picking,
+            prepared,
+            prepared.model.cluster_name(version),
+            state.metrics,
+            now=time.monotonic(),
+        )
+        if isinstance(out, handlers.ImmediateReply):
+            return self._refuse(out, prepared.pending.tenant.name, prepared.model.name)
+        return out
+
+    def _release(self, held: str | None, picked: Picked | None = None) -> None:
+        """Leave the in-flight counts :meth:`_shed_or_hold` and :meth:`_pick` entered, for a request not
+        metered."""
         if held is not None:
             self.state.in_flight.leave(held)
+        if picked is not None:
+            self.state.picking.book.leave(picked.held)
 
     def _refuse(self, reply: handlers.ImmediateReply, tenant: str, model: str) -> CheckAnswer:
         self.state.metrics.request_ended(tenant, model, str(reply.status))
         return refused(reply)
 
     def _admitted(
-        self, prepared: handlers.PreparedRequest, decision: Admitted | Refused, body_length: int, version: str
+        self,
+        prepared: handlers.PreparedRequest,
+        decision: Admitted | Refused,
+        body_length: int,
+        version: str,
+        picked: Picked | None = None,
     ) -> CheckAnswer:
-        """The answer after the quota decision, routed to ``version`` (the caller settles an admission with
-        its reservation)."""
+        """The answer after the quota decision, routed to ``version`` and, with ``picked``, to its hosts
+        (the caller settles an admission with its reservation)."""
         state = self.state
         tenant, model = prepared.pending.tenant.name, prepared.model.name
         if isinstance(decision, Refused):
             state.metrics.quota_rejections.labels(tenant, decision.limit.value).inc()
             return self._refuse(handlers.quota_refusal(decision), tenant, model)
-        cont = handlers.route(state.gateway, prepared, decision, rng=state.rng, version=version)
+        cont = handlers.route(
+            state.gateway,
+            prepared,
+            decision,
+            rng=state.rng,
+            version=version,
+            destination=None if picked is None else picked.header_value,
+        )
         try:
             answer = allowed(cont, body_length)
         except ValueError:

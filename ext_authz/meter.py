@@ -109,12 +109,19 @@ class Meter:
         self._sweeper: asyncio.Task[None] | None = None
 
     def reserve(
-        self, admitted: Admitted, *, model: str, prompt_tokens: int, in_flight: str | None = None
+        self,
+        admitted: Admitted,
+        *,
+        model: str,
+        prompt_tokens: int,
+        in_flight: str | None = None,
+        picked: str | None = None,
     ) -> str:
         """Record an admitted request; returns its meter id (for the check answer's
         :data:`~inferlb.request.headers.METER` header). ``in_flight``: the cluster whose count in
-        ``state.in_flight`` the request already holds (low-priority shedding); its settlement, whatever
-        settles it, leaves that count."""
+        ``state.in_flight`` the request already holds (low-priority shedding); ``picked``: the endpoint
+        whose count in ``state.picking.book`` it holds (endpoint picking); its settlement, whatever
+        settles it, leaves both counts."""
         self._next += 1
         meter_id = f"{self._nonce}-{self._next}"
         self.ledger.ttl_s = ledger_ttl_s(lease_ttl_s(self.state.gateway.config))
@@ -125,6 +132,7 @@ class Meter:
             prompt_tokens=prompt_tokens,
             now=self.clock(),
             in_flight=in_flight,
+            picked=picked,
         )
         return meter_id
 
@@ -149,6 +157,8 @@ class Meter:
         if s.reserved.in_flight is not None:
             # the request's end (its entry, or the TTL standing for a lost one) leaves the in-flight count
             self.state.in_flight.leave(s.reserved.in_flight)
+        if s.reserved.picked is not None:
+            self.state.picking.book.leave(s.reserved.picked)
         metrics = self.state.metrics
         admitted = s.reserved.admitted
         metrics.meter_settlements.labels(s.outcome.value).inc()

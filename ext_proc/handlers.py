@@ -156,6 +156,9 @@ class ContinueRequest(msgspec.Struct, frozen=True, kw_only=True):
         admitted: the quota reservation taken, to settle with the response's usage, or None.
         reservation: what the response meter needs to settle it (prompt, reservation, stream), or None.
         model: the canonical model name ("" before one is known), for metrics.
+        destination: the hosts endpoint picking chose (``ip:port[,ip:port...]``, also among ``set_headers``
+            as :data:`~inferlb.request.headers.DESTINATION_ENDPOINT`), for the ``envoy.lb`` dynamic
+            metadata ext_proc mode sets; None when the model does not pick endpoints.
     """
 
     set_headers: tuple[tuple[str, str], ...] = ()
@@ -166,6 +169,7 @@ class ContinueRequest(msgspec.Struct, frozen=True, kw_only=True):
     admitted: Admitted | None = None
     reservation: Reservation | None = None
     model: str = ""
+    destination: str | None = None
 
 
 # -- the per-config state -------------------------------------------------------------------------
@@ -617,10 +621,12 @@ def route(
     *,
     rng: random.Random,
     version: str | None = None,
+    destination: str | None = None,
 ) -> ContinueRequest:
     """The routing headers of an admitted request (and its rewritten body with its new
     ``content-length``, when the gateway renamed an alias to the canonical model name or added
-    ``include_usage``), to ``version`` (default: :func:`pick_version`)."""
+    ``include_usage``), to ``version`` (default: :func:`pick_version`); ``destination``: the hosts endpoint
+    picking chose (:mod:`ext_proc.picking`), sent as :data:`~inferlb.request.headers.DESTINATION_ENDPOINT`."""
     tenant = prepared.pending.tenant
     if version is None:
         version = pick_version(gateway, prepared, rng)
@@ -650,6 +656,9 @@ def route(
         # the whole output cap (x n x prompts, as admission reserves): n choices share one GPU's batch
         cap = prepared.request.output_token_cap(prepared.model.default_max_tokens)
         headers = (*headers, (h.LENGTH_CLASS, length_class(cap, length_aware)))
+    if destination is not None:
+        # Envoy's override_host policy of the model's clusters reads it (and ext_proc's envoy.lb metadata)
+        headers = (*headers, (h.DESTINATION_ENDPOINT, destination))
     body = prepared.upstream_body
     if body is not None:
         # Envoy's ProcessingMode docs: with a BUFFERED body and SEND headers, the processor that mutates
@@ -668,6 +677,7 @@ def route(
             strip_usage_event=prepared.usage_event_added,
         ),
         model=prepared.model.name,
+        destination=destination,
     )
 
 

@@ -19,6 +19,11 @@ bounded by the config. A request refused before its tenant or model is known is 
 - ``inferlb_low_priority_shed_total{tenant, model}``: ``priority: low`` requests refused (503
   ``overloaded``) because their cluster's DEFAULT-priority requests in flight reached the low-priority
   limit (:mod:`inferlb.policy.shedding`);
+- ``inferlb_endpoint_picks_total{model, outcome}``: endpoint picking's requests by outcome (``picked``;
+  ``no_state``: no endpoint state yet, Envoy's fallback balanced it; ``no_eligible``: 503, no endpoint
+  healthy);
+- ``inferlb_endpoint_state_polls_total{outcome}``: reads of the xDS server's ``GET /v1/picking`` (``ok``,
+  ``failed``), and ``inferlb_endpoint_state_age_seconds``: the age of the state served (-1 before any);
 - ``inferlb_ext_proc_processing_seconds{phase}``: time to answer one ext_proc message.
 """
 
@@ -26,7 +31,7 @@ from __future__ import annotations
 
 from typing import Final
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 #: Histogram buckets for one ext_proc message (s): 50 us to 1 s, finer where the hot path lives
 #: (the goal is <= 0.4 ms added at p50).
@@ -97,6 +102,24 @@ class ExtProcMetrics:
             ("tenant", "model"),
             registry=r,
         )
+        self.endpoint_picks = Counter(
+            "inferlb_endpoint_picks",
+            "Requests of endpoint picking's models, by outcome",
+            ("model", "outcome"),
+            registry=r,
+        )
+        self.endpoint_state_polls = Counter(
+            "inferlb_endpoint_state_polls",
+            "Reads of the xDS server's endpoint state (GET /v1/picking)",
+            ("outcome",),
+            registry=r,
+        )
+        self.endpoint_state_age = Gauge(
+            "inferlb_endpoint_state_age_seconds",
+            "Age of the endpoint state the picker serves from (-1 before any)",
+            registry=r,
+        )
+        self.endpoint_state_age.set(-1)
         self.processing_seconds = Histogram(
             "inferlb_ext_proc_processing_seconds",
             "Time to answer one ext_proc message",

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import signal
 import sys
 from collections.abc import Callable, Coroutine
@@ -16,6 +17,7 @@ from typing import Any, Final, Literal
 from wsgiref.simple_server import WSGIServer
 
 from ext_proc.metrics import ExtProcMetrics
+from ext_proc.picking import EndpointStatePoller
 from ext_proc.poller import ConfigPoller
 from ext_proc.state import ExtProcState
 from ext_proc.stores import make_quota_store, start_metrics_server
@@ -26,6 +28,9 @@ from inferlb.errors import ConfigError
 
 log = logging.getLogger("ext_proc")
 
+#: The environment variable holding the xDS server's API token (as ``python -m xds_server`` reads it), for
+#: endpoint picking's state reads; else ``xds.api_token``.
+XDS_API_TOKEN_ENV: Final = "INFERLB_XDS_API_TOKEN"
 
 EventLoopChoice = Literal["auto", "uvloop", "asyncio"]
 #: The ``--event-loop`` choices of both entry points.
@@ -240,10 +245,19 @@ async def until_stopped(
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     watcher = asyncio.create_task(watch_config(poller, state, listen, interval_s, log))
+    # endpoint picking's live state: polled from the xDS server beside the requests, never on their path
+    endpoints = EndpointStatePoller(
+        state.picking,
+        lambda: state.gateway.config,
+        state.metrics,
+        token=os.environ.get(XDS_API_TOKEN_ENV),
+    )
+    endpoints.start()
     try:
         await stop.wait()
         log.info("%s stopping", log.name)
     finally:
+        await endpoints.stop()
         watcher.cancel()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(sig)

@@ -55,6 +55,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 from envoy.type.v3 import http_status_pb2
 
 from ext_proc import handlers
+from ext_proc.picking import choose
 from ext_proc.state import OFFLOAD_BODY_BYTES, ExtProcState
 from inferlb.config.schema import GatewayConfig
 from inferlb.policy.quota import Admitted, Refused
@@ -255,7 +256,14 @@ def body_continue(decision: handlers.ContinueRequest) -> ep.ProcessingResponse:
     )
     if decision.body is not None:
         common.body_mutation.CopyFrom(ep.BodyMutation(body=decision.body))
-    return ep.ProcessingResponse(request_body=ep.BodyResponse(response=common))
+    out = ep.ProcessingResponse(request_body=ep.BodyResponse(response=common))
+    if decision.destination is not None:
+        # the endpoint-picker protocol's metadata, beside its header: Envoy's override_host reads either
+        # (the ext_proc filter accepts this namespace: listener metadata_options.receiving_namespaces)
+        out.dynamic_metadata.update(
+            {h.DESTINATION_ENDPOINT_NAMESPACE: {h.DESTINATION_ENDPOINT: decision.destination}}
+        )
+    return out
 
 
 def passthrough_continue(remove: tuple[str, ...]) -> ep.ProcessingResponse:
@@ -382,6 +390,7 @@ class _Exchange:
         "model",
         "passthrough",
         "pending",
+        "picked",
         "settled",
         "started",
     )
@@ -400,6 +409,8 @@ class _Exchange:
         self.settled = False
         #: the cluster whose in-flight count this request holds until it is settled, or None
         self.in_flight: str | None = None
+        #: the endpoint whose in-flight count of endpoint picking this request holds until it is settled
+        self.picked: str | None = None
         #: the request body was answered: a body message after it is late (ignored, never re-admitted)
         self.body_seen = False
         self.late_body_logged = False
@@ -632,24 +643,42 @@ class ExternalProcessor(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc
             # counted before the quota call, so requests admitted meanwhile see this one
             state.in_flight.enter(cluster)
             held = cluster
+        picked = choose(state.picking, prepared, cluster, state.metrics, now=time.monotonic())
+        if isinstance(picked, handlers.ImmediateReply):
+            if held is not None:
+                state.in_flight.leave(held)
+            self._count_reply(picked, tenant=tenant, model=prepared.model.name)
+            return immediate_response(picked)
         deadline = arrived + gateway.admit_budget_s
         try:
             decision = await self._admit(ex, tenant, prepared.reserved_tokens, deadline=deadline)
         except BaseException:
             if held is not None:
                 state.in_flight.leave(held)
+            if picked is not None:
+                state.picking.book.leave(picked.held)
             raise
         if isinstance(decision, Refused):
             if held is not None:
                 state.in_flight.leave(held)
+            if picked is not None:
+                state.picking.book.leave(picked.held)
             reply = handlers.quota_refusal(decision)
             state.metrics.quota_rejections.labels(tenant, decision.limit.value).inc()
             self._count_reply(reply, tenant=tenant, model=prepared.model.name)
             return immediate_response(reply)
         ex.admitted = decision
         ex.in_flight = held
+        ex.picked = None if picked is None else picked.held
         ex.model = prepared.model.name
-        cont = handlers.route(gateway, prepared, decision, rng=state.rng, version=version)
+        cont = handlers.route(
+            gateway,
+            prepared,
+            decision,
+            rng=state.rng,
+            version=version,
+            destination=None if picked is None else picked.header_value,
+        )
         if gateway.account_responses and cont.reservation is not None:
             ex.meter = ResponseMeter(cont.reservation, gateway.counters.get(ex.model, gateway.counter))
         else:
@@ -733,6 +762,9 @@ class ExternalProcessor(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc
         if ex.in_flight is not None:
             self.state.in_flight.leave(ex.in_flight)
             ex.in_flight = None
+        if ex.picked is not None:
+            self.state.picking.book.leave(ex.picked)
+            ex.picked = None
         used = admitted.tokens if usage is None else usage.total_tokens
         metrics = self.state.metrics
         tenant, model = admitted.tenant, ex.model

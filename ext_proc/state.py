@@ -12,6 +12,7 @@ from collections.abc import Callable
 
 from ext_proc import handlers
 from ext_proc.metrics import ExtProcMetrics
+from ext_proc.picking import PickingState
 from inferlb.config.schema import Config
 from inferlb.policy.quota import MemoryQuotaStore, QuotaStore, lease_ttl_s, limits_from_config
 from inferlb.policy.shedding import InFlight
@@ -34,6 +35,8 @@ class ExtProcState:
 
     Attributes:
         in_flight: DEFAULT-priority requests admitted and not ended, per cluster (kept across reloads).
+        picking: endpoint picking's live endpoint state and in-flight counts per endpoint
+            (:mod:`ext_proc.picking`; kept across reloads).
     """
 
     def __init__(
@@ -55,6 +58,7 @@ class ExtProcState:
         )
         self.metrics = metrics if metrics is not None else ExtProcMetrics()
         self.in_flight = InFlight()
+        self.picking = PickingState()
 
     def apply_config(self, config: Config) -> None:
         """Serve ``config`` from now on; quota state of tenants whose limits did not change is kept.

@@ -55,6 +55,15 @@ classes then differ from their profile's go to :meth:`~xds_server.server.XdsServ
 the weights and out as EDS endpoint metadata through the same coalesced push; Envoy rebuilds a cluster's
 subsets when an endpoint's metadata changes. With ``static`` weights the profile's classes stay.
 
+**Endpoint picking** (models with ``endpoint_picking``): their endpoints are scraped whatever
+``weights.mode`` (the picker scores queue and KV usage), and each is also probed on its model's
+``cluster.health_check.path`` every period, with the health check's timeout and thresholds (out after
+``unhealthy_threshold`` failed probes in a row, back after ``healthy_threshold`` passes, as Envoy's own
+active check; a model without health checks is never probed). ``GET /v1/picking`` (behind the token)
+serves what the request-path processes pick from (:meth:`TelemetryCollector.picking_json`, read by
+:mod:`ext_proc.picking`): per picking cluster each endpoint's EDS address, served weight, health (not
+draining, probe passing), waiting and running requests, KV-cache usage and the sample's age.
+
 The server is known by what the collector needs of it (:class:`TelemetryTarget`), not by its class:
 :mod:`xds_server.__main__` hands it the :class:`~xds_server.server.XdsServer`.
 """
@@ -75,7 +84,7 @@ from aiohttp import web
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector, CollectorRegistry
 
-from inferlb.config.schema import Config, EndpointConfig
+from inferlb.config.schema import Config, EndpointConfig, HealthCheck, cluster_name
 from inferlb.errors import RequestError
 from inferlb.policy.capacity import capacity_weight
 from inferlb.policy.length_aware import (
@@ -320,6 +329,8 @@ class TelemetryCollector:
         self.reports: dict[str, int] = {}
         self.last_error: dict[tuple[str, str], str] = {}
         self.cycles = 0
+        #: endpoint key -> its health probe's run (endpoint picking's models only)
+        self.health: dict[str, HealthRun] = {}
 
     # -- lifecycle ----------------------------------------------------------------------------------------
     def routes(self) -> list[web.RouteDef]:
@@ -327,6 +338,7 @@ class TelemetryCollector:
         return [
             web.post("/v1/telemetry/gpu", self._post_gpu_report),
             web.get("/v1/weights", self._get_weights),
+            web.get("/v1/picking", self._get_picking),
         ]
 
     async def start(self, server: TelemetryTarget) -> None:
@@ -363,6 +375,9 @@ class TelemetryCollector:
                 if cfg.weights.mode == "telemetry":
                     await self.scrape_once()
                     self.recompute()
+                elif picking_endpoints(cfg):
+                    # the picker needs queue and KV usage of its models' endpoints even with static weights
+                    await self.scrape_once(only_picking=True)
             except Exception:  # the loop must survive anything one cycle throws
                 log.exception("telemetry cycle failed; retrying next period")
             self.cycles += 1
@@ -427,14 +442,46 @@ class TelemetryCollector:
         self.gpus[key] = GpuSample(gpu=gpu, at=self._clock(), source="sim", node=e.address.host)
         self.last_error.pop(("sim_telemetry", key), None)
 
-    async def scrape_once(self) -> None:
+    async def scrape_once(self, *, only_picking: bool = False) -> None:
         """Scrape every endpoint's ``/metrics`` (and ``/sim/telemetry`` of simulated ones) concurrently,
-        each bounded by ``telemetry.scrape_timeout_ms``. Failures are counted, never raised."""
+        each bounded by ``telemetry.scrape_timeout_ms``, and probe the health of endpoint picking's
+        endpoints (:meth:`_probe_health`). ``only_picking``: only endpoint picking's endpoints, ``/metrics``
+        and the probe. Failures are counted, never raised."""
         cfg = self._config()
         timeout_s = cfg.telemetry.scrape_timeout_ms / 1000
-        jobs = [self._scrape_metrics(e, timeout_s) for e in cfg.endpoints]
-        jobs += [self._scrape_sim_telemetry(e, timeout_s) for e in cfg.endpoints if e.simulated]
+        picking = picking_endpoints(cfg)
+        scraped = [e for e in cfg.endpoints if endpoint_key(e) in picking] if only_picking else cfg.endpoints
+        jobs = [self._scrape_metrics(e, timeout_s) for e in scraped]
+        if not only_picking:
+            jobs += [self._scrape_sim_telemetry(e, timeout_s) for e in cfg.endpoints if e.simulated]
+        models = {m.name: m for m in cfg.models}
+        for e in cfg.endpoints:
+            hc = models[e.model].cluster.health_check
+            if endpoint_key(e) in picking and hc is not None:
+                jobs.append(self._probe_health(e, hc))
         await asyncio.gather(*jobs)
+        for key in set(self.health) - picking:  # endpoints gone or no longer picked
+            del self.health[key]
+
+    async def _probe_health(self, e: EndpointConfig, hc: HealthCheck) -> None:
+        """One health probe (``GET hc.path``, 200 passes, within ``hc.timeout_ms``) of an endpoint picking's
+        endpoint, advancing its :class:`HealthRun` by ``hc``'s thresholds."""
+        key = endpoint_key(e)
+        self.scrapes["health"] = self.scrapes.get("health", 0) + 1
+        try:
+            await self._get(self._base_url(e) + hc.path, hc.timeout_ms / 1000)
+            passed = True
+        except TimeoutError:
+            self._failed("health", key, f"timeout after {hc.timeout_ms} ms")
+            passed = False
+        except (aiohttp.ClientError, OSError, RuntimeError) as exc:
+            self._failed("health", key, f"{type(exc).__name__}: {exc}")
+            passed = False
+        if passed:
+            self.last_error.pop(("health", key), None)
+        run = self.health.get(key, HealthRun())
+        self.health[key] = run.after(passed, healthy_threshold=hc.healthy_threshold,
+                                     unhealthy_threshold=hc.unhealthy_threshold)  # fmt: skip
 
     # -- GPU reports --------------------------------------------------------------------------------------
     def accept_report(self, body: Any) -> tuple[dict[str, str], list[str]]:
@@ -703,6 +750,92 @@ class TelemetryCollector:
 
     async def _get_weights(self, _request: web.Request) -> web.Response:
         return web.json_response(self.weights_json())
+
+    # -- GET /v1/picking ----------------------------------------------------------------------------------
+    def served_weight(self, cfg: Config, e: EndpointConfig) -> int:
+        """The ``load_balancing_weight`` the server sends for ``e``: a fleet API pin, else the pushed
+        telemetry weight, else the capacity weight."""
+        srv = self._server
+        assert srv is not None
+        key = endpoint_key(e)
+        pin = srv.fleet.weight_overrides.get(key)
+        if pin is not None:
+            return pin
+        return srv.telemetry_weights.get(key) or capacity_weight(cfg, e)
+
+    def picking_json(self) -> dict[str, Any]:
+        """The body of ``GET /v1/picking``: what the request path picks endpoints from.
+
+        Shape: ``{"clusters": {cluster: [endpoint, ...]}, "stale_after_ms": weights.stale_after_ms}``, one
+        entry per cluster of a model with ``endpoint_picking`` (an empty list when it has no endpoint), each
+        endpoint ``{"address": "ip:port" as EDS sends it (IPv6 in brackets), "key", "name", "weight": the
+        served weight, "healthy": false while draining or failing its probe, "draining", "waiting",
+        "running", "kv_usage": from the last good scrape (null before one), "telemetry_age_ms": that
+        scrape's age (null before one)}``.
+        """
+        srv = self._server
+        assert srv is not None
+        cfg = self._config()
+        now = self._clock()
+        clusters: dict[str, list[dict[str, Any]]] = {
+            m.cluster_name(v.name): [] for m in cfg.models if m.endpoint_picking.enabled for v in m.versions
+        }
+        for e in cfg.endpoints:
+            cluster = cluster_name(e.model, cfg.endpoint_version(e))
+            rows = clusters.get(cluster)
+            if rows is None:
+                continue
+            key = endpoint_key(e)
+            host = srv.resolved_hosts.get(e.address.host, e.address.host)
+            address = f"[{host}]:{e.address.port}" if ":" in host else f"{host}:{e.address.port}"
+            draining = key in srv.fleet.draining
+            run = self.health.get(key)
+            sample = self.servers.get(key)
+            m = sample.metrics if sample is not None else None
+            rows.append(
+                {
+                    "address": address,
+                    "key": key,
+                    "name": e.display_name,
+                    "weight": self.served_weight(cfg, e),
+                    "healthy": not draining and (run is None or run.healthy),
+                    "draining": draining,
+                    "waiting": None if m is None else m.waiting_requests,
+                    "running": None if m is None else m.running_requests,
+                    "kv_usage": None if m is None else m.kv_cache_usage,
+                    "telemetry_age_ms": None if sample is None else round((now - sample.at) * 1000),
+                }
+            )
+        return {"clusters": clusters, "stale_after_ms": cfg.weights.stale_after_ms}
+
+    async def _get_picking(self, _request: web.Request) -> web.Response:
+        return web.json_response(self.picking_json())
+
+
+@dataclass(frozen=True, kw_only=True)
+class HealthRun:
+    """An endpoint's health by its probes, as Envoy's active health check counts (Envoy docs, "Health
+    checking"): ``healthy`` flips after ``unhealthy_threshold`` failures in a row, back after
+    ``healthy_threshold`` passes in a row. A new endpoint starts healthy (as Envoy holds a host from EDS
+    before its first check)."""
+
+    healthy: bool = True
+    passes: int = 0
+    failures: int = 0
+
+    def after(self, passed: bool, *, healthy_threshold: int, unhealthy_threshold: int) -> HealthRun:
+        """The run after one more probe."""
+        if passed:
+            passes = self.passes + 1
+            return HealthRun(healthy=self.healthy or passes >= healthy_threshold, passes=passes, failures=0)
+        failures = self.failures + 1
+        return HealthRun(healthy=self.healthy and failures < unhealthy_threshold, passes=0, failures=failures)
+
+
+def picking_endpoints(cfg: Config) -> set[str]:
+    """The keys of the endpoints of models with ``endpoint_picking`` on."""
+    picking = {m.name for m in cfg.models if m.endpoint_picking.enabled}
+    return {endpoint_key(e) for e in cfg.endpoints if e.model in picking} if picking else set()
 
 
 def _served_classes(pushed: tuple[str, ...] | None, w: EndpointWeight | None) -> list[str] | None:

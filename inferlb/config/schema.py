@@ -9,7 +9,8 @@ Shape (see README "Config reference" and ``examples/local.yaml``)::
     gpu_profiles: {H100: {relative_capacity: 3.4, ...}, ...}
     models:     [{name, aliases, context_length, versions: [{name, traffic_percent}],
                   cluster: {lb_policy, ..., length_aware: {long_output_tokens, fast_min_relative_capacity,
-                                 tiers: [{above_output_tokens, min_relative_capacity}]}}}]
+                                 tiers: [{above_output_tokens, min_relative_capacity}]}},
+                  endpoint_picking: {mode: off|load|approximate|precise, weights: {...}, block_size}}]
     endpoints:  [{address, model, version, gpu, region, zone, simulated}]
     tenants:    [{name, api_keys, priority, requests_per_minute, tokens_per_minute,
                   max_concurrent_requests, daily_token_budget}]
@@ -438,6 +439,10 @@ class ExtProcConfig(_Frozen):
     #: ``unknown_url`` in ext_proc; ``allow`` lets them through unexamined (API key still checked,
     #: ``x-inferlb-*`` headers still stripped) to whatever route Envoy has for them.
     non_inference_paths: Literal["deny", "allow"] = "deny"
+    #: Models with ``endpoint_picking``: how often each request-path process reads the live endpoint state
+    #: (endpoints, health, weights, queue and KV telemetry) from the xDS server's ``GET /v1/picking`` (ms).
+    #: A failed read keeps the last state serving (see :mod:`ext_proc.picking`).
+    endpoint_state_poll_ms: Annotated[int, Field(strict=True, ge=50, le=60_000)] = 250
 
     @model_validator(mode="after")
     def _check_extra_metrics(self) -> Self:
@@ -781,6 +786,48 @@ class ClusterPolicy(_Frozen):
         return self
 
 
+class PickerWeightsConfig(_Frozen):
+    """The weights of the endpoint picker's score and its load guard
+    (:class:`inferlb.policy.picker.PickerWeights`, whose docstring gives the formula); the defaults are its
+    defaults."""
+
+    #: Weight of the share of the prompt's blocks an endpoint caches (0..1).
+    prefix: Annotated[float, Field(strict=True, ge=0, le=1_000)] = 2.0
+    #: Weight of an endpoint's load relative to the fleet's mean.
+    load: Annotated[float, Field(strict=True, ge=0, le=1_000)] = 1.0
+    #: Weight of an endpoint's KV-cache usage (0..1).
+    kv: Annotated[float, Field(strict=True, ge=0, le=1_000)] = 0.5
+    #: The load guard's bound, a multiple of the mean load (> 1; Mirrokni et al.'s bounded-load hashing).
+    load_factor: Annotated[float, Field(strict=True, gt=1, le=100)] = 1.25
+    #: Endpoints listed per pick (the first is the choice, the rest Envoy's fallback order for retries).
+    max_hosts: Annotated[int, Field(strict=True, ge=1, le=16)] = 3
+
+
+class EndpointPicking(_Frozen):
+    """Endpoint picking for one model: the request path picks the endpoint of each request (cache- and
+    load-aware, :mod:`inferlb.policy.picker`) and hands Envoy an ordered list of hosts, as the Gateway API
+    Inference Extension's endpoint-picker protocol does (``x-gateway-destination-endpoint``); the model's
+    clusters run Envoy's ``override_host`` load-balancing policy, which sends the request to the first
+    listed host, the next ones on retries, and falls back to the cluster's own ``lb_policy`` when none is
+    usable (:func:`xds_server.resources.clusters.override_host_policy`).
+
+    Modes: ``off`` (default: Envoy balances alone); ``load`` (the picker scores load and KV usage only);
+    ``approximate`` (plus the prefix cache each endpoint is believed to hold, learnt from the gateway's
+    own picks); ``precise`` (plus the prefix cache each endpoint reports in its KV events).
+    """
+
+    mode: Literal["off", "load", "approximate", "precise"] = "off"
+    weights: PickerWeightsConfig = PickerWeightsConfig()
+    #: Tokens per prompt block of the prefix indexes (vLLM's ``--block-size``, default 16); ``approximate``
+    #: and ``precise`` only.
+    block_size: Annotated[int, Field(strict=True, ge=1, le=1_024)] = 16
+
+    @property
+    def enabled(self) -> bool:
+        """True unless ``mode`` is ``off``."""
+        return self.mode != "off"
+
+
 class ModelVersion(_Frozen):
     """One deployed version of a model and its share of the model's traffic (a canary is a small share)."""
 
@@ -811,6 +858,36 @@ class ModelConfig(_Frozen):
     image_tokens: Annotated[int, Field(strict=True, ge=0, le=1_000_000)] | None = None
     versions: tuple[ModelVersion, ...] = (ModelVersion(name="v1"),)
     cluster: ClusterPolicy = ClusterPolicy()
+    #: The request path picks each request's endpoint (:class:`EndpointPicking`); off by default.
+    endpoint_picking: EndpointPicking = EndpointPicking()
+
+    @model_validator(mode="after")
+    def _check_endpoint_picking(self) -> Self:
+        # the picker chooses among all of a cluster's endpoints and Envoy falls back to the cluster's own
+        # policy: settings that confine or order the hosts some other way would fight it
+        picking = self.endpoint_picking
+        if not picking.enabled:
+            return self
+        c = self.cluster
+        why = ""
+        if c.lb_policy not in ("least_request", "round_robin"):
+            why = (
+                f"cluster.lb_policy {c.lb_policy} hashes each request to its host, which the picker "
+                "replaces; use least_request or round_robin (Envoy's fallback when no picked host is usable)"
+            )
+        elif c.length_aware is not None:
+            why = (
+                "cluster.length_aware confines long requests to a GPU subset, which the picker does not know "
+                "of; drop one of the two"
+            )
+        elif c.failover != "off":
+            why = (
+                f"cluster.failover {c.failover} orders hosts by locality priority, which Envoy's "
+                "override_host ignores (it looks a picked host up across priorities); use failover: off"
+            )
+        if why:
+            raise ValueError(f"endpoint_picking.mode: {picking.mode} cannot be combined with {why}")
+        return self
 
     @model_validator(mode="after")
     def _check_versions(self) -> Self:
@@ -1019,6 +1096,28 @@ class Config(_Frozen):
             for i, t in enumerate(self.tenants)
             if t.max_concurrent_requests is not None and not ep.account_responses
         ]
+        if problems:
+            raise ValueError("; ".join(problems))
+        return self
+
+    @model_validator(mode="after")
+    def _check_endpoint_picking_inputs(self) -> Self:
+        # the picker needs the live endpoint state (the xDS server's HTTP API) and each request's end (its
+        # in-flight count): without them it would pick blind
+        picking = [(i, m) for i, m in enumerate(self.models) if m.endpoint_picking.enabled]
+        problems = []
+        for i, m in picking:
+            field = f"models[{i}].endpoint_picking.mode"
+            if self.xds.api_listen is None:
+                problems.append(
+                    f"{field}: {m.endpoint_picking.mode} needs xds.api_listen (the request path reads the "
+                    "live endpoint state from the xDS server's GET /v1/picking)"
+                )
+            if not self.ext_proc.account_responses:
+                problems.append(
+                    f"{field}: {m.endpoint_picking.mode} needs ext_proc.account_responses (the picker counts "
+                    "each endpoint's requests in flight until their response ends)"
+                )
         if problems:
             raise ValueError("; ".join(problems))
         return self

@@ -15,6 +15,8 @@
 - :mod:`inferlb.policy.picker`: the endpoint picker's scoring (prefix match, load, KV usage, the load guard).
 - :mod:`inferlb.policy.fair_queue`: per-model waiting under saturation (strict bands, start-time fair
   queueing by tokens within one, bounded waits).
+- :mod:`inferlb.policy.endpoint_book`: a request-path process's view of the picking models' endpoints
+  (the xDS server's state, its own in-flight counts per endpoint) as the picker's inputs.
 
 May import: :mod:`inferlb.errors`, :mod:`inferlb.config`, :mod:`inferlb.request`, prometheus_client's text
 parser; no server, client, Redis, NVML or simulator.

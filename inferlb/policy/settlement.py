@@ -105,6 +105,9 @@ class Reserved:
         deadline: the ledger clock time (s) after which the reservation settles as is.
         in_flight: the cluster whose in-flight count (:class:`inferlb.policy.shedding.InFlight`) holds the
             request until it settles, None when it is not counted (a ``high`` tenant, no shedding).
+        picked: the endpoint (``ip:port``) whose in-flight count of endpoint picking
+            (:class:`inferlb.policy.endpoint_book.EndpointBook`) holds the request until it settles, None
+            when its model does not pick endpoints.
     """
 
     admitted: Admitted
@@ -112,6 +115,7 @@ class Reserved:
     prompt_tokens: int
     deadline: float
     in_flight: str | None = None
+    picked: str | None = None
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -205,9 +209,11 @@ class SettlementLedger:
         prompt_tokens: int,
         now: float,
         in_flight: str | None = None,
+        picked: str | None = None,
     ) -> None:
         """Record ``admitted`` under ``meter_id`` (unique per reservation: the caller's ids never repeat);
-        ``in_flight`` is carried to its :class:`Settlement` (:attr:`Reserved.in_flight`).
+        ``in_flight`` and ``picked`` are carried to its :class:`Settlement` (:attr:`Reserved.in_flight`,
+        :attr:`Reserved.picked`).
 
         Raises:
             ValueError: ``meter_id`` is waiting or was settled and is still remembered.
@@ -221,6 +227,7 @@ class SettlementLedger:
             prompt_tokens=prompt_tokens,
             deadline=t + self.ttl_s,
             in_flight=in_flight,
+            picked=picked,
         )
 
     def entry(self, entry: MeterEntry, now: float) -> tuple[Outcome, Settlement | None]:

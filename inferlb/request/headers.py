@@ -54,3 +54,11 @@ METER: Final = "x-inferlb-meter"
 #: never sent upstream) and its Lua filter removes the usage chunk and the ``"usage": null`` members from
 #: what the client gets (:data:`xds_server.resources.listener.METER_LUA`).
 USAGE_ADDED: Final = "x-inferlb-usage-added"
+#: The endpoint-picker protocol's header (Gateway API Inference Extension, proposal 004): the hosts the
+#: request path picked, ``ip:port[,ip:port...]``, first choice first. Envoy's ``override_host``
+#: load-balancing policy of a picking model's clusters reads it (and the same value in dynamic metadata
+#: :data:`DESTINATION_ENDPOINT_NAMESPACE`). A client's own is removed before any filter runs.
+DESTINATION_ENDPOINT: Final = "x-gateway-destination-endpoint"
+#: The dynamic-metadata namespace of the picked hosts (key :data:`DESTINATION_ENDPOINT`), as the EPP
+#: protocol sets it (ext_proc mode; Envoy's ext_authz filter can write only its own namespace).
+DESTINATION_ENDPOINT_NAMESPACE: Final = "envoy.lb"

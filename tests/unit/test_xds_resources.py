@@ -226,6 +226,7 @@ def test_listener_buffer_limit_and_filter_chain(protocol: str) -> None:
     assert by_prefix == [headers.PREFIX, "x-envoy-"]
     assert {m.remove for m in mutation.mutations if m.remove} == {
         "x-forwarded-for",  # Envoy's own (use_remote_address) replaces it
+        headers.DESTINATION_ENDPOINT,  # only the request path picks endpoints
     }
     removed = {
         headers.MODEL,

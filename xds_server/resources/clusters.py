@@ -5,24 +5,32 @@ Each model-version cluster sets every resilience knob explicitly from the model'
 policy, outlier detection, circuit breakers per routing priority, panic threshold, slow start, health
 checks. A length-aware model's clusters get an ``lb_subset_config`` (one selector on ``gpu_tier``, or on
 ``length_classes`` with ``list_as_any`` when tiered; fallback ``ANY_ENDPOINT``), which selects on the
-``envoy.lb`` metadata of their endpoints (:mod:`xds_server.resources.endpoints`).
+``envoy.lb`` metadata of their endpoints (:mod:`xds_server.resources.endpoints`). A model with
+``endpoint_picking`` gets Envoy's ``override_host`` load-balancing policy instead
+(:func:`override_host_policy`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Final
+from typing import Final, Literal
 
 from envoy.config.cluster.v3 import circuit_breaker_pb2, cluster_pb2, outlier_detection_pb2
-from envoy.config.core.v3 import base_pb2, health_check_pb2, protocol_pb2
+from envoy.config.core.v3 import base_pb2, extension_pb2, health_check_pb2, protocol_pb2
 from envoy.config.endpoint.v3 import endpoint_components_pb2, endpoint_pb2
+from envoy.extensions.load_balancing_policies.common.v3 import common_pb2 as lb_common_pb2
+from envoy.extensions.load_balancing_policies.least_request.v3 import least_request_pb2
+from envoy.extensions.load_balancing_policies.override_host.v3 import override_host_pb2
+from envoy.extensions.load_balancing_policies.round_robin.v3 import round_robin_pb2
 from envoy.extensions.upstreams.http.v3 import http_protocol_options_pb2
+from envoy.type.metadata.v3 import metadata_pb2
 from envoy.type.v3 import percent_pb2
 from google.protobuf import any_pb2, wrappers_pb2
 
 from inferlb.config.schema import CircuitBreaker, ClusterPolicy, Config, GrpcAddress, HealthCheck, UnixSocket
 from inferlb.policy.affinity import HASH_LB_POLICIES
 from inferlb.policy.length_aware import subset_key
+from inferlb.request import headers
 from xds_server.resources.common import (
     EXT_AUTHZ_CLUSTER,
     EXT_PROC_CLUSTER,
@@ -68,8 +76,12 @@ def _thresholds(priority: int, cb: CircuitBreaker) -> circuit_breaker_pb2.Circui
     )
 
 
-def build_model_cluster(name: str, policy: ClusterPolicy) -> cluster_pb2.Cluster:
-    """One EDS Cluster for one model version, every resilience knob set explicitly from ``policy``.
+def build_model_cluster(
+    name: str, policy: ClusterPolicy, *, picking: HostSource | None = None
+) -> cluster_pb2.Cluster:
+    """One EDS Cluster for one model version, every resilience knob set explicitly from ``policy``; with
+    ``picking`` (the model's ``endpoint_picking`` on: where the request path puts its hosts) its load
+    balancing is :func:`override_host_policy`.
 
     Envoy's defaults differ from what inference needs (Envoy docs, outlier detection and
     ``healthy_panic_threshold``): gateway-failure enforcement
@@ -140,6 +152,14 @@ def build_model_cluster(name: str, policy: ClusterPolicy) -> cluster_pb2.Cluster
         )
     if policy.locality_weighted:
         cluster.common_lb_config.locality_weighted_lb_config.SetInParent()
+    if picking:
+        # the typed policy replaces lb_policy and its *_lb_config (Envoy ignores them beside it); the
+        # fallback carries bias, slow start and locality weighting instead
+        cluster.ClearField("lb_policy")
+        cluster.ClearField("least_request_lb_config")
+        cluster.ClearField("round_robin_lb_config")
+        cluster.common_lb_config.ClearField("locality_weighted_lb_config")
+        cluster.load_balancing_policy.CopyFrom(override_host_policy(name, policy, picking))
     if policy.length_aware is not None:
         cluster.lb_subset_config.CopyFrom(length_aware_subsets(policy))
     hc = policy.health_check
@@ -150,6 +170,110 @@ def build_model_cluster(name: str, policy: ClusterPolicy) -> cluster_pb2.Cluster
         # its traffic. The fleet API's word wins.
         cluster.ignore_health_on_host_removal = True
     return cluster
+
+
+def _slow_start(name: str, policy: ClusterPolicy) -> lb_common_pb2.SlowStartConfig | None:
+    if not policy.slow_start_window_ms:
+        return None
+    return lb_common_pb2.SlowStartConfig(
+        slow_start_window=duration_ms(policy.slow_start_window_ms),
+        aggression=base_pb2.RuntimeDouble(
+            default_value=policy.slow_start_aggression, runtime_key=f"inferlb.{name}.slow_start_aggression"
+        ),
+        min_weight_percent=percent_pb2.Percent(value=policy.slow_start_min_weight_percent),
+    )
+
+
+def fallback_policy(name: str, policy: ClusterPolicy) -> extension_pb2.TypedExtensionConfig:
+    """The cluster's own balancing as a typed load-balancing extension: ``least_request`` (Envoy's weighted
+    least request, ``active_request_bias`` as the legacy field's) or ``round_robin``, with slow start and
+    locality-weighted balancing when the policy sets them.
+
+    Raises:
+        ValueError: a hash policy (``ring_hash``/``maglev``); the config refuses it with endpoint picking.
+    """
+    locality = (
+        lb_common_pb2.LocalityLbConfig(
+            locality_weighted_lb_config=lb_common_pb2.LocalityLbConfig.LocalityWeightedLbConfig()
+        )
+        if policy.locality_weighted
+        else None
+    )
+    slow = _slow_start(name, policy)
+    if policy.lb_policy == "least_request":
+        lr = least_request_pb2.LeastRequest(
+            active_request_bias=base_pb2.RuntimeDouble(
+                default_value=policy.active_request_bias, runtime_key=f"inferlb.{name}.active_request_bias"
+            ),
+            slow_start_config=slow,
+            locality_lb_config=locality,
+        )
+        return extension_pb2.TypedExtensionConfig(
+            name="envoy.load_balancing_policies.least_request", typed_config=pack(lr)
+        )
+    if policy.lb_policy == "round_robin":
+        rr = round_robin_pb2.RoundRobin(slow_start_config=slow, locality_lb_config=locality)
+        return extension_pb2.TypedExtensionConfig(
+            name="envoy.load_balancing_policies.round_robin", typed_config=pack(rr)
+        )
+    raise ValueError(f"no override_host fallback for lb_policy {policy.lb_policy}")
+
+
+#: Where a picking model's hosts are read from: the header, or the ``envoy.lb`` dynamic metadata.
+HostSource = Literal["header", "metadata"]
+
+
+def host_source(config: Config) -> HostSource:
+    """Where the request path puts its picks for Envoy: ext_proc mode writes the ``envoy.lb`` metadata (and
+    the header, for the model server to see), ext_authz mode only the header (its filter writes only its
+    own namespace)."""
+    return "metadata" if config.ext_proc.protocol == "ext_proc" else "header"
+
+
+def override_host_policy(
+    name: str, policy: ClusterPolicy, source: HostSource
+) -> cluster_pb2.LoadBalancingPolicy:
+    """The ``load_balancing_policy`` of a picking model's cluster: Envoy's
+    ``envoy.load_balancing_policies.override_host`` (API ``extensions.load_balancing_policies.override_host
+    .v3.OverrideHost``, built for endpoint pickers), reading the hosts from ``source``: the header
+    :data:`~inferlb.request.headers.DESTINATION_ENDPOINT` or dynamic metadata ``envoy.lb`` /
+    ``x-gateway-destination-endpoint``, as the Gateway API Inference Extension's protocol names them, and
+    falling back to :func:`fallback_policy` (the cluster's own weighted least request or round robin).
+
+    Envoy sends the request to the first listed host it holds in the cluster and each retry to the next
+    listed one; a host it does not hold is skipped, and with none left (or no list at all: a request the
+    picker did not see, one that failed open) the fallback picks as for any cluster, so EDS weights,
+    health checks, outlier detection, circuit breakers and retries keep working around a pick. One
+    source, not both: Envoy 1.40 joins the lists of every source it finds (measured: header ``A,B`` and
+    metadata ``C`` were tried A, B, C), so the same list in both would be walked twice, a retry going back
+    to the first host instead of to the fallback.
+    """
+    if source == "header":
+        oh_source = override_host_pb2.OverrideHost.OverrideHostSource(header=headers.DESTINATION_ENDPOINT)
+    else:
+        oh_source = override_host_pb2.OverrideHost.OverrideHostSource(
+            metadata=metadata_pb2.MetadataKey(
+                key=headers.DESTINATION_ENDPOINT_NAMESPACE,
+                path=[metadata_pb2.MetadataKey.PathSegment(key=headers.DESTINATION_ENDPOINT)],
+            )
+        )
+    oh = override_host_pb2.OverrideHost(
+        override_host_sources=[oh_source],
+        fallback_policy=cluster_pb2.LoadBalancingPolicy(
+            policies=[
+                cluster_pb2.LoadBalancingPolicy.Policy(typed_extension_config=fallback_policy(name, policy))
+            ]
+        ),
+    )
+    return cluster_pb2.LoadBalancingPolicy(
+        policies=[
+            cluster_pb2.LoadBalancingPolicy.Policy(
+                typed_extension_config=extension_pb2.TypedExtensionConfig(
+                    name="envoy.load_balancing_policies.override_host", typed_config=pack(oh)
+                )
+            )
+        ]
+    )
 
 
 def health_check(hc: HealthCheck) -> health_check_pb2.HealthCheck:
@@ -250,7 +374,15 @@ def build_ext_proc_cluster(config: Config) -> cluster_pb2.Cluster:
 def build_clusters(config: Config) -> list[cluster_pb2.Cluster]:
     """Every Cluster: one EDS cluster per model version (config order), then ``inferlb_ext_proc`` (or
     ``inferlb_ext_authz``, and the settlers' clusters when ext_authz mode meters responses)."""
-    out = [build_model_cluster(m.cluster_name(v.name), m.cluster) for m in config.models for v in m.versions]
+    out = [
+        build_model_cluster(
+            m.cluster_name(v.name),
+            m.cluster,
+            picking=host_source(config) if m.endpoint_picking.enabled else None,
+        )
+        for m in config.models
+        for v in m.versions
+    ]
     out.append(build_ext_proc_cluster(config))
     out += build_meter_clusters(config)
     return out

@@ -103,6 +103,10 @@ STRIPPED_REQUEST_HEADERS: Final[tuple[str, ...]] = (
 #: address to ``x-forwarded-for``; removing the client's value first leaves exactly that address, so a
 #: client cannot pose as another origin to model servers or their logs.
 REPLACED_CLIENT_HEADERS: Final[tuple[str, ...]] = ("x-forwarded-for",)
+#: Client request headers only the request path may set, removed before routing and before any filter: the
+#: endpoint-picker protocol's host list, which a picking model's ``override_host`` clusters obey (a client's
+#: own would choose its GPU; on other models' clusters Envoy ignores it, so it is removed everywhere).
+GATEWAY_ONLY_HEADERS: Final[tuple[str, ...]] = (headers.DESTINATION_ENDPOINT,)
 #: Every client-sent header with this prefix is removed by the early header mutation (a prefix match):
 #: no client speaks Envoy's internal protocol to the gateway, and a model server must not see one.
 ENVOY_HEADER_PREFIX: Final = "x-envoy-"
@@ -810,7 +814,11 @@ def build_meter_access_logs(config: Config) -> list[accesslog_pb2.AccessLog]:
 
 #: Headers of the ext_authz service's 200 answer set on the upstream request (exact names): the routing
 #: headers the routes match on (or hash on) and the body splices for the Lua filter.
-EXT_AUTHZ_UPSTREAM_HEADERS: Final[tuple[str, ...]] = (*STRIPPED_REQUEST_HEADERS, headers.BODY_SPLICE)
+EXT_AUTHZ_UPSTREAM_HEADERS: Final[tuple[str, ...]] = (
+    *STRIPPED_REQUEST_HEADERS,
+    headers.BODY_SPLICE,
+    headers.DESTINATION_ENDPOINT,
+)
 #: Headers of the ext_authz service's refusal sent to the client (``x-inferlb-status``: the status of a
 #: 5xx refusal, read by the local-reply mapper).
 EXT_AUTHZ_CLIENT_HEADERS: Final[tuple[str, ...]] = ("content-type", "retry-after", "allow", headers.STATUS)
@@ -900,6 +908,15 @@ def _ext_proc_filter(config: Config) -> http_connection_manager_pb2.HttpFilter:
         # request gets no body or response phases, a non-2xx response (charged nothing) no body messages, a
         # small JSON response one buffered body message; each message skipped is one gRPC round trip less
         allow_mode_override=True,
+        # a picking model's host list goes to Envoy's override_host policy as dynamic metadata too, under
+        # the endpoint-picker protocol's namespace (ext_proc may write only the namespaces named here)
+        metadata_options=ext_proc_pb2.MetadataOptions(
+            receiving_namespaces=ext_proc_pb2.MetadataOptions.MetadataNamespaces(
+                untyped=[headers.DESTINATION_ENDPOINT_NAMESPACE]
+            )
+        )
+        if any(m.endpoint_picking.enabled for m in config.models)
+        else None,
     )
     # disabled here, enabled by the virtual host (ext_proc_per_route): a reply Envoy makes before any route
     # exists (HTTP/1 codec errors: 400 malformed, 431 headers too large, 426) then skips ext_proc. Enabled,
@@ -990,7 +1007,10 @@ def build_listener(config: Config) -> listener_pb2.Listener:
     # route is used (measured on Envoy 1.40: a client's x-inferlb-model reached the model cluster).
     strip = early_header_mutation_pb2.HeaderMutation(
         mutations=[
-            *(mutation_rules_pb2.HeaderMutation(remove=h) for h in REPLACED_CLIENT_HEADERS),
+            *(
+                mutation_rules_pb2.HeaderMutation(remove=h)
+                for h in (*REPLACED_CLIENT_HEADERS, *GATEWAY_ONLY_HEADERS)
+            ),
             # every x-inferlb-* name (STRIPPED_REQUEST_HEADERS, the body splices, names added later) and
             # every x-envoy-* name a client sent (ENVOY_CONTROL_HEADERS and the rest), by prefix: measured
             # on Envoy 1.40

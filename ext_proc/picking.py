@@ -1,0 +1,298 @@
+"""Endpoint picking on the request path, both modes (ext_proc's stream and ext_authz's check): for a
+request to a model with ``endpoint_picking``, :func:`choose` orders the model version's endpoints with
+:func:`inferlb.policy.picker.pick`, and the adapters hand the list to Envoy as the Gateway API Inference
+Extension's endpoint-picker protocol does: header ``x-gateway-destination-endpoint: ip:port[,ip:port...]``
+(both modes; in ext_authz mode through ``allowed_upstream_headers``) and, in ext_proc mode, the same value
+in dynamic metadata ``envoy.lb`` (ext_authz's filter writes only its own namespace). The model's clusters
+run Envoy's ``override_host`` policy (:func:`xds_server.resources.clusters.override_host_policy`), reading
+the metadata in ext_proc mode and the header in ext_authz mode (one source: Envoy joins the lists of all
+it finds), and the header still reaches the model server in both: the first listed host gets the
+request, a retry the next, and with none usable the cluster's own least-request balancing picks. A
+client's own header is removed by the gateway's early header mutation before any filter runs, so it never
+reaches ``override_host``.
+
+Where the state lives and how it reaches each replica:
+
+- **Fleet state** (which endpoints a cluster has, their served EDS weights, health, queue and KV-cache
+  usage): the xDS server, which already builds EDS and scrapes each model server's ``/metrics``; for
+  picking models it scrapes whatever ``weights.mode`` and also probes each endpoint's health path with the
+  model's health-check thresholds (Envoy's own active checks are per Envoy and not visible to us). It
+  serves the join at ``GET /v1/picking`` behind the fleet API's token.
+- **Each request-path process** polls that every ``ext_proc.endpoint_state_poll_ms`` (250 ms) in a task of
+  its own (:class:`EndpointStatePoller`), never on a request's path, and keeps the last good answer in its
+  :class:`~inferlb.policy.endpoint_book.EndpointBook`. A failed poll (the xDS server down, slow, a bad
+  answer) keeps the last state serving, logged once per outage and counted.
+- **In flight**: each process counts its own picks per endpoint, entered at the pick and left at the
+  request's end (ext_proc: the stream's settlement; ext_authz: the access-log settlement, up to
+  ``ext_proc.meter_flush_interval_ms`` late, or the lease TTL for an entry that never comes). Only the
+  first listed host is counted: a request Envoy moved to a fallback host still counts on the first.
+
+Staleness bounds: an endpoint appears, drains or leaves within one poll period after the xDS server knows
+(plus its push debounce); a failing endpoint is out within ``unhealthy_threshold`` probe periods
+(``telemetry.scrape_interval_ms``, 500 ms) plus a poll; queue and KV usage lag by up to a scrape period
+plus a poll period and are ignored past ``weights.stale_after_ms``. Between those bounds Envoy covers the
+gap: a picked host that is gone from EDS is skipped, a dead or 503ing one is retried on the next listed
+host (``retry_on`` connect-failure/reset/503; the fallback policy after the list), so a stale pick costs a
+retry, not an error. Envoy 1.40's ``override_host`` does not check a listed host's health itself, and its
+retries walk the list without the route's ``previous_hosts`` predicate (a list ``A,A,C`` was tried A, A,
+C; the fallback policy after the list does honour it), so :func:`~inferlb.policy.picker.pick` lists each
+host once.
+
+Herding: several replicas reading the same state would all pick the same least-loaded endpoint. Three
+things keep them apart: each process salts the picker's tie-break with random bytes of its own (equal
+scores break differently per replica); each counts its own in-flight picks, so its next pick moves on at
+once; and the load guard (bounded load, :mod:`inferlb.policy.picker`) lists an endpoint above its share of
+the work only after every endpoint within it. What one replica cannot see is the others' picks since the
+last scrape: a burst over many replicas can overshoot one endpoint by up to (replicas - 1) x the burst's
+share before the queue telemetry shows it.
+
+Before the first state arrives (start-up with the xDS server down), and for a cluster the state does not
+list yet, a picking model's request goes without the header: Envoy's fallback balances it
+(``inferlb_endpoint_picks_total{outcome="no_state"}``). When the state lists no eligible endpoint (none
+healthy), the request is refused 503 ``no_eligible_endpoint`` in OpenAI's JSON (the EPP protocol's answer;
+ext_authz sends it as 403 + ``x-inferlb-status: 503``, restored by the local-reply mapper).
+
+Prefix indexes: ``approximate`` and ``precise`` pick from a :class:`~inferlb.policy.picker.PrefixIndex`
+fed with the request's prompt block keys; :func:`prefix_source` is the one place that binds a mode to its
+index and key function, and until those exist it binds every mode to
+:class:`~inferlb.policy.picker.NoPrefixIndex` and no keys, so ``approximate`` and ``precise`` pick by
+load alone for now.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import secrets
+import time
+from collections.abc import Callable
+from typing import Final
+
+import aiohttp
+import msgspec
+
+from ext_proc.handlers import ImmediateReply, PreparedRequest, refusal
+from ext_proc.metrics import ExtProcMetrics
+from inferlb.config.schema import Config, EndpointPicking, ModelConfig
+from inferlb.errors import RequestError
+from inferlb.policy.endpoint_book import EndpointBook, parse_picking_state
+from inferlb.policy.picker import NoEligibleEndpoint, NoPrefixIndex, PickerWeights, PrefixIndex, pick
+from inferlb.request.parsing import InferenceRequest
+
+log = logging.getLogger("ext_proc.picking")
+
+#: Response code details of a request refused because no endpoint of its cluster is eligible.
+NO_ELIGIBLE_DETAILS: Final = "inferlb_no_eligible_endpoint"
+#: Longest wait for one ``GET /v1/picking`` (s); a slower answer counts as a failed poll.
+POLL_TIMEOUT_S: Final = 2.0
+
+
+def no_keys(request: InferenceRequest) -> tuple[int, ...]:
+    """No prompt block keys: the picker then scores load and KV usage only."""
+    return ()
+
+
+class PrefixSource(msgspec.Struct, frozen=True, kw_only=True):
+    """Where a picking model's prefix matches come from: the index and the function giving a request's
+    prompt block keys (:class:`~inferlb.policy.picker.PrefixIndex` explains block keys)."""
+
+    index: PrefixIndex
+    keys: Callable[[InferenceRequest], tuple[int, ...]]
+
+
+def prefix_source(picking: EndpointPicking) -> PrefixSource:
+    """The prefix index and block-key function of a model's ``endpoint_picking`` mode: the one function the
+    ``approximate`` (:class:`inferlb.policy.prefix_index.ApproximatePrefixIndex`) and ``precise``
+    (:class:`inferlb.policy.kv_index.PreciseKvIndex`, keys from
+    :func:`inferlb.request.blocks.prompt_block_keys` with ``picking.block_size``) indexes bind to. Until they
+    are built, every mode gets :class:`~inferlb.policy.picker.NoPrefixIndex` and no keys: picking by load
+    and KV usage alone."""
+    return PrefixSource(index=NoPrefixIndex(), keys=no_keys)
+
+
+def picker_weights(picking: EndpointPicking) -> PickerWeights:
+    """The config's picker weights as :class:`~inferlb.policy.picker.PickerWeights`."""
+    w = picking.weights
+    return PickerWeights(
+        prefix=w.prefix, load=w.load, kv=w.kv, load_factor=w.load_factor, max_hosts=w.max_hosts
+    )
+
+
+class Picked(msgspec.Struct, frozen=True, kw_only=True):
+    """The hosts picked for one request (first choice first) and the one whose in-flight count it holds
+    (the caller leaves it at the request's end)."""
+
+    hosts: tuple[str, ...]
+    held: str
+
+    @property
+    def header_value(self) -> str:
+        """The ``x-gateway-destination-endpoint`` value: ``ip:port[,ip:port...]``."""
+        return ",".join(self.hosts)
+
+
+class PickingState:
+    """One process's endpoint picking: the :class:`~inferlb.policy.endpoint_book.EndpointBook` the poller
+    fills, the tie-break salt, and each model's prefix source (kept while its mode stays).
+
+    Args:
+        salt: the picker's tie-break salt; default 16 random bytes, so replicas differ.
+    """
+
+    def __init__(self, *, salt: bytes | None = None) -> None:
+        self.book = EndpointBook()
+        self.salt = salt if salt is not None else secrets.token_bytes(16)
+        self._sources: dict[str, tuple[EndpointPicking, PrefixSource]] = {}
+
+    def source(self, model: ModelConfig) -> PrefixSource:
+        """``model``'s prefix source, built once per ``endpoint_picking`` setting."""
+        held = self._sources.get(model.name)
+        if held is None or held[0] != model.endpoint_picking:
+            held = (model.endpoint_picking, prefix_source(model.endpoint_picking))
+            self._sources[model.name] = held
+        return held[1]
+
+
+def no_eligible_endpoint(model: str, why: str) -> ImmediateReply:
+    """The 503 of a request whose cluster has no endpoint the picker may choose (the EPP protocol's answer
+    when nothing is ready)."""
+    return refusal(
+        RequestError(
+            503,
+            f"No server of model {model} can take the request now ({why}); retry later.",
+            type="server_error",
+            code="no_eligible_endpoint",
+            retry_after_s=1,
+        ),
+        NO_ELIGIBLE_DETAILS,
+    )
+
+
+def choose(
+    state: PickingState, prepared: PreparedRequest, cluster: str, metrics: ExtProcMetrics, *, now: float
+) -> Picked | ImmediateReply | None:
+    """Pick the endpoints of one admitted-to-be request to ``cluster`` (its model version's) and enter the
+    first in this process's in-flight count.
+
+    Returns:
+        :class:`Picked` (the caller sets the header and leaves ``held`` at the request's end); None when the
+        model does not pick or there is no state for ``cluster`` yet (Envoy's fallback balances it); the
+        503 :func:`no_eligible_endpoint` when no endpoint is healthy.
+    """
+    model = prepared.model
+    picking = model.endpoint_picking
+    if not picking.enabled:
+        return None
+    states = state.book.states(cluster, now)
+    if states is None:
+        metrics.endpoint_picks.labels(model.name, "no_state").inc()
+        return None
+    source = state.source(model)
+    keys = source.keys(prepared.request)
+    matched = source.index.matched_blocks(keys, [s.address for s in states]) if keys else None
+    try:
+        hosts = pick(
+            states,
+            prompt_blocks=len(keys),
+            matched_blocks=matched,
+            weights=picker_weights(picking),
+            salt=state.salt,
+        )
+    except NoEligibleEndpoint as exc:
+        metrics.endpoint_picks.labels(model.name, "no_eligible").inc()
+        why = str(exc) if states else "no endpoint is registered"
+        return no_eligible_endpoint(model.name, why)
+    if keys:
+        source.index.record_pick(hosts[0], keys)
+    state.book.enter(hosts[0])
+    metrics.endpoint_picks.labels(model.name, "picked").inc()
+    return Picked(hosts=hosts, held=hosts[0])
+
+
+class EndpointStatePoller:
+    """Reads ``GET /v1/picking`` from the xDS server every ``ext_proc.endpoint_state_poll_ms`` into a
+    :class:`PickingState`'s book, while some model picks endpoints (the config is read anew each period,
+    so a reload takes effect at the next). Never raises: a failed read keeps the last state.
+
+    Args:
+        state: the picking state to fill.
+        config: returns the current config.
+        metrics: where polls and the state's age are counted.
+        token: the xDS server's API token (``INFERLB_XDS_API_TOKEN``, else ``xds.api_token``).
+        clock: monotonic seconds.
+    """
+
+    def __init__(
+        self,
+        state: PickingState,
+        config: Callable[[], Config],
+        metrics: ExtProcMetrics,
+        *,
+        token: str | None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.state = state
+        self._config = config
+        self._metrics = metrics
+        self._token = token
+        self._clock = clock
+        self._task: asyncio.Task[None] | None = None
+        self._failing = False
+
+    def start(self) -> None:
+        """Start polling in a background task (until :meth:`stop`)."""
+        self._task = asyncio.create_task(self._loop(), name="endpoint-state")
+
+    async def stop(self) -> None:
+        """Stop polling."""
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+
+    async def _loop(self) -> None:
+        async with aiohttp.ClientSession() as http:
+            while True:
+                cfg = self._config()
+                try:
+                    if any(m.endpoint_picking.enabled for m in cfg.models):
+                        await self.poll_once(http, cfg)
+                    age = self.state.book.age_s(self._clock())
+                    self._metrics.endpoint_state_age.set(-1 if age is None else age)
+                except Exception:  # the loop must outlive anything one period throws
+                    log.exception("endpoint state poll failed; polling again next period")
+                await asyncio.sleep(cfg.ext_proc.endpoint_state_poll_ms / 1000)
+
+    async def poll_once(self, http: aiohttp.ClientSession, cfg: Config) -> bool:
+        """One read; True when the book took a new state."""
+        api = cfg.xds.api_listen
+        token = self._token or cfg.xds.api_token
+        if api is None:
+            return False
+        host = f"[{api.host}]" if ":" in api.host else api.host
+        url = f"http://{host}:{api.port}/v1/picking"
+        try:
+            async with http.get(
+                url,
+                headers={"Authorization": f"Bearer {token or ''}"},
+                timeout=aiohttp.ClientTimeout(total=POLL_TIMEOUT_S),
+            ) as resp:
+                body = await resp.read()
+                if resp.status != 200:
+                    raise RuntimeError(f"HTTP {resp.status}: {body[:200].decode(errors='replace')}")
+            parsed = parse_picking_state(json.loads(body))
+        except Exception as exc:  # any failure keeps the last state
+            self._metrics.endpoint_state_polls.labels("failed").inc()
+            if not self._failing:
+                log.warning("endpoint state from %s failed (%s); picking from the last state", url, exc)
+                self._failing = True
+            return False
+        self.state.book.update(parsed, self._clock())
+        self._metrics.endpoint_state_polls.labels("ok").inc()
+        if self._failing:
+            log.info("endpoint state from %s is back", url)
+            self._failing = False
+        return True

@@ -1,0 +1,197 @@
+"""What one request-path process knows of a picking model's endpoints (pure: values in, values out).
+
+The xDS server holds the fleet: which endpoints each cluster has, their EDS weights, whether they drain or
+fail its health probes, and the queue and KV-cache usage it scrapes from each model server. It serves that
+at ``GET /v1/picking`` (:meth:`xds_server.collector.TelemetryCollector.picking_json`); every request-path
+process polls it (:mod:`ext_proc.picking`) and keeps the last good answer here, in an :class:`EndpointBook`,
+together with what only the process itself knows: how many of its own picks are still in flight on each
+endpoint (entered at the pick, left at the request's end). :meth:`EndpointBook.states` joins the two into
+the :class:`~inferlb.policy.picker.EndpointState` values :func:`~inferlb.policy.picker.pick` scores.
+
+Staleness: the book keeps serving the last state it was given, however old (an xDS server that is down
+must not stop picking), but queue and KV usage older than ``stale_after_ms`` (the server's
+``weights.stale_after_ms``, its age at the server plus the time since the book received it) are taken as
+unknown (0), as the weight policy ignores stale telemetry: a picker scoring minute-old queues would herd
+onto whatever was idle then.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import msgspec
+
+from inferlb.policy.picker import EndpointState
+
+
+class BookedEndpoint(msgspec.Struct, frozen=True, kw_only=True):
+    """One endpoint as the xDS server last described it.
+
+    Attributes:
+        address: ``ip:port`` as EDS sends it (what Envoy's ``override_host`` matches).
+        weight: the served EDS ``load_balancing_weight`` (> 0).
+        healthy: not draining and passing the server's health probes.
+        waiting: requests in the model server's queue (None: never scraped).
+        kv_usage: KV-cache usage 0..1 (None: never scraped, or not exported).
+        telemetry_age_ms: age of that scrape when the server answered (ms; None: never scraped).
+    """
+
+    address: str
+    weight: float
+    healthy: bool
+    waiting: float | None = None
+    kv_usage: float | None = None
+    telemetry_age_ms: float | None = None
+
+
+class BookedState(msgspec.Struct, frozen=True, kw_only=True):
+    """One answer of ``GET /v1/picking``, parsed: endpoints per cluster, and the server's staleness bound."""
+
+    clusters: Mapping[str, tuple[BookedEndpoint, ...]]
+    stale_after_ms: float
+
+
+def _number(v: Any, where: str, *, optional: bool = True) -> float | None:
+    if v is None and optional:
+        return None
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        raise ValueError(f"{where}: expected a finite number, got {v!r}")
+    return float(v)
+
+
+def parse_picking_state(doc: Any) -> BookedState:
+    """Parse the JSON body of ``GET /v1/picking`` (shape: :meth:`xds_server.collector.TelemetryCollector
+    .picking_json`).
+
+    Raises:
+        ValueError: the document is not of that shape (naming the field); the caller keeps its last state.
+    """
+    if not isinstance(doc, dict) or not isinstance(doc.get("clusters"), dict):
+        raise ValueError("clusters: expected an object of cluster name -> endpoint list")
+    stale = _number(doc.get("stale_after_ms"), "stale_after_ms", optional=False)
+    assert stale is not None
+    clusters: dict[str, tuple[BookedEndpoint, ...]] = {}
+    for name, rows in doc["clusters"].items():
+        if not isinstance(rows, list):
+            raise ValueError(f"clusters.{name}: expected a list of endpoints")
+        out = []
+        for i, row in enumerate(rows):
+            where = f"clusters.{name}[{i}]"
+            if not isinstance(row, dict) or not isinstance(row.get("address"), str):
+                raise ValueError(f"{where}.address: expected an ip:port string")
+            weight = _number(row.get("weight"), f"{where}.weight", optional=False)
+            assert weight is not None
+            if weight <= 0:
+                raise ValueError(f"{where}.weight: expected > 0, got {weight:g}")
+            if not isinstance(row.get("healthy"), bool):
+                raise ValueError(f"{where}.healthy: expected true or false")
+            out.append(
+                BookedEndpoint(
+                    address=row["address"],
+                    weight=weight,
+                    healthy=row["healthy"],
+                    waiting=_number(row.get("waiting"), f"{where}.waiting"),
+                    kv_usage=_number(row.get("kv_usage"), f"{where}.kv_usage"),
+                    telemetry_age_ms=_number(row.get("telemetry_age_ms"), f"{where}.telemetry_age_ms"),
+                )
+            )
+        clusters[str(name)] = tuple(out)
+    return BookedState(clusters=clusters, stale_after_ms=stale)
+
+
+class _Row(msgspec.Struct, frozen=True):
+    """One endpoint prepared at :meth:`EndpointBook.update`: its state with telemetry and without, and the
+    monotonic time (s) until which the telemetry counts."""
+
+    fresh: EndpointState
+    stale: EndpointState
+    fresh_until: float
+
+
+class EndpointBook:
+    """The last endpoint state a process received, and its own in-flight count per endpoint (not
+    thread-safe: the service's event loop owns it).
+
+    Each endpoint's :class:`~inferlb.policy.picker.EndpointState` is built once per received state, with
+    and without its telemetry; a pick only chooses between the two and adds this process's in-flight
+    count where it has one.
+
+    Args:
+        state: a state to start from (tests), else none: :meth:`states` answers None until :meth:`update`.
+        received_at: the monotonic time (s) ``state`` counts as received.
+
+    Attributes:
+        received_at: the monotonic time (s) the current state arrived, None before any.
+    """
+
+    __slots__ = ("_in_flight", "_rows", "received_at")
+
+    def __init__(self, state: BookedState | None = None, *, received_at: float = 0.0) -> None:
+        self._rows: dict[str, tuple[_Row, ...]] | None = None
+        self.received_at: float | None = None
+        self._in_flight: dict[str, int] = {}
+        if state is not None:
+            self.update(state, received_at)
+
+    def update(self, state: BookedState, now: float) -> None:
+        """Serve ``state``, received at monotonic ``now`` (s), from now on; in-flight counts are kept."""
+        rows: dict[str, tuple[_Row, ...]] = {}
+        for cluster, endpoints in state.clusters.items():
+            out = []
+            for r in endpoints:
+                stale = EndpointState(address=r.address, weight=r.weight, healthy=r.healthy)
+                if r.telemetry_age_ms is None:
+                    out.append(_Row(stale, stale, -math.inf))
+                    continue
+                fresh = EndpointState(
+                    address=r.address,
+                    weight=r.weight,
+                    healthy=r.healthy,
+                    waiting=r.waiting or 0.0,
+                    kv_usage=r.kv_usage or 0.0,
+                )
+                out.append(_Row(fresh, stale, now + (state.stale_after_ms - r.telemetry_age_ms) / 1000))
+            rows[cluster] = tuple(out)
+        self._rows = rows
+        self.received_at = now
+
+    def age_s(self, now: float) -> float | None:
+        """Seconds since the current state arrived (None before any)."""
+        return None if self.received_at is None else max(0.0, now - self.received_at)
+
+    def states(self, cluster: str, now: float) -> list[EndpointState] | None:
+        """The :class:`~inferlb.policy.picker.EndpointState` of every endpoint of ``cluster``, with this
+        process's in-flight counts; None when the book has no state for it (none received yet, or a cluster
+        the last state did not list: a model whose picking was just turned on). Telemetry older than the
+        state's ``stale_after_ms`` (its age at the server plus the time since it arrived) is dropped
+        (waiting and KV usage 0)."""
+        if self._rows is None:
+            return None
+        rows = self._rows.get(cluster)
+        if rows is None:
+            return None
+        counts = self._in_flight
+        out = []
+        for r in rows:
+            e = r.fresh if now <= r.fresh_until else r.stale
+            n = counts.get(e.address) if counts else None
+            out.append(msgspec.structs.replace(e, in_flight=n) if n else e)
+        return out
+
+    def enter(self, address: str) -> None:
+        """One more of this process's requests in flight on ``address``."""
+        self._in_flight[address] = self._in_flight.get(address, 0) + 1
+
+    def leave(self, address: str) -> None:
+        """One of them ended (a count never goes below 0; an address back at 0 is forgotten)."""
+        n = self._in_flight.get(address, 0) - 1
+        if n > 0:
+            self._in_flight[address] = n
+        else:
+            self._in_flight.pop(address, None)
+
+    def in_flight(self) -> dict[str, int]:
+        """``{address: requests in flight}`` of the addresses with any."""
+        return dict(self._in_flight)

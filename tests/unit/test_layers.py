@@ -235,7 +235,9 @@ def test_every_package_docstring_names_its_modules_and_what_it_may_import() -> N
 
 #: Module names that several packages share because they hold the same kind of thing in each: the package's
 #: entry and process, its server, its own Prometheus registry.
-SHARED_MODULE_NAMES = {"__init__", "__main__", "server", "metrics"}
+#: ``picking``: a request-path service's glue between its requests and the endpoint picker
+#: (:mod:`inferlb.policy.picker`), in ext_proc/ext_authz and in the EPP alike.
+SHARED_MODULE_NAMES = {"__init__", "__main__", "server", "metrics", "picking"}
 
 
 def test_one_meaning_per_module_name() -> None:

@@ -63,6 +63,7 @@ from inferlb.errors import RequestError
 from inferlb.policy.telemetry import GpuTelemetry
 from inferlb.request import headers
 from inferlb.request.parsing import EndpointKind, InferenceRequest, parse_request
+from inferlb.request.prompt_ids import prompt_token_ids
 from inferlb.request.tokens import count_each_prompt, count_prompt_tokens, default_counter
 from simulation.gpusim import replies
 from simulation.gpusim.engine import (
@@ -83,7 +84,6 @@ from simulation.gpusim.faults import (
     utilization_percent,
 )
 from simulation.gpusim.kv_events import KvEventPublisher, KvEventsConfig
-from simulation.gpusim.prompt_ids import prompt_token_ids
 from simulation.gpusim.replies import (
     EMBEDDING_DIMENSIONS,
     MAX_EMBEDDING_DIMENSIONS,
@@ -557,7 +557,7 @@ class SimulatedEndpoint:
         return _Admission(prompt_tokens=prompt_tokens, tokens_per_choice=tokens, width=width)
 
     def _prompt_blocks(self, req: InferenceRequest, prompt_tokens: int) -> tuple[PromptBlocks, ...] | None:
-        """The request's prompts as the prefix cache sees them (:mod:`simulation.gpusim.prompt_ids`), or None
+        """The request's prompts as the prefix cache sees them (:mod:`inferlb.request.prompt_ids`), or None
         without a prefix cache. Should the ids ever disagree with the count the request was sized by, it is
         logged and the request looked up as one prompt of unknown blocks (it hits nothing)."""
         cache = self.engine.prefix_cache

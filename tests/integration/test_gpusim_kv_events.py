@@ -17,13 +17,13 @@ import zmq.asyncio
 
 from inferlb.config.schema import parse_config
 from inferlb.request.parsing import EndpointKind, parse_request
+from inferlb.request.prompt_ids import prompt_token_ids
 from simulation.gpusim.engine import TimingModel
 from simulation.gpusim.kv_events import (
     KvEventsConfig,
     encode_batch,
     parse_kv_events_config,
 )
-from simulation.gpusim.prompt_ids import prompt_token_ids
 from simulation.gpusim.server import SimulatedEndpoint
 from simulation.kvcache import BlockRemoved, BlockStored, block_hashes
 

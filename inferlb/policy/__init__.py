@@ -13,6 +13,7 @@
 - :mod:`inferlb.policy.settlement`: the exactly-once rule that settles reservations from access-log entries
   (ext_authz mode's metering).
 - :mod:`inferlb.policy.picker`: the endpoint picker's scoring (prefix match, load, KV usage, the load guard).
+- :mod:`inferlb.policy.kv_index`: the precise prefix index, rebuilt from the model servers' KV events.
 
 May import: :mod:`inferlb.errors`, :mod:`inferlb.config`, :mod:`inferlb.request`, prometheus_client's text
 parser; no server, client, Redis, NVML or simulator.

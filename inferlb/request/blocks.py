@@ -42,6 +42,17 @@ from inferlb.request.prompt_ids import SizedLru, conversation_ids, text_ids
 DEFAULT_BLOCK_SIZE: Final = 16
 #: The seed of a prompt's first block (the parent key of the root; any fixed value would do).
 ROOT_KEY: Final = xxhash.xxh3_64_intdigest(b"inferlb block keys: the root")
+
+
+def root_key(lora_name: str | None = None) -> int:
+    """The parent key of a prompt's first block: :data:`ROOT_KEY` for the base model, a key of its own for
+    each LoRA adapter (vLLM puts the adapter in a block's extra keys, so one token run cached under two
+    adapters is two blocks)."""
+    if lora_name is None:
+        return ROOT_KEY
+    return xxhash.xxh3_64_intdigest(lora_name.encode(), ROOT_KEY)
+
+
 #: Keys the per-conversation memo holds at most (Python ints in tuples, ~40 bytes each: ~10 MiB).
 MEMO_KEYS: Final = 1 << 18
 
@@ -97,11 +108,11 @@ def block_keys_of_tokens(
     return tuple(out)
 
 
-#: (block size, XXH3-128 digest of a prompt's leading blocks) -> the keys of those blocks
-_MEMO: SizedLru[tuple[int, bytes], tuple[int, ...]] = SizedLru(MEMO_KEYS, max_entry=MEMO_KEYS // 4)
+#: (block size, root key, XXH3-128 digest of a prompt's leading blocks) -> the keys of those blocks
+_MEMO: SizedLru[tuple[int, int, bytes], tuple[int, ...]] = SizedLru(MEMO_KEYS, max_entry=MEMO_KEYS // 4)
 
 
-def _conversation_keys(request: InferenceRequest, block_size: int) -> tuple[int, ...]:
+def _conversation_keys(request: InferenceRequest, block_size: int, root: int) -> tuple[int, ...]:
     ends: list[int] = []
     ids = _packed(conversation_ids(request, message_ends=ends))
     data = memoryview(ids).cast("B")
@@ -119,24 +130,27 @@ def _conversation_keys(request: InferenceRequest, block_size: int) -> tuple[int,
         digest.update(data[hashed * step : count * step])
         hashed = count
         last = digest.digest()
-        hit = _MEMO.get((block_size, last))
+        hit = _MEMO.get((block_size, root, last))
         if hit is not None:
             best = hit
     rest = array("Q")
-    _chain(data, range(len(best), len(ids) // block_size), step, best[-1] if best else ROOT_KEY, rest)
+    _chain(data, range(len(best), len(ids) // block_size), step, best[-1] if best else root, rest)
     # a tuple of the memoized keys and the new ones: the ints of the memoized prefix are shared, not copied
     keys = best + tuple(rest)
     if last is not None and len(best) < hashed:
-        _MEMO.put((block_size, last), keys[:hashed])
+        _MEMO.put((block_size, root, last), keys[:hashed])
     return keys
 
 
-def prompt_block_keys(request: InferenceRequest, *, block_size: int = DEFAULT_BLOCK_SIZE) -> tuple[int, ...]:
+def prompt_block_keys(
+    request: InferenceRequest, *, block_size: int = DEFAULT_BLOCK_SIZE, lora_name: str | None = None
+) -> tuple[int, ...]:
     """The chained keys of the full blocks of the request's first prompt (see the module doc): the one prompt
     of a chat or responses request, the first prompt or input of a completions or embeddings request (each
     prompt is its own sequence in vLLM; the picker places the request by its first). Empty when the prompt
     has no full block, or is a token array with an id outside 0..2**32-1 (no vocabulary has one: the model
-    server refuses it, no cache can hold it).
+    server refuses it, no cache can hold it). ``lora_name``: the LoRA adapter the request runs on (its blocks
+    chain on :func:`root_key` of it), None for the base model.
 
     Cost: one XXH3 call per block (per block not memoized, for a conversation); the figures at 1k, 6k and
     32k-token prompts are in ``bench/block_keys.py``'s table.
@@ -146,14 +160,15 @@ def prompt_block_keys(request: InferenceRequest, *, block_size: int = DEFAULT_BL
     """
     if block_size < 1:
         raise ValueError(f"block_size must be >= 1, got {block_size}")
+    root = root_key(lora_name)
     if request.kind.is_conversation:
-        return _conversation_keys(request, block_size)
+        return _conversation_keys(request, block_size, root)
     if not request.prompts:
         return ()
     first = request.prompts[0]
     if isinstance(first, str):
-        return block_keys_of_tokens(text_ids(first), block_size=block_size)
+        return block_keys_of_tokens(text_ids(first), block_size=block_size, parent=root)
     try:
-        return block_keys_of_tokens(first, block_size=block_size)
+        return block_keys_of_tokens(first, block_size=block_size, parent=root)
     except ValueError:
         return ()

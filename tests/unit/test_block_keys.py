@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from inferlb.request import blocks
-from inferlb.request.blocks import ROOT_KEY, block_keys_of_tokens, prompt_block_keys
+from inferlb.request.blocks import ROOT_KEY, block_keys_of_tokens, prompt_block_keys, root_key
 from inferlb.request.parsing import EndpointKind, InferenceRequest, parse_request
 from inferlb.request.prompt_ids import SizedLru, conversation_ids, prompt_token_ids
 
@@ -82,6 +82,10 @@ def test_a_requests_keys_are_those_of_its_first_prompts_ids() -> None:
     # a token id no vocabulary has: the request has no keys (the server refuses it)
     assert prompt_block_keys(completion([2**40, *range(40)])) == ()
     assert prompt_block_keys(completion("short")) == ()
+    # a LoRA adapter's blocks chain on a root of their own
+    lora = prompt_block_keys(req, lora_name="sql-adapter")
+    assert lora == block_keys_of_tokens(ids, parent=root_key("sql-adapter")) and lora[0] != keys[0]
+    assert root_key(None) == ROOT_KEY != root_key("sql-adapter")
 
 
 def test_equal_leading_messages_give_equal_leading_keys() -> None:

@@ -95,6 +95,14 @@ from simulation.kvcache import PrefixCache, PromptBlocks, block_hashes
 
 log = logging.getLogger("gpusim")
 
+
+async def _cancel(task: asyncio.Task[None] | None) -> None:
+    """Cancel ``task`` (when there is one) and wait until it has ended."""
+    if task is not None:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
 #: Response header naming the GPU type of the endpoint that served a request.
 GPU_HEADER: Final = "x-inferlb-gpu"
 #: How many inference requests' headers ``GET /sim/requests`` keeps (the newest).
@@ -173,6 +181,7 @@ class SimulatedEndpoint:
             else None
         )
         self._publisher: KvEventPublisher | None = None
+        self._replay_task: asyncio.Task[None] | None = None
         self.engine = BatchEngine(model=self.timing, prefix_cache=cache)
         self.memory_gb = config.gpu_profiles[endpoint.gpu].memory_gb
         self.fault = FaultState()
@@ -222,6 +231,9 @@ class SimulatedEndpoint:
         default_counter().count("warm up")  # load the encoding now, not on the first request
         if self.kv_events is not None:
             self._publisher = KvEventPublisher(self.kv_events)
+            self._replay_task = asyncio.create_task(
+                self._publisher.serve_replay(), name=f"gpusim-kv-replay-{self.display_name}"
+            )
         self._wake = asyncio.Event()
         self._driver = asyncio.create_task(self._drive(), name=f"gpusim-driver-{self.display_name}")
         self._util_sample = (self._now(), self.engine.stats().busy_seconds_total)
@@ -237,7 +249,7 @@ class SimulatedEndpoint:
         except BaseException:
             await runner.cleanup()
             await self._stop_driver()
-            self._close_publisher()
+            await self._close_publisher()
             raise
         self._runner = runner
         bound = runner.addresses[0]
@@ -254,19 +266,18 @@ class SimulatedEndpoint:
             runner, self._runner = self._runner, None
             await runner.cleanup()
         await self._stop_driver()
-        self._close_publisher()
+        await self._close_publisher()
 
-    def _close_publisher(self) -> None:
+    async def _close_publisher(self) -> None:
+        task, self._replay_task = self._replay_task, None
+        await _cancel(task)
         if self._publisher is not None:
             publisher, self._publisher = self._publisher, None
             publisher.close()
 
     async def _stop_driver(self) -> None:
-        if self._driver is not None:
-            driver, self._driver = self._driver, None
-            driver.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await driver
+        driver, self._driver = self._driver, None
+        await _cancel(driver)
 
     def set_slowdown(self, factor: float) -> None:
         """Make this GPU ``factor`` times slower from its next step on (1.0 = normal). For throttling.

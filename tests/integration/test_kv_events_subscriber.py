@@ -11,20 +11,26 @@ from collections import Counter
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
+import aiohttp
 import msgspec
 import pytest
 import zmq
 import zmq.asyncio
 
 from inferlb.adapters.kv_events import KvEventsCollector, KvEventSubscriber, MalformedBatch, decode_batch
+from inferlb.config.schema import parse_config
 from inferlb.policy.kv_index import PreciseKvIndex
-from inferlb.request.blocks import block_keys_of_tokens
+from inferlb.request.blocks import block_keys_of_tokens, prompt_block_keys
+from inferlb.request.parsing import EndpointKind, InferenceRequest, parse_request
+from inferlb.request.prompt_ids import conversation_ids
 from simulation import kvcache
 from simulation.gpusim.kv_events import KvEventPublisher, KvEventsConfig
+from simulation.gpusim.server import SimulatedEndpoint
 from simulation.kvcache import PrefixCache, PromptBlocks
 
 BS = 4
 ADDRESS = "10.1.0.1:8000"
+LOOPBACK = "tcp://127.0.0.1:*"
 #: Bound of every wait for a message (s).
 WAIT_S = 5.0
 
@@ -33,6 +39,12 @@ def prompt(family: int, length: int) -> PromptBlocks:
     tokens = [7] * min(length, 8) + [1000 * (family + 1) + i for i in range(max(0, length - 8))]
     return PromptBlocks(
         tokens=len(tokens), hashes=kvcache.block_hashes(tokens, block_size=BS), token_ids=tuple(tokens)
+    )
+
+
+def chat(messages: list[dict[str, str]]) -> InferenceRequest:
+    return parse_request(
+        EndpointKind.CHAT_COMPLETIONS, msgspec.json.encode({"model": "m", "messages": messages})
     )
 
 
@@ -126,9 +138,7 @@ async def connected(fleet: Fleet) -> None:
 async def fleet(*, buffer_steps: int = 100, num_blocks: int = 24) -> AsyncIterator[Fleet]:
     ctx = zmq.asyncio.Context()
     index = PreciseKvIndex(block_size=BS)
-    sub = KvEventSubscriber(
-        address=ADDRESS, endpoint="tcp://127.0.0.1:*", index=index, bind=True, context=ctx
-    )
+    sub = KvEventSubscriber(address=ADDRESS, endpoint=LOOPBACK, index=index, bind=True, context=ctx)
     endpoint = sub.open()
     publisher, task = publisher_for(endpoint, buffer_steps)
     sub.replay_endpoint = publisher.replay_address
@@ -340,3 +350,73 @@ def test_both_wire_layouts_decode_alike() -> None:
 def test_shapes_that_are_not_an_event_batch_are_refused(payload: bytes) -> None:
     with pytest.raises(MalformedBatch):
         decode_batch(payload)
+
+
+# -- a gpusim server end to end ------------------------------------------------------------------------------
+
+
+async def test_the_gateways_keys_of_a_request_match_what_a_gpusim_server_caches() -> None:
+    """Chats to a real gpusim server; the subscriber (joining late: the first batches come from the
+    server's replay socket) rebuilds its cache, and the gateway's keys of each request match all their
+    blocks there; a new question on a shared system prompt matches the prompt's blocks."""
+    config = parse_config({
+        "gpu_profiles": {"H100": {"relative_capacity": 3.4, "memory_gb": 80}},
+        "simulation": {"prefill_tokens_per_s": 1_000_000, "decode_tokens_per_s": 5_000, "max_batch": 4},
+        "models": [{"name": "m", "default_max_tokens": 1, "context_length": 8192}],
+        "endpoints": [{"name": "kv", "address": "127.0.0.1:1", "model": "m", "gpu": "H100",
+                       "simulated": True}],
+    })  # fmt: skip
+    ctx = zmq.asyncio.Context()
+    index = PreciseKvIndex()  # block size 16, as gpusim's cache
+    sub = KvEventSubscriber(address=ADDRESS, endpoint=LOOPBACK, index=index, bind=True, context=ctx)
+    events = KvEventsConfig(enable_kv_cache_events=True, publisher="zmq", endpoint=sub.open(),
+                            replay_endpoint="tcp://127.0.0.1:*")  # fmt: skip
+    server = SimulatedEndpoint(config=config, endpoint=config.endpoints[0], kv_events=events)
+    _, port = await server.start(host="127.0.0.1", port=0)
+
+    system = {"role": "system", "content": "You answer questions about prefix caches, briefly. " * 20}
+    bodies = [
+        {
+            "model": "m",
+            "max_tokens": 1,
+            "messages": [system, {"role": "user", "content": f"Question {q}?" * 9}],
+        }
+        for q in range(3)
+    ]
+    try:
+        assert server._publisher is not None
+        sub.replay_endpoint = server._publisher.replay_address
+        task = asyncio.create_task(sub.run())
+        async with aiohttp.ClientSession() as http:
+            for body in bodies:
+                async with http.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=body) as resp:
+                    assert resp.status == 200
+            for _ in range(100):  # the batches reach the subscriber (late joiners get them replayed)
+                if sub.last_seq == server._publisher.next_seq - 1:
+                    break
+                await asyncio.sleep(0.05)
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        cache = server.engine.prefix_cache
+        assert cache is not None and sub.last_seq == server._publisher.next_seq - 1
+        assert index.held_hashes(ADDRESS) == cached(cache)
+        for body in bodies:
+            keys = prompt_block_keys(chat(body["messages"]))
+            assert len(keys) > 10 and index.matched_blocks(keys, [ADDRESS]) == {ADDRESS: len(keys)}
+        # a new question after the shared system prompt: the blocks up to the question's first match
+        new = {
+            **bodies[0],
+            "messages": [system, {"role": "user", "content": "Something else entirely. " * 9}],
+        }
+        keys = prompt_block_keys(parse_request(EndpointKind.CHAT_COMPLETIONS, msgspec.json.encode(new)))
+        ends: list[int] = []
+        conversation_ids(
+            parse_request(EndpointKind.CHAT_COMPLETIONS, msgspec.json.encode(new)), message_ends=ends
+        )
+        shared = (ends[0] + 3) // 16  # the system message, then the user turn's [START] role [SEP]
+        assert 10 < shared < len(keys) and index.matched_blocks(keys, [ADDRESS]) == {ADDRESS: shared}
+    finally:
+        await server.stop()
+        sub.close()
+        ctx.term()

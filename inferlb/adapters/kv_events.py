@@ -25,14 +25,15 @@ The sequence is what keeps the index right (counted in :class:`SubscriberCounter
   miss blocks the server has (their runs were stored before the window), never claim one it has not.
 * **The first batch** of a subscriber (or after a restart) with a sequence above 0: a gap from 0.
 * **A publisher restart** (a sequence at or below the last applied: a restarted vLLM counts from 0 again,
-  with an empty cache): the endpoint's entries are cleared, and the batch is taken as its first.
+  with an empty cache; or, after the SUB socket's monitor saw a publisher's connection drop, any sequence
+  but the next one): the endpoint's entries are cleared, and the batch is taken as its first (so a
+  restarted server's replay buffer fills in from 0 what the subscriber missed while it reconnected).
 * **A malformed message** (not three frames, a sequence not of 8 bytes): counted and skipped. A payload that
   does not decode, or an event of the wrong shape: counted, the sequence taken, and the endpoint's entries
   dropped (what that batch changed is unknown). Nothing a server sends stops the subscriber.
 
-Not covered: a restart seen only as a jump forward (the subscriber missed more batches than the server had
-sent before it went down) is taken as a gap; a restarted server's replay buffer then answers from 0, not
-from the gap, and the entries are dropped only if that leaves the gap uncovered. The glue clears an
+Not covered: a restart whose dropped connection ZMQ did not see (the new process up before the old
+connection timed out) and whose sequence has passed the last one seen is taken as a gap. The glue clears an
 endpoint's entries when it leaves the fleet or fails its health checks (:meth:`PreciseKvIndex.clear`).
 """
 
@@ -51,6 +52,7 @@ import zmq
 import zmq.asyncio
 from prometheus_client.core import CounterMetricFamily
 from prometheus_client.registry import Collector
+from zmq.utils.monitor import parse_monitor_message
 
 from inferlb.policy.kv_index import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent, PreciseKvIndex
 
@@ -252,6 +254,9 @@ class KvEventSubscriber:
         self.last_seq: int | None = None
         self._ctx = context if context is not None else zmq.asyncio.Context.instance()
         self._sub: zmq.asyncio.Socket | None = None
+        self._monitor: zmq.asyncio.Socket | None = None
+        #: a publisher's connection dropped since the last message (it may have restarted)
+        self._peer_lost = False
         self._dealer: zmq.asyncio.Socket | None = None
 
     # -- lifecycle ------------------------------------------------------------------------------------------
@@ -276,14 +281,18 @@ class KvEventSubscriber:
                 sub.close(linger=0)
                 raise
             self._sub = sub
+            self._monitor = sub.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         return self.endpoint
 
     def close(self) -> None:
         """Close the sockets (idempotent); the index keeps the endpoint's entries."""
-        for sock in (self._sub, self._dealer):
+        if self._sub is not None and self._monitor is not None:
+            with contextlib.suppress(zmq.ZMQError):
+                self._sub.disable_monitor()
+        for sock in (self._monitor, self._sub, self._dealer):
             if sock is not None:
                 sock.close(linger=0)
-        self._sub = self._dealer = None
+        self._sub = self._dealer = self._monitor = None
 
     async def run(self) -> None:
         """Receive and apply batches until cancelled (opens the socket first)."""
@@ -309,16 +318,26 @@ class KvEventSubscriber:
             log.warning("kv events from %s: a message of %d frames skipped", self.address, len(frames))
             return
         seq = int.from_bytes(frames[1], "big")
-        if self.last_seq is not None and seq <= self.last_seq:
+        await self._read_monitor()
+        lost, self._peer_lost = self._peer_lost, False
+        if self.last_seq is not None and (seq <= self.last_seq or (lost and seq != self.last_seq + 1)):
             self.counters.restarts += 1
-            log.info("kv events from %s: sequence %d after %d, a restarted publisher: entries cleared",
-                     self.address, seq, self.last_seq)  # fmt: skip
+            log.info("kv events from %s: sequence %d after %d%s, a restarted publisher: entries cleared",
+                     self.address, seq, self.last_seq, " and a lost connection" if lost else "")  # fmt: skip
             self.index.clear(self.address)
             self.last_seq = None
         first_missing = 0 if self.last_seq is None else self.last_seq + 1
         if seq > first_missing:
             await self._fill_gap(first_missing, seq)
         self._take(seq, frames[2])
+
+    async def _read_monitor(self) -> None:
+        """Note the publisher connections that dropped (the SUB socket's monitor events waiting now)."""
+        monitor = self._monitor
+        while monitor is not None and await monitor.poll(0):
+            event = parse_monitor_message(await monitor.recv_multipart())
+            if event["event"] == zmq.EVENT_DISCONNECTED:
+                self._peer_lost = True
 
     def _take(self, seq: int, payload: bytes) -> None:
         """Apply the batch ``seq``; an unreadable one drops the entries (its changes are unknown)."""

@@ -256,6 +256,29 @@ async def test_a_restarted_publisher_clears_the_endpoint() -> None:
         assert not old & set(f.index.held_hashes(ADDRESS)) - set(cached(f.cache))
 
 
+async def test_a_restart_seen_as_a_jump_forward_after_a_lost_connection_is_a_restart() -> None:
+    """The new publisher's first batches, up to past the last sequence seen, are lost while it connects:
+    the sequence jumps forward, but the SUB socket saw the old connection drop, so it is a restart."""
+    async with fleet() as f:
+        f.step(3)
+        await f.deliver(3)
+        last = f.sub.last_seq
+        assert last is not None and f.index.held_hashes(ADDRESS)
+        await f.restart()
+        f.ops = 100
+        f.step(last + 3)
+        for _ in range(100):  # connecting: what arrives before sequence last + 3 is lost on the way
+            f.step(1)
+            with contextlib.suppress(TimeoutError):
+                frames = await asyncio.wait_for(f.sub.receive(), 0.05)
+                if int.from_bytes(frames[1], "big") >= last + 3:
+                    await f.sub.handle(frames)
+                    break
+        await f.drain()
+        assert f.sub.counters.restarts == 1 and f.sub.counters.replayed_batches >= last + 3
+        assert f.index.held_hashes(ADDRESS) == cached(f.cache)
+
+
 async def test_malformed_frames_are_counted_and_skipped() -> None:
     async with fleet() as f:
         raw = f.ctx.socket(zmq.PUB)

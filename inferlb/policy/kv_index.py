@@ -37,7 +37,7 @@ A match (:meth:`PreciseKvIndex.matched_blocks`) is the leading run of a request'
 walked once for all endpoints at a time: each key's holders are a bit mask over the endpoints, so each
 block costs one integer AND of the endpoints still in the run (measured A/B against a set of addresses per
 key, every endpoint holding the prompt: 1.5x cheaper at 8 endpoints, 4.7-20x at 64, 4-11x at 256, on a
-loaded machine; ``bench/kv_index.py`` prints the costs).
+loaded machine; ``bench/block_keys.py`` prints the costs).
 """
 
 from __future__ import annotations

@@ -103,6 +103,7 @@ async def _cancel(task: asyncio.Task[None] | None) -> None:
         with contextlib.suppress(asyncio.CancelledError):
             await task
 
+
 #: Response header naming the GPU type of the endpoint that served a request.
 GPU_HEADER: Final = "x-inferlb-gpu"
 #: How many inference requests' headers ``GET /sim/requests`` keeps (the newest).

@@ -10,7 +10,7 @@ equal keys at position ``i`` mean equal prompts up to the end of block ``i``:
     key[i] = xxh3_64(ids[i*bs:(i+1)*bs], seed=key[i-1])
 
 with the ids packed as 4-byte little-endian unsigned integers (token ids of real vocabularies fit) and
-XXH3's 64-bit hash (xxHash, https://xxhash.com; about 4x cheaper per block than 8-byte BLAKE2b here,
+XXH3's 64-bit hash (xxHash, https://xxhash.com; 2-4x cheaper per block than 8-byte BLAKE2b here,
 ``bench/block_keys.py``). These keys are the gateway's own: a model server's block hashes (SHA-256 or
 CBOR-SHA-256 in vLLM, seeded per process) are never compared with them. The precise index
 (:mod:`inferlb.policy.kv_index`) recomputes them from the ``token_ids`` of the servers' ``BlockStored``

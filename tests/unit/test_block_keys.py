@@ -35,6 +35,7 @@ def test_the_formula_is_xxh3_over_little_endian_ids_seeded_by_the_parent() -> No
     assert block_keys_of_tokens(ids) == (first, second)  # the 8 ids after them are a partial block
 
 
+@settings(deadline=None)
 @given(ids=token_ids, bs=st.integers(1, 8), data=st.data())
 def test_keys_chain_and_resume_from_a_parent(ids: list[int], bs: int, data: st.DataObject) -> None:
     keys = block_keys_of_tokens(ids, block_size=bs)
@@ -46,6 +47,7 @@ def test_keys_chain_and_resume_from_a_parent(ids: list[int], bs: int, data: st.D
     assert block_keys_of_tokens(ids[: k * bs], block_size=bs) == keys[:k]
 
 
+@settings(deadline=None)
 @given(ids=st.lists(st.integers(0, 2**32 - 1), min_size=1, max_size=64), bs=st.integers(1, 8), data=st.data())
 def test_one_changed_token_changes_its_block_and_every_later_one(
     ids: list[int], bs: int, data: st.DataObject
@@ -108,7 +110,7 @@ messages = st.lists(
 )  # fmt: skip
 
 
-@settings(max_examples=60)
+@settings(max_examples=60, deadline=None)
 @given(turns=st.lists(messages, min_size=1, max_size=4), bs=st.sampled_from([1, 4, 16]))
 def test_the_memo_never_changes_the_keys_of_a_growing_conversation(
     turns: list[list[dict[str, str]]], bs: int

@@ -111,7 +111,7 @@ def leading_cached(cache: PrefixCache, tokens: list[int]) -> int:
     return n
 
 
-@settings(max_examples=200)
+@settings(max_examples=200, deadline=None)
 @given(ops=st.lists(st.tuples(st.sampled_from([A, B]), ops_strategy), max_size=4), num_blocks=sizes)
 @example(
     ops=[

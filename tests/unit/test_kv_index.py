@@ -222,3 +222,45 @@ def test_it_is_a_prefix_index() -> None:
     index.record_pick(A, (1, 2))  # learns nothing from picks
     assert index.matched_blocks((1, 2), [A]) == {}
     assert kv_index.DEFAULT_MAX_BLOCKS >= 1 << 16
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    holdings=st.lists(st.tuples(st.integers(0, 2), st.integers(-1, 3), st.booleans()), max_size=30),
+    asked=st.lists(st.integers(0, 2), max_size=3),
+)
+@example(holdings=[(0, 0, True), (0, 1, True), (0, -1, True), (1, 0, True)], asked=[1])
+def test_matches_agree_with_a_naive_leading_run_as_endpoints_come_and_go(
+    holdings: list[tuple[int, int, bool]], asked: list[int]
+) -> None:
+    """Endpoints store and remove single blocks of one 4-block prompt, or are cleared (block -1; their bits
+    are reused by the next endpoint seen): each match is the naive leading run of what each asked endpoint
+    holds."""
+    tokens = tuple(range(4 * BS))
+    keys = block_keys_of_tokens(tokens, block_size=BS)
+    index = PreciseKvIndex(block_size=BS)
+    held: dict[str, set[int]] = {}
+    for endpoint, block, store in holdings:
+        address = f"10.0.0.{endpoint}:8000"
+        mine = held.get(address, set())
+        if block < 0:
+            index.clear(address)
+            held.pop(address, None)
+        elif store and block not in mine and (block == 0 or block - 1 in mine):
+            index.apply(
+                address,
+                [stored((block,), block - 1 if block else None, tokens[block * BS : (block + 1) * BS])],
+            )
+            held.setdefault(address, set()).add(block)
+        elif not store and block in mine:
+            index.apply(address, [BlockRemoved(block_hashes=(block,))])
+            mine.discard(block)
+    addresses = [f"10.0.0.{e}:8000" for e in asked]
+    expected = {}
+    for a in addresses:
+        n = 0
+        while n < len(keys) and n in held.get(a, set()):
+            n += 1
+        if n:
+            expected[a] = n
+    assert index.matched_blocks(keys, addresses) == expected

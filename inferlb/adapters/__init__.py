@@ -5,6 +5,8 @@
 - :mod:`inferlb.adapters.state_redis`: one versioned JSON document in Redis shared by several processes
   (compare-and-set writes, announced on a channel): the xDS server replicas' fleet store.
 - :mod:`inferlb.adapters.nvml`: GPU readings through NVML (nvidia-ml-py) behind a ``typing.Protocol``.
+- :mod:`inferlb.adapters.kv_events`: the model servers' KV events (ZMQ SUB, vLLM's wire format, its replay
+  socket on a sequence gap) into the precise prefix index.
 - :mod:`inferlb.adapters.unix_socket`: the gRPC services' Unix domain sockets (owner-only file mode).
 
 May import: the core (:mod:`inferlb.errors`, :mod:`inferlb.config`, :mod:`inferlb.request`,

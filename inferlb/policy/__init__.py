@@ -17,6 +17,7 @@
   queueing by tokens within one, bounded waits).
 - :mod:`inferlb.policy.endpoint_book`: a request-path process's view of the picking models' endpoints
   (the xDS server's state, its own in-flight counts per endpoint) as the picker's inputs.
+- :mod:`inferlb.policy.kv_index`: the precise prefix index, rebuilt from the model servers' KV events.
 
 May import: :mod:`inferlb.errors`, :mod:`inferlb.config`, :mod:`inferlb.request`, prometheus_client's text
 parser; no server, client, Redis, NVML or simulator.

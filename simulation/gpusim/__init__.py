@@ -3,7 +3,6 @@ benchmarks.
 
 - :mod:`simulation.gpusim.engine`: the pure continuous-batching timing model of one GPU.
 - :mod:`simulation.gpusim.replies`: the OpenAI response bodies and streams (pure).
-- :mod:`simulation.gpusim.prompt_ids`: a request's prompt token ids for the prefix cache (pure).
 - :mod:`simulation.gpusim.faults`: faults (throttle, slow, fail, mute) and the NVML-like telemetry they show.
 - :mod:`simulation.gpusim.vllm_metrics`: ``/metrics`` under vLLM's metric names.
 - :mod:`simulation.gpusim.kv_events`: the prefix cache's KV events on a ZMQ PUB socket in vLLM's wire format

@@ -94,7 +94,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         metavar="JSON",
         help="publish KV events as vLLM does, e.g. "
         '\'{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:5557"}\' '
-        "(the i-th endpoint on port + i)",
+        '(the i-th endpoint on port + i); "replay_endpoint": "tcp://*:5558" adds vLLM\'s replay socket '
+        '(the last "buffer_steps" batches)',
     )
     args = parser.parse_args(argv)
     logging.basicConfig(

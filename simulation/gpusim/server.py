@@ -63,6 +63,7 @@ from inferlb.errors import RequestError
 from inferlb.policy.telemetry import GpuTelemetry
 from inferlb.request import headers
 from inferlb.request.parsing import EndpointKind, InferenceRequest, parse_request
+from inferlb.request.prompt_ids import prompt_token_ids
 from inferlb.request.tokens import count_each_prompt, count_prompt_tokens, default_counter
 from simulation.gpusim import replies
 from simulation.gpusim.engine import (
@@ -83,7 +84,6 @@ from simulation.gpusim.faults import (
     utilization_percent,
 )
 from simulation.gpusim.kv_events import KvEventPublisher, KvEventsConfig
-from simulation.gpusim.prompt_ids import prompt_token_ids
 from simulation.gpusim.replies import (
     EMBEDDING_DIMENSIONS,
     MAX_EMBEDDING_DIMENSIONS,
@@ -94,6 +94,15 @@ from simulation.gpusim.vllm_metrics import CONTENT_TYPE, CacheConfigInfo, Endpoi
 from simulation.kvcache import PrefixCache, PromptBlocks, block_hashes
 
 log = logging.getLogger("gpusim")
+
+
+async def _cancel(task: asyncio.Task[None] | None) -> None:
+    """Cancel ``task`` (when there is one) and wait until it has ended."""
+    if task is not None:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
 
 #: Response header naming the GPU type of the endpoint that served a request.
 GPU_HEADER: Final = "x-inferlb-gpu"
@@ -173,6 +182,7 @@ class SimulatedEndpoint:
             else None
         )
         self._publisher: KvEventPublisher | None = None
+        self._replay_task: asyncio.Task[None] | None = None
         self.engine = BatchEngine(model=self.timing, prefix_cache=cache)
         self.memory_gb = config.gpu_profiles[endpoint.gpu].memory_gb
         self.fault = FaultState()
@@ -222,6 +232,9 @@ class SimulatedEndpoint:
         default_counter().count("warm up")  # load the encoding now, not on the first request
         if self.kv_events is not None:
             self._publisher = KvEventPublisher(self.kv_events)
+            self._replay_task = asyncio.create_task(
+                self._publisher.serve_replay(), name=f"gpusim-kv-replay-{self.display_name}"
+            )
         self._wake = asyncio.Event()
         self._driver = asyncio.create_task(self._drive(), name=f"gpusim-driver-{self.display_name}")
         self._util_sample = (self._now(), self.engine.stats().busy_seconds_total)
@@ -237,7 +250,7 @@ class SimulatedEndpoint:
         except BaseException:
             await runner.cleanup()
             await self._stop_driver()
-            self._close_publisher()
+            await self._close_publisher()
             raise
         self._runner = runner
         bound = runner.addresses[0]
@@ -254,19 +267,18 @@ class SimulatedEndpoint:
             runner, self._runner = self._runner, None
             await runner.cleanup()
         await self._stop_driver()
-        self._close_publisher()
+        await self._close_publisher()
 
-    def _close_publisher(self) -> None:
+    async def _close_publisher(self) -> None:
+        task, self._replay_task = self._replay_task, None
+        await _cancel(task)
         if self._publisher is not None:
             publisher, self._publisher = self._publisher, None
             publisher.close()
 
     async def _stop_driver(self) -> None:
-        if self._driver is not None:
-            driver, self._driver = self._driver, None
-            driver.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await driver
+        driver, self._driver = self._driver, None
+        await _cancel(driver)
 
     def set_slowdown(self, factor: float) -> None:
         """Make this GPU ``factor`` times slower from its next step on (1.0 = normal). For throttling.
@@ -557,7 +569,7 @@ class SimulatedEndpoint:
         return _Admission(prompt_tokens=prompt_tokens, tokens_per_choice=tokens, width=width)
 
     def _prompt_blocks(self, req: InferenceRequest, prompt_tokens: int) -> tuple[PromptBlocks, ...] | None:
-        """The request's prompts as the prefix cache sees them (:mod:`simulation.gpusim.prompt_ids`), or None
+        """The request's prompts as the prefix cache sees them (:mod:`inferlb.request.prompt_ids`), or None
         without a prefix cache. Should the ids ever disagree with the count the request was sized by, it is
         logged and the request looked up as one prompt of unknown blocks (it hits nothing)."""
         cache = self.engine.prefix_cache

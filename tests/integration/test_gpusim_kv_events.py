@@ -17,13 +17,13 @@ import zmq.asyncio
 
 from inferlb.config.schema import parse_config
 from inferlb.request.parsing import EndpointKind, parse_request
+from inferlb.request.prompt_ids import prompt_token_ids
 from simulation.gpusim.engine import TimingModel
 from simulation.gpusim.kv_events import (
     KvEventsConfig,
     encode_batch,
     parse_kv_events_config,
 )
-from simulation.gpusim.prompt_ids import prompt_token_ids
 from simulation.gpusim.server import SimulatedEndpoint
 from simulation.kvcache import BlockRemoved, BlockStored, block_hashes
 
@@ -206,10 +206,14 @@ def test_kv_events_config_is_vllms_json_and_refuses_unknown_fields() -> None:
     c = parse_kv_events_config(
         '{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:5557"}'
     )
-    assert c.publishes and c.for_endpoint(2).endpoint == "tcp://*:5559"
+    assert c.publishes and c.for_endpoint(2).endpoint == "tcp://*:5559" and c.replay_endpoint is None
     assert not parse_kv_events_config('{"publisher": "zmq"}').publishes
-    with pytest.raises(ValueError, match="replay_endpoint"):
-        parse_kv_events_config('{"replay_endpoint": "tcp://*:5558"}')
+    r = parse_kv_events_config('{"replay_endpoint": "tcp://*:5558", "buffer_steps": 50, "max_queue_size": 9}')
+    assert (r.for_endpoint(1).replay_endpoint, r.buffer_steps) == ("tcp://*:5559", 50)
+    with pytest.raises(ValueError, match="buffer_steps"):
+        parse_kv_events_config('{"buffer_steps": 0}')
+    with pytest.raises(ValueError, match="replay_endpoints"):
+        parse_kv_events_config('{"replay_endpoints": "tcp://*:5558"}')
     with pytest.raises(ValueError, match="publisher"):
         parse_kv_events_config('{"publisher": "kafka"}')
     no_cache = CONFIG.model_copy(

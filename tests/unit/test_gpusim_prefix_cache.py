@@ -13,9 +13,9 @@ from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 
 from inferlb.request.parsing import EndpointKind, parse_request
+from inferlb.request.prompt_ids import prompt_token_ids, text_ids
 from inferlb.request.tokens import SEGMENT_CHARS, count_prompt_tokens, count_text, default_counter
 from simulation.gpusim.engine import BatchEngine, EngineStats, FirstTokenEmitted, TimingModel
-from simulation.gpusim.prompt_ids import prompt_token_ids, text_ids
 from simulation.gpusim.vllm_metrics import CacheConfigInfo, EndpointMetrics
 from simulation.kvcache import PrefixCache, PromptBlocks, block_hashes
 

@@ -234,10 +234,11 @@ def test_every_package_docstring_names_its_modules_and_what_it_may_import() -> N
 
 
 #: Module names that several packages share because they hold the same kind of thing in each: the package's
-#: entry and process, its server, its own Prometheus registry.
-#: ``picking``: a request-path service's glue between its requests and the endpoint picker
-#: (:mod:`inferlb.policy.picker`), in ext_proc/ext_authz and in the EPP alike.
-SHARED_MODULE_NAMES = {"__init__", "__main__", "server", "metrics", "picking"}
+#: entry and process, its server, its own Prometheus registry, vLLM's KV events over ZMQ (gpusim
+#: publishes them, the gateway's adapter subscribes to them), and ``picking``: a request-path service's
+#: glue between its requests and the endpoint picker (:mod:`inferlb.policy.picker`), in ext_proc/ext_authz
+#: and in the EPP alike.
+SHARED_MODULE_NAMES = {"__init__", "__main__", "server", "metrics", "kv_events", "picking"}
 
 
 def test_one_meaning_per_module_name() -> None:

@@ -1,8 +1,11 @@
-"""The token ids of a request's prompts, for the prefix cache: deterministic, and as many as the gateway
+"""The token ids of a request's prompts, for prefix caches: deterministic, and as many as the gateway
 counts (:func:`inferlb.request.tokens.count_prompt_tokens`, which sets ``usage.prompt_tokens``).
 
-A real vLLM renders a chat through the model's chat template and tokenizes the result; the simulator has no
-template, so it lays the tokens out the way the counting formula adds them up:
+Shared by the simulated GPUs (gpusim's prefix cache hashes these ids into its blocks and publishes them in
+its KV events) and the gateway (:mod:`inferlb.request.blocks` cuts them into the block keys the endpoint
+picker matches against those events), so both see one layout. A real vLLM renders a chat through the
+model's chat template and tokenizes the result; neither side has the template, so the ids are laid out the
+way the counting formula adds them up:
 
 * **Text** is tokenized with the counter's encoding (tiktoken ``cl100k_base``, ``encode_ordinary``), in the
   segments :func:`inferlb.request.tokens.text_segments` cuts a long text into, with
@@ -28,7 +31,8 @@ from __future__ import annotations
 import threading
 from array import array
 from collections import OrderedDict
-from typing import Final
+from collections.abc import Hashable, Sized
+from typing import Final, Generic, TypeVar
 
 from inferlb.request.parsing import InferenceRequest
 from inferlb.request.tokens import (
@@ -59,37 +63,65 @@ IDS_CACHE_MAX_ENTRY: Final = IDS_CACHE_TOKENS // 16
 
 assert len(PRIMING_IDS) == REPLY_PRIMING_TOKENS
 
+K = TypeVar("K", bound=Hashable)
+V = TypeVar("V", bound=Sized)
 
-class _IdsCache:
-    """text -> its ids (an ``array('I')``), least recently used first out, bounded in ids; thread-safe."""
 
-    def __init__(self, max_tokens: int) -> None:
-        self.max_tokens = max_tokens
-        self._entries: OrderedDict[str, array[int]] = OrderedDict()
-        self._tokens = 0
+class SizedLru(Generic[K, V]):
+    """key -> value, least recently used first out, bounded in the values' total ``len`` (ids, keys);
+    thread-safe. A value longer than ``max_entry`` is not kept.
+
+    Args:
+        max_total: the bound on the values' lengths together.
+        max_entry: the longest value kept.
+    """
+
+    def __init__(self, max_total: int, *, max_entry: int) -> None:
+        self.max_total = max_total
+        self.max_entry = max_entry
+        self._entries: OrderedDict[K, V] = OrderedDict()
+        self._total = 0
         self._lock = threading.Lock()
 
-    def get(self, text: str) -> array[int] | None:
+    def get(self, key: K) -> V | None:
+        """The value of ``key`` (now the most recently used), or None."""
         with self._lock:
-            hit = self._entries.get(text)
+            hit = self._entries.get(key)
             if hit is not None:
-                self._entries.move_to_end(text)
+                self._entries.move_to_end(key)
             return hit
 
-    def put(self, text: str, ids: array[int]) -> None:
-        if len(ids) > IDS_CACHE_MAX_ENTRY:
+    def put(self, key: K, value: V) -> None:
+        """Keep ``value`` under ``key`` (unless it is longer than ``max_entry`` or ``key`` is held), dropping
+        the least recently used values past ``max_total``."""
+        if len(value) > self.max_entry:
             return
         with self._lock:
-            if text in self._entries:
+            if key in self._entries:
                 return
-            self._entries[text] = ids
-            self._tokens += len(ids)
-            while self._tokens > self.max_tokens:
+            self._entries[key] = value
+            self._total += len(value)
+            while self._total > self.max_total:
                 _, old = self._entries.popitem(last=False)
-                self._tokens -= len(old)
+                self._total -= len(old)
+
+    def clear(self) -> None:
+        """Drop every value."""
+        with self._lock:
+            self._entries.clear()
+            self._total = 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    @property
+    def total(self) -> int:
+        """The values' lengths together (<= ``max_total``)."""
+        return self._total
 
 
-_CACHE = _IdsCache(IDS_CACHE_TOKENS)
+#: text -> its ids (an ``array('I')``)
+_CACHE: SizedLru[str, array[int]] = SizedLru(IDS_CACHE_TOKENS, max_entry=IDS_CACHE_MAX_ENTRY)
 
 
 def text_ids(text: str) -> array[int]:
@@ -117,6 +149,19 @@ def prompt_token_ids(request: InferenceRequest) -> tuple[tuple[int, ...], ...]:
     estimate."""
     if not request.kind.is_conversation:
         return tuple(p if isinstance(p, tuple) else tuple(text_ids(p)) for p in request.prompts)
+    return (tuple(conversation_ids(request)),)
+
+
+def conversation_ids(request: InferenceRequest, *, message_ends: list[int] | None = None) -> array[int]:
+    """The token ids of a chat or responses request's one prompt (see the module doc), as a new
+    ``array('I')`` (what :func:`prompt_token_ids` gives as a tuple, without the tuple).
+
+    Args:
+        request: a chat or responses request (for another kind: the tool definitions and the priming).
+        message_ends: when given, the count of ids after each message is appended to it (one per message,
+            the last before the reply priming): where a conversation resent with more turns first differs
+            from its previous send (:mod:`inferlb.request.blocks` memoizes its keys there).
+    """
     ids = array("I")
     if request.tools_json is not None:
         ids.extend(text_ids(request.tools_json))
@@ -132,5 +177,7 @@ def prompt_token_ids(request: InferenceRequest) -> tuple[tuple[int, ...], ...]:
         ids.append(END_ID)
         for detail in m.images:
             ids.extend([IMAGE_ID] * image_tokens(detail))
+        if message_ends is not None:
+            message_ends.append(len(ids))
     ids.extend(PRIMING_IDS)
-    return (tuple(ids),)
+    return ids

@@ -285,7 +285,8 @@ def build_local_reply_config(config: Config) -> http_connection_manager_pb2.Loca
        upstream, 504 timeout, ...): ``{"error": {"message": "<Envoy's text> (Envoy response flags:
        <flags>)", "type": "server_error", "param": null, "code": <the flag's code>}}``.
     0. (``ext_proc.protocol: ext_authz`` only, first) a denial of the ext_authz service carrying
-       ``x-inferlb-status: 500|503`` gets that status (the service's JSON body stays); a failed check
+       ``x-inferlb-status: 500|503`` (read from the check's dynamic metadata: the header is not sent to the
+       client) gets that status (the service's JSON body stays); a failed check
        (``ext_authz_error``: service down or slow, Envoy's empty ``status_on_error`` 503):
        ``gateway_processor_unavailable``.
     6. / 7. any other reply of Envoy's with status 4xx / 5xx (codec errors: 400 malformed request, 431
@@ -365,13 +366,14 @@ def build_local_reply_config(config: Config) -> http_connection_manager_pb2.Loca
     )
     authz: list[http_connection_manager_pb2.ResponseMapper] = []
     if config.ext_proc.protocol == "ext_authz":
-        # a 5xx refusal of the service comes as 403 + x-inferlb-status: give it back its status (its body
-        # and headers stay); a failed check (service down, timeout) gets the processor-unavailable JSON
+        # a 5xx refusal of the service comes as 403 + x-inferlb-status, which Envoy keeps as dynamic
+        # metadata only (never a client header, as in ext_proc mode): give the reply back its status (its
+        # body and headers stay); a failed check (service down, timeout) gets the processor-unavailable JSON
         authz = [
             http_connection_manager_pb2.ResponseMapper(
                 filter=_cel(
                     f"response.code_details == '{EXT_AUTHZ_DENIED_DETAILS}'"
-                    f" && response.headers['{headers.STATUS}'] == '{status}'"
+                    f" && metadata.filter_metadata['{AUTHZ_NAMESPACE}']['{headers.STATUS}'] == '{status}'"
                 ),
                 status_code=wrappers_pb2.UInt32Value(value=status),
             )
@@ -811,9 +813,11 @@ def build_meter_access_logs(config: Config) -> list[accesslog_pb2.AccessLog]:
 #: Headers of the ext_authz service's 200 answer set on the upstream request (exact names): the routing
 #: headers the routes match on (or hash on) and the body splices for the Lua filter.
 EXT_AUTHZ_UPSTREAM_HEADERS: Final[tuple[str, ...]] = (*STRIPPED_REQUEST_HEADERS, headers.BODY_SPLICE)
-#: Headers of the ext_authz service's refusal sent to the client (``x-inferlb-status``: the status of a
-#: 5xx refusal, read by the local-reply mapper).
-EXT_AUTHZ_CLIENT_HEADERS: Final[tuple[str, ...]] = ("content-type", "retry-after", "allow", headers.STATUS)
+#: Headers of the ext_authz service's refusal sent to the client. ``x-inferlb-status`` (the status of a 5xx
+#: refusal) is not one: Envoy keeps it as dynamic metadata (``dynamic_metadata_from_headers`` applies to
+#: denials too), where the local-reply mapper reads it, so the client sees the headers ext_proc mode sends
+#: (measured on Envoy 1.40).
+EXT_AUTHZ_CLIENT_HEADERS: Final[tuple[str, ...]] = ("content-type", "retry-after", "allow")
 #: The host of the check requests' URI (Envoy sends them to the cluster; the name is only a label).
 EXT_AUTHZ_URI: Final = "http://inferlb-ext-authz"
 
@@ -829,10 +833,11 @@ def build_ext_authz_filter(config: Config, *, fail_open: bool | None = None) -> 
     (``with_request_body.max_request_bytes`` = ``gateway.max_request_body_bytes``, no partial bodies: a
     larger one is Envoy's 413), within ``ext_proc.message_timeout_ms``. A 200 answer sets the routing
     headers upstream and the route is picked again (``clear_route_cache``); a refusal goes to the client
-    with ``content-type``, ``retry-after`` and ``x-inferlb-status``. A failed check (down, timeout, 5xx)
-    fails open or closed by ``ext_proc.failure_mode_allow``, closed as 503 (``status_on_error``, shaped by
-    the local-reply mappers). ``fail_open`` given: that failure mode instead, and the stats of the second
-    filter (:data:`~xds_server.resources.common.EXT_AUTHZ_OTHER_MODE_FILTER`)."""
+    with ``content-type`` and ``retry-after`` (``x-inferlb-status`` as dynamic metadata). A failed check
+    (down, timeout, 5xx) fails open or closed by ``ext_proc.failure_mode_allow``, closed as 503
+    (``status_on_error``, shaped by the local-reply mappers). ``fail_open`` given: that failure mode
+    instead, and the stats of the second filter
+    (:data:`~xds_server.resources.common.EXT_AUTHZ_OTHER_MODE_FILTER`)."""
     ep = config.ext_proc
     other = fail_open is not None and fail_open != ep.failure_mode_allow
     allowed = ("authorization", *((ep.session_header,) if ep.session_header else ()))
@@ -845,10 +850,13 @@ def build_ext_authz_filter(config: Config, *, fail_open: bool | None = None) -> 
                 allowed_upstream_headers=_exact_names(EXT_AUTHZ_UPSTREAM_HEADERS),
                 allowed_client_headers=_exact_names(EXT_AUTHZ_CLIENT_HEADERS),
                 # the meter id and the usage-added mark become dynamic metadata for the Lua filter and the
-                # access log, never upstream headers (they are not in allowed_upstream_headers)
-                dynamic_metadata_from_headers=_exact_names((headers.METER, headers.USAGE_ADDED))
-                if ep.meters_access_log()
-                else None,
+                # access log, never upstream headers (they are not in allowed_upstream_headers); a 5xx
+                # refusal's status, for the local-reply mapper, never a client header
+                dynamic_metadata_from_headers=_exact_names(
+                    (headers.METER, headers.USAGE_ADDED, headers.STATUS)
+                    if ep.meters_access_log()
+                    else (headers.STATUS,)
+                ),
             ),
         ),
         transport_api_version=config_source_pb2.ApiVersion.V3,

@@ -21,6 +21,7 @@ from typing import Any, Final
 from envoy.config.accesslog.v3 import accesslog_pb2
 from envoy.config.common.mutation_rules.v3 import mutation_rules_pb2
 from envoy.config.core.v3 import (
+    backoff_pb2,
     base_pb2,
     config_source_pb2,
     extension_pb2,
@@ -44,6 +45,7 @@ from envoy.extensions.filters.network.http_connection_manager.v3 import http_con
 from envoy.extensions.http.early_header_mutation.header_mutation.v3 import (
     header_mutation_pb2 as early_header_mutation_pb2,
 )
+from envoy.extensions.retry.host.previous_hosts.v3 import previous_hosts_pb2
 from envoy.type.matcher.v3 import http_inputs_pb2, string_pb2
 from envoy.type.matcher.v3 import metadata_pb2 as metadata_matcher_pb2
 from envoy.type.matcher.v3 import value_pb2 as value_matcher_pb2
@@ -826,6 +828,45 @@ def _exact_names(names: tuple[str, ...]) -> string_pb2.ListStringMatcher:
     return string_pb2.ListStringMatcher(patterns=[string_pb2.StringMatcher(exact=n) for n in names])
 
 
+#: Envoy's retry conditions under which a check is sent again, to another process: it never reached the
+#: first one (refused or timed-out connection, a stream reset before the request was sent), so no
+#: process admitted it or reserved its quota. A reset after the request was sent is not retried: the
+#: process may have reserved it (Envoy docs, ``x-envoy-retry-on``).
+EXT_AUTHZ_RETRY_ON: Final = "connect-failure,reset-before-request"
+#: Base backoff (ms) before such a retry (Envoy jitters it, doubling per retry): the other process is
+#: likely up, and the default (1 s for this core retry policy) would add up to that to the request.
+EXT_AUTHZ_RETRY_BASE_MS: Final = 1
+
+
+def ext_authz_retry_policy(config: Config) -> base_pb2.RetryPolicy | None:
+    """The check's retry policy with several ext_authz processes (``ext_proc.extra_listen``; one process:
+    None, there is nowhere else to send it): up to one retry per other process on
+    :data:`EXT_AUTHZ_RETRY_ON`, each to a process not tried yet (``previous_hosts``), so a dead process
+    costs the client nothing while outlier detection
+    (:func:`~xds_server.resources.clusters.request_path_outlier_detection`) takes it out."""
+    others = len(config.ext_proc.extra_listen)
+    if not others:
+        return None
+    # Envoy turns this core policy into a route retry policy whose per-try timeout is the backoff's
+    # max_interval (measured on Envoy 1.40: a 5 ms max_interval timed checks out after 5 ms,
+    # upstream_rq_per_try_timeout), so the max is the check's own timeout
+    timeout = config.ext_proc.message_timeout_ms
+    return base_pb2.RetryPolicy(
+        retry_on=EXT_AUTHZ_RETRY_ON,
+        num_retries=wrappers_pb2.UInt32Value(value=others),
+        retry_back_off=backoff_pb2.BackoffStrategy(
+            base_interval=duration_ms(EXT_AUTHZ_RETRY_BASE_MS), max_interval=duration_ms(timeout)
+        ),
+        retry_host_predicate=[
+            base_pb2.RetryPolicy.RetryHostPredicate(
+                name="envoy.retry_host_predicates.previous_hosts",
+                typed_config=pack(previous_hosts_pb2.PreviousHostsPredicate()),
+            )
+        ],
+        host_selection_retry_max_attempts=3,
+    )
+
+
 def build_ext_authz_filter(config: Config, *, fail_open: bool | None = None) -> ext_authz_pb2.ExtAuthz:
     """The ``envoy.filters.http.ext_authz`` filter of ``ext_proc.protocol: ext_authz`` (Envoy docs, ext_authz
     filter, ``HttpService``): one HTTP check per request to ``inferlb_ext_authz`` with the client's method,
@@ -835,7 +876,8 @@ def build_ext_authz_filter(config: Config, *, fail_open: bool | None = None) -> 
     headers upstream and the route is picked again (``clear_route_cache``); a refusal goes to the client
     with ``content-type`` and ``retry-after`` (``x-inferlb-status`` as dynamic metadata). A failed check
     (down, timeout, 5xx) fails open or closed by ``ext_proc.failure_mode_allow``, closed as 503
-    (``status_on_error``, shaped by the local-reply mappers). ``fail_open`` given: that failure mode
+    (``status_on_error``, shaped by the local-reply mappers); with several processes a check that never
+    reached one is sent to another (:func:`ext_authz_retry_policy`). ``fail_open`` given: that failure mode
     instead, and the stats of the second filter
     (:data:`~xds_server.resources.common.EXT_AUTHZ_OTHER_MODE_FILTER`)."""
     ep = config.ext_proc
@@ -858,6 +900,7 @@ def build_ext_authz_filter(config: Config, *, fail_open: bool | None = None) -> 
                     else (headers.STATUS,)
                 ),
             ),
+            retry_policy=ext_authz_retry_policy(config),
         ),
         transport_api_version=config_source_pb2.ApiVersion.V3,
         allowed_headers=_exact_names(allowed),

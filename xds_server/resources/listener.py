@@ -58,7 +58,13 @@ from xds.type.matcher.v3 import string_pb2 as xds_string_pb2
 from inferlb.config.schema import Config
 from inferlb.errors import RequestError
 from inferlb.policy.routing import missing_api_key
-from inferlb.policy.settlement import AUTHZ_NAMESPACE, USAGE_KEY, USAGE_NAMESPACE, meter_id_prefix
+from inferlb.policy.settlement import (
+    AUTHZ_NAMESPACE,
+    PRODUCED_KEY,
+    USAGE_KEY,
+    USAGE_NAMESPACE,
+    meter_id_prefix,
+)
 from inferlb.request import headers
 from xds_server.resources.common import (
     API_KEY_FILTER,
@@ -587,6 +593,14 @@ end
 #: :data:`METER_TAIL_BYTES`), else the last 8 bytes (a key cut in two), so a chunk costs one ``find`` over
 #: itself.
 #:
+#: Produced text (an SSE answer): after each chunk, the raw JSON bytes of the string values of the text
+#: keys (``content``, ``reasoning_content``, ``refusal``, ``name``, ``arguments``, ``text``, a string
+#: ``delta``) of every complete event so far go to ``inferlb.meter`` /
+#: :data:`~inferlb.policy.settlement.PRODUCED_KEY` (a number; -1 once an unfinished event passes
+#: :data:`HIDE_HOLD_BYTES`). Envoy destroys the filter's coroutine at a downstream reset without resuming
+#: it, so what a cut stream is charged must already be there; the settler charges it for a stream that
+#: ended without usage (:func:`inferlb.policy.settlement.entry_charge`).
+#:
 #: Hiding (the gateway added ``include_usage``, an SSE answer): the client gets the bytes it would have got
 #: without it, as ext_proc's :class:`~inferlb.request.usage.SseMeter` gives them: each complete event
 #: (ended by a blank line, ``\n\n`` or ``\r\n\r\n``) passes without its top-level ``"usage": null`` member
@@ -617,6 +631,36 @@ local find, sub, match, byte, concat = string.find, string.sub, string.match, st
 
 local function record(handle, usage)
   handle:streamInfo():dynamicMetadata():set("@NS@", "@KEY@", usage)
+end
+
+-- the keys whose string values are generated text (a chat delta's content, reasoning_content, refusal,
+-- tool call name and arguments, a legacy choice's text, a Responses API delta event's delta)
+local TEXT = {text = true, content = true, reasoning_content = true, refusal = true, name = true,
+  arguments = true, delta = true}
+-- the raw JSON bytes of the string values of one complete SSE event's TEXT keys, wherever they are: never
+-- fewer than the UTF-8 bytes of the text (an escape is never shorter than what it stands for), so never
+-- fewer than its tokens
+local function text_bytes(event)
+  local n, at = 0, 1
+  while true do
+    local _, e, key = find(event, '"([%w_]+)"%s*:%s*"', at)
+    if e == nil then return n end
+    local j = e + 1
+    while true do
+      j = find(event, '["\\]', j)
+      if j == nil then
+        if TEXT[key] then n = n + #event - e end
+        return n
+      end
+      if byte(event, j) == 92 then j = j + 2 else break end
+    end
+    if TEXT[key] then n = n + j - e - 1 end
+    at = j + 1
+  end
+end
+
+local function produced_so_far(handle, n)
+  handle:streamInfo():dynamicMetadata():set("@NS@", "@PRODUCED@", n)
 end
 
 -- one chunk's text (with the carry) scanned for usage; returns the next carry
@@ -704,19 +748,34 @@ function envoy_on_response(handle)
   local response_headers = handle:headers()
   local status = tonumber(response_headers:get(":status")) or 0
   if status < 200 or status >= 300 then return end
-  if hide then
-    local kind = response_headers:get("content-type")
-    hide = kind ~= nil and find(kind, "text/event-stream", 1, true) ~= nil
-    if hide then response_headers:remove("content-length") end
-  end
+  local kind = response_headers:get("content-type")
+  local sse = kind ~= nil and find(kind, "text/event-stream", 1, true) ~= nil
+  hide = hide and sse
+  if hide then response_headers:remove("content-length") end
+  -- a stream's text bytes so far, in whole events (-1: an event past HOLD, not counted)
+  local produced, pending = 0, ""
+  if sse then produced_so_far(handle, 0) end
   local carry, held, last, out = "", "", nil, ""
   for chunk in handle:bodyChunks() do
     last, out = chunk, ""
     local n = chunk:length()
     if n > 0 then
       local raw = chunk:getBytes(0, n)
+      local before = produced
       if not hide then
         if carry ~= "" then carry = scan(handle, carry .. raw) else carry = scan(handle, raw) end
+        if sse and produced >= 0 then
+          local text, pos = raw, 1
+          if pending ~= "" then text = pending .. raw end
+          while true do
+            local _, e = find(text, "\n\r?\n", pos)
+            if e == nil then break end
+            produced = produced + text_bytes(sub(text, pos, e))
+            pos = e + 1
+          end
+          pending = sub(text, pos)
+          if #pending > HOLD then produced, pending = -1, "" end
+        end
       else
         local text = raw
         if held ~= "" then text = held .. raw end
@@ -724,17 +783,20 @@ function envoy_on_response(handle)
         while true do
           local _, e = find(text, "\n\r?\n", pos)
           if e == nil then break end
-          parts[#parts + 1] = client_event(handle, sub(text, pos, e))
+          local event = sub(text, pos, e)
+          produced = produced + text_bytes(event)
+          parts[#parts + 1] = client_event(handle, event)
           pos = e + 1
         end
         held = sub(text, pos)
         if #held > HOLD then
           parts[#parts + 1] = held
-          carry, held, hide = scan(handle, held), "", false
+          carry, held, hide, produced = scan(handle, held), "", false, -1
         end
         out = concat(parts)
         if out ~= raw then chunk:setBytes(out) end
       end
+      if produced ~= before then produced_so_far(handle, produced) end
     end
   end
   if held ~= "" and last ~= nil then
@@ -754,6 +816,7 @@ def meter_lua() -> str:
         .replace("@HOLD@", str(HIDE_HOLD_BYTES))
         .replace("@NS@", USAGE_NAMESPACE)
         .replace("@KEY@", USAGE_KEY)
+        .replace("@PRODUCED@", PRODUCED_KEY)
     )
 
 

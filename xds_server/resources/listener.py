@@ -635,28 +635,34 @@ end
 
 -- the keys whose string values are generated text (a chat delta's content, reasoning_content, refusal,
 -- tool call name and arguments, a legacy choice's text, a Responses API delta event's delta)
-local TEXT = {text = true, content = true, reasoning_content = true, refusal = true, name = true,
-  arguments = true, delta = true}
--- the raw JSON bytes of the string values of one complete SSE event's TEXT keys, wherever they are: never
--- fewer than the UTF-8 bytes of the text (an escape is never shorter than what it stands for), so never
--- fewer than its tokens
-local function text_bytes(event)
-  local n, at = 0, 1
-  while true do
-    local _, e, key = find(event, '"([%w_]+)"%s*:%s*"', at)
-    if e == nil then return n end
-    local j = e + 1
-    while true do
-      j = find(event, '["\\]', j)
-      if j == nil then
-        if TEXT[key] then n = n + #event - e end
-        return n
+-- (searched for without the opening quote, far more frequent than a key's first letter, then checked)
+local TEXT_KEYS = {'content"', 'reasoning_content"', 'refusal"', 'name"', 'arguments"', 'text"', 'delta"'}
+-- the raw JSON bytes of the string values of the TEXT_KEYS in `text` (whole SSE events), wherever they
+-- are: never fewer than the UTF-8 bytes of the text (an escape is never shorter than what it stands for),
+-- so never fewer than its tokens. A key's quotes are never escaped, and one inside a string is.
+local function text_bytes(text)
+  local n = 0
+  for k = 1, #TEXT_KEYS do
+    local key = TEXT_KEYS[k]
+    local at = find(text, key, 1, true)
+    while at ~= nil do
+      local next_at = at + #key
+      local v = nil
+      if byte(text, at - 1) == 34 then v = match(text, '^%s*:%s*"()', next_at) end
+      if v ~= nil then
+        local j = v
+        while true do
+          j = find(text, '["\\]', j)
+          if j == nil then return n + #text - v + 1 end
+          if byte(text, j) == 92 then j = j + 2 else break end
+        end
+        n = n + j - v
+        next_at = j + 1
       end
-      if byte(event, j) == 92 then j = j + 2 else break end
+      at = find(text, key, next_at, true)
     end
-    if TEXT[key] then n = n + j - e - 1 end
-    at = j + 1
   end
+  return n
 end
 
 local function produced_so_far(handle, n)
@@ -765,15 +771,14 @@ function envoy_on_response(handle)
       if not hide then
         if carry ~= "" then carry = scan(handle, carry .. raw) else carry = scan(handle, raw) end
         if sse and produced >= 0 then
-          local text, pos = raw, 1
+          local text = raw
           if pending ~= "" then text = pending .. raw end
-          while true do
-            local _, e = find(text, "\n\r?\n", pos)
-            if e == nil then break end
-            produced = produced + text_bytes(sub(text, pos, e))
-            pos = e + 1
+          local cut = match(text, "^.*\n\r?\n()")
+          if cut ~= nil then
+            produced, pending = produced + text_bytes(sub(text, 1, cut - 1)), sub(text, cut)
+          else
+            pending = text
           end
-          pending = sub(text, pos)
           if #pending > HOLD then produced, pending = -1, "" end
         end
       else
@@ -783,11 +788,10 @@ function envoy_on_response(handle)
         while true do
           local _, e = find(text, "\n\r?\n", pos)
           if e == nil then break end
-          local event = sub(text, pos, e)
-          produced = produced + text_bytes(event)
-          parts[#parts + 1] = client_event(handle, event)
+          parts[#parts + 1] = client_event(handle, sub(text, pos, e))
           pos = e + 1
         end
+        if pos > 1 then produced = produced + text_bytes(sub(text, 1, pos - 1)) end
         held = sub(text, pos)
         if #held > HOLD then
           parts[#parts + 1] = held

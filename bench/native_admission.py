@@ -22,10 +22,16 @@ gRPC access-log service of every metered cell):
 - ``native + local_ratelimit``: plus Envoy's ``local_ratelimit`` with one token bucket per tenant
   (descriptor ``client`` = :data:`CLIENT_HEADER`, set far above the load so nothing is refused): a
   request-count limit per Envoy worker-shared bucket, no tokens;
-- ``native + ratelimit + metering``: plus the metering Lua filter (the production one, run on every 2xx
-  answer instead of only on a request with a meter id) and the gRPC access log to the settler (every
-  entry, with :data:`CLIENT_HEADER`: the settler would charge the tenant from it; here it ignores entries
-  without a meter id, so its CPU is the receiving only).
+- ``native + rate_limit_quota``: Envoy's ``rate_limit_quota`` filter in place of ``local_ratelimit``, one
+  bucket per tenant (bucket id ``{name: tenant, client: <CLIENT_HEADER>}``) whose quota a minimal RLQS
+  server (:func:`serve_rlqs`, its own Python process, counted in the cell's Python CPU) assigns
+  asynchronously: Envoy reports each bucket's usage every :data:`RLQS_REPORT_S` and the server answers
+  with a token bucket far above the load; no request waits for it (until the first assignment a bucket
+  allows all);
+- ``native + ratelimit + metering``: ``native + local_ratelimit`` plus the metering Lua filter (the
+  production one, run on every 2xx answer instead of only on a request with a meter id) and the gRPC
+  access log to the settler (every entry, with :data:`CLIENT_HEADER`: the settler would charge the tenant
+  from it; here it ignores entries without a meter id, so its CPU is the receiving only).
 
 Load: wrk POSTing the ~3 KB chat body of ``bench/gateway_overhead.py`` (repeated prompts), ``--duration`` s
 per cell and round, cells shuffled anew every round; medians over the rounds. CPU per request: user +
@@ -35,6 +41,7 @@ system of that Envoy, and of the Python process apart (counted only in the cells
 from __future__ import annotations
 
 import argparse
+import asyncio
 import http.client
 import json
 import os
@@ -44,6 +51,7 @@ import statistics
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import yaml
 from authz_envoy_split import (
@@ -58,25 +66,40 @@ from authz_envoy_split import (
     steps,
     stop_all,
 )
-from envoy.config.core.v3 import base_pb2
+from envoy.config.cluster.v3 import cluster_pb2
+from envoy.config.core.v3 import base_pb2, extension_pb2, grpc_service_pb2
+from envoy.config.endpoint.v3 import endpoint_components_pb2, endpoint_pb2
 from envoy.config.route.v3 import route_components_pb2
 from envoy.extensions.access_loggers.grpc.v3 import als_pb2
 from envoy.extensions.common.matching.v3 import extension_matcher_pb2
 from envoy.extensions.common.ratelimit.v3 import ratelimit_pb2
 from envoy.extensions.filters.http.api_key_auth.v3 import api_key_auth_pb2
 from envoy.extensions.filters.http.local_ratelimit.v3 import local_rate_limit_pb2
+from envoy.extensions.filters.http.rate_limit_quota.v3 import rate_limit_quota_pb2 as rlq_pb2
 from envoy.extensions.filters.network.http_connection_manager.v3 import http_connection_manager_pb2 as hcm_pb2
-from envoy.type.v3 import percent_pb2, token_bucket_pb2
+from envoy.service.rate_limit_quota.v3 import rlqs_pb2, rlqs_pb2_grpc
+from envoy.type.matcher.v3 import http_inputs_pb2
+from envoy.type.v3 import percent_pb2, ratelimit_strategy_pb2, token_bucket_pb2
 from extproc_overhead import MODEL, start_listening, wrk
 from gateway_overhead import inferlb_config, interleaved, start_nginx, tree_cpu_s, wait_ready, wrk_script
-from google.protobuf import duration_pb2, wrappers_pb2
+from google.protobuf import duration_pb2, json_format, wrappers_pb2
 from rich.console import Console
 from rich.table import Table
+from xds.core.v3 import extension_pb2 as xds_extension_pb2
+from xds.type.matcher.v3 import matcher_pb2
 
-from inferlb.config.schema import Config, parse_config
+from inferlb.config.schema import Config, HostPort, parse_config
 from inferlb.ops.stack import Child, free_ports
 from xds_server.resources import listener as lst
-from xds_server.resources.common import API_KEY_FILTER, EXT_AUTHZ_FILTER, EXT_AUTHZ_OTHER_MODE_FILTER, pack
+from xds_server.resources.clusters import _http2_protocol_options
+from xds_server.resources.common import (
+    API_KEY_FILTER,
+    EXT_AUTHZ_FILTER,
+    EXT_AUTHZ_OTHER_MODE_FILTER,
+    duration_ms,
+    grpc_service_address,
+    pack,
+)
 
 #: The request header ``api_key_auth`` forwards the tenant name in (the early header mutation removes a
 #: client's own ``x-inferlb-*`` headers before any filter, so only Envoy sets it).
@@ -85,7 +108,11 @@ CLIENT_HEADER = "x-inferlb-client"
 BUCKET_PER_S = 10_000_000
 LOCAL_RATELIMIT_FILTER = "envoy.filters.http.local_ratelimit"
 #: The cells whose Envoy talks to the Python process (checks, access log): its CPU is counted in theirs.
-USES_PYTHON = frozenset({"ext_authz metered", "native + ratelimit + metering"})
+USES_PYTHON = frozenset({"ext_authz metered", "native + rate_limit_quota", "native + ratelimit + metering"})
+#: The RLQS cluster of the ``rate_limit_quota`` cell, and the seconds between Envoy's usage reports.
+RLQS_CLUSTER = "native_rlqs"
+RLQS_REPORT_S = 1
+RLQS_DOMAIN = "inferlb"
 #: The guard of the production metering Lua filter (a request with a meter id or the usage-added mark),
 #: replaced by "meter every 2xx answer" in the native cells.
 _METER_GUARD = """  local authz = handle:streamInfo():dynamicMetadata():get(AUTHZ)
@@ -169,6 +196,127 @@ def local_ratelimit(tenants: list[str], per_s: int = BUCKET_PER_S) -> hcm_pb2.Ht
     return hcm_pb2.HttpFilter(name=LOCAL_RATELIMIT_FILTER, typed_config=pack(rl))
 
 
+def rate_limit_quota() -> hcm_pb2.HttpFilter:
+    """Envoy's ``rate_limit_quota`` filter: a request with :data:`CLIENT_HEADER` falls in bucket
+    ``{name: tenant, client: <header>}``, reported to the RLQS server on :data:`RLQS_CLUSTER` every
+    :data:`RLQS_REPORT_S`; allowed until the server's first assignment (Envoy docs, "Rate Limit Quota")."""
+    settings = rlq_pb2.RateLimitQuotaBucketSettings
+    client = extension_pb2.TypedExtensionConfig(
+        name="client",
+        typed_config=pack(http_inputs_pb2.HttpRequestHeaderMatchInput(header_name=CLIENT_HEADER)),
+    )
+    bucket = settings(
+        bucket_id_builder=settings.BucketIdBuilder(
+            bucket_id_builder={
+                "name": settings.BucketIdBuilder.ValueBuilder(string_value="tenant"),
+                "client": settings.BucketIdBuilder.ValueBuilder(custom_value=client),
+            }
+        ),
+        reporting_interval=duration_pb2.Duration(seconds=RLQS_REPORT_S),
+        no_assignment_behavior=settings.NoAssignmentBehavior(
+            fallback_rate_limit=ratelimit_strategy_pb2.RateLimitStrategy(
+                blanket_rule=ratelimit_strategy_pb2.RateLimitStrategy.ALLOW_ALL
+            )
+        ),
+    )
+    matcher = matcher_pb2.Matcher(
+        matcher_list=matcher_pb2.Matcher.MatcherList(
+            matchers=[
+                matcher_pb2.Matcher.MatcherList.FieldMatcher(
+                    predicate=lst.header_present(CLIENT_HEADER, "tenant"),
+                    on_match=matcher_pb2.Matcher.OnMatch(
+                        action=xds_extension_pb2.TypedExtensionConfig(
+                            name="bucket", typed_config=pack(bucket)
+                        )
+                    ),
+                )
+            ]
+        )
+    )
+    config = rlq_pb2.RateLimitQuotaFilterConfig(
+        rlqs_server=grpc_service_pb2.GrpcService(
+            envoy_grpc=grpc_service_pb2.GrpcService.EnvoyGrpc(cluster_name=RLQS_CLUSTER)
+        ),
+        domain=RLQS_DOMAIN,
+        bucket_matchers=matcher,
+    )
+    return hcm_pb2.HttpFilter(name="envoy.filters.http.rate_limit_quota", typed_config=pack(config))
+
+
+def rlqs_cluster(port: int) -> dict[str, Any]:
+    """The static HTTP/2 cluster of the RLQS server on 127.0.0.1:``port`` (bootstrap JSON)."""
+    cluster = cluster_pb2.Cluster(
+        name=RLQS_CLUSTER,
+        type=cluster_pb2.Cluster.STATIC,
+        connect_timeout=duration_ms(1_000),
+        typed_extension_protocol_options=_http2_protocol_options(),
+        load_assignment=endpoint_pb2.ClusterLoadAssignment(
+            cluster_name=RLQS_CLUSTER,
+            endpoints=[
+                endpoint_components_pb2.LocalityLbEndpoints(
+                    lb_endpoints=[
+                        endpoint_components_pb2.LbEndpoint(
+                            endpoint=endpoint_components_pb2.Endpoint(
+                                address=grpc_service_address(HostPort(host="127.0.0.1", port=port))
+                            )
+                        )
+                    ]
+                )
+            ],
+        ),
+    )
+    out: dict[str, Any] = json_format.MessageToDict(cluster)
+    return out
+
+
+class QuotaServer(rlqs_pb2_grpc.RateLimitQuotaServiceServicer):  # type: ignore[misc]  # generated, untyped
+    """A minimal RLQS server: every usage report is answered with a token-bucket assignment of ``per_s``
+    requests per second for each bucket reported (a real one would size it from the tenant's quota and
+    the usage every Envoy reports); counts the reports."""
+
+    def __init__(self, per_s: int) -> None:
+        self.reports = 0
+        self.per_s = per_s
+
+    async def StreamRateLimitQuotas(self, request_iterator: Any, context: Any) -> Any:
+        action = rlqs_pb2.RateLimitQuotaResponse.BucketAction
+        strategy = ratelimit_strategy_pb2.RateLimitStrategy(
+            token_bucket=token_bucket_pb2.TokenBucket(
+                max_tokens=self.per_s,
+                tokens_per_fill=wrappers_pb2.UInt32Value(value=self.per_s),
+                fill_interval=duration_pb2.Duration(seconds=1),
+            )
+        )
+        async for report in request_iterator:
+            self.reports += 1
+            yield rlqs_pb2.RateLimitQuotaResponse(
+                bucket_action=[
+                    action(
+                        bucket_id=usage.bucket_id,
+                        quota_assignment_action=action.QuotaAssignmentAction(
+                            assignment_time_to_live=duration_pb2.Duration(seconds=60),
+                            rate_limit_strategy=strategy,
+                        ),
+                    )
+                    for usage in report.bucket_quota_usages
+                ]
+            )
+
+
+def serve_rlqs(port: int, per_s: int) -> None:
+    """Serve :class:`QuotaServer` (``per_s``) on 127.0.0.1:``port`` until killed (``--rlqs-server``)."""
+    import grpc  # noqa: PLC0415  # only this mode needs it
+
+    async def main() -> None:
+        server = grpc.aio.server()
+        rlqs_pb2_grpc.add_RateLimitQuotaServiceServicer_to_server(QuotaServer(per_s), server)
+        server.add_insecure_port(f"127.0.0.1:{port}")
+        await server.start()
+        await server.wait_for_termination()
+
+    asyncio.run(main())
+
+
 def _before_router(hcm: Hcm, filters: list[hcm_pb2.HttpFilter]) -> None:
     router = hcm.http_filters.pop()
     hcm.http_filters.extend([*filters, router])
@@ -199,6 +347,8 @@ def cells(authz: Config, native: Config, bucket_per_s: int = BUCKET_PER_S) -> li
     base = native_hcm(native)
     limited = _copy(base)
     _before_router(limited, [local_ratelimit([t.name for t in native.tenants], bucket_per_s)])
+    quota = _copy(base)
+    _before_router(quota, [rate_limit_quota()])
     metered = _copy(limited)
     native_metering(metered, production)
     return [
@@ -206,6 +356,7 @@ def cells(authz: Config, native: Config, bucket_per_s: int = BUCKET_PER_S) -> li
         ("ext_authz metered", production),
         ("native: key + body routing", base),
         ("native + local_ratelimit", limited),
+        ("native + rate_limit_quota", quota),
         ("native + ratelimit + metering", metered),
     ]
 
@@ -245,7 +396,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--bucket", type=int, default=BUCKET_PER_S, help="the tenant bucket (req/s; small: see it refuse)"
     )
+    p.add_argument("--rlqs-server", type=int, default=0, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.rlqs_server:
+        serve_rlqs(args.rlqs_server, args.bucket)
+        return 0
     for tool in ("wrk", "nginx"):
         if shutil.which(tool) is None:
             print(f"{tool} not found: apt-get install {tool}", file=sys.stderr)
@@ -272,6 +427,15 @@ def main(argv: list[str] | None = None) -> int:
         children.append(start_listening(service, authz.ext_proc.listen.port))
         assert service.proc is not None
         service_pid = service.proc.pid
+        (rlqs_port,) = free_ports(1)
+        rlqs = Child(
+            "rlqs",
+            [sys.executable, __file__, "--rlqs-server", str(rlqs_port), "--bucket", str(args.bucket)],
+            work / "rlqs.log",
+        )
+        children.append(start_listening(rlqs, rlqs_port))
+        assert rlqs.proc is not None
+        python_pid = {"native + rate_limit_quota": rlqs.proc.pid}
         envoys: dict[str, tuple[str, int]] = {}
         base = (os.getpid() % 5_000) * 20
         todo = cells(authz, native, args.bucket)
@@ -279,7 +443,9 @@ def main(argv: list[str] | None = None) -> int:
         for i, (name, hcm) in enumerate(todo):
             port, admin = free_ports(2)
             config = native if name.startswith("native") else authz
-            child = start_envoy(work, f"envoy-{i}", bootstrap(config, hcm, port, admin), port, base + i)
+            boot = bootstrap(config, hcm, port, admin)
+            boot["static_resources"]["clusters"].append(rlqs_cluster(rlqs_port))
+            child = start_envoy(work, f"envoy-{i}", boot, port, base + i)
             children.append(child)
             assert child.proc is not None
             url = f"http://127.0.0.1:{port}{CHAT_PATH}"
@@ -294,10 +460,11 @@ def main(argv: list[str] | None = None) -> int:
 
         def run(cell: tuple[str, str, int]) -> Sample:
             url, pid = envoys[cell[0]]
-            before = tree_cpu_s([pid]), tree_cpu_s([service_pid])
+            python = python_pid.get(cell[0], service_pid)
+            before = tree_cpu_s([pid]), tree_cpu_s([python])
             r = wrk(url, script, cell[2], duration, timeout_s=10)
             n = max(r.requests, 1)
-            after = tree_cpu_s([pid]), tree_cpu_s([service_pid])
+            after = tree_cpu_s([pid]), tree_cpu_s([python])
             return Sample(
                 result=r,
                 envoy_us=(after[0] - before[0]) / n * 1e6,
@@ -345,6 +512,7 @@ def main(argv: list[str] | None = None) -> int:
                 "ratelimit_ok": admin_stat(admin, "native_tenant.http_local_rate_limit.ok$"),
                 "ratelimit_refused": admin_stat(admin, "native_tenant.http_local_rate_limit.rate_limited$"),
                 "logs_written": admin_stat(admin, "grpc_access_log.logs_written$"),
+                "rlqs_streams": admin_stat(admin, f"cluster.{RLQS_CLUSTER}.upstream_rq_total$"),
             }
             for name, admin in admins.items()
             if name.startswith("native")

@@ -222,7 +222,9 @@ def print_ledgers(stacks: dict[str, Stack]) -> None:
         table.add_column(col, justify="left" if col == "gateway" else "right")
     for name, stack in stacks.items():
         for i, row in enumerate(ledger(stack)):
-            settled = sum(row.get(k, 0) for k in ("metered", "unmetered", "not_served", "expired"))
+            settled = sum(
+                row.get(k, 0) for k in ("metered", "unmetered", "produced", "not_served", "expired")
+            )
             table.add_row(
                 name,
                 str(i),

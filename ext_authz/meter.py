@@ -74,6 +74,7 @@ SWEEP_INTERVAL_S: Final = 1.0
 _SOURCE: Final = {
     Outcome.METERED: "reported",
     Outcome.UNMETERED: "reserved",
+    Outcome.PRODUCED: "counted",
     Outcome.EXPIRED: "reserved",
     Outcome.NOT_SERVED: "none",
 }

@@ -6,7 +6,8 @@ What an entry carries (Envoy docs, ``envoy.data.accesslog.v3.HTTPAccessLogEntry`
 ``common_properties.metadata.filter_metadata`` is the stream's dynamic metadata: the meter id under
 :data:`AUTHZ_NAMESPACE` (the ext_authz answer's :data:`~inferlb.request.headers.METER` header, by
 ``dynamic_metadata_from_headers``) and the usage object text under :data:`USAGE_NAMESPACE` / :data:`USAGE_KEY`
-(written by the gateway's response Lua filter, :data:`xds_server.resources.listener.METER_LUA`);
+(written by the gateway's response Lua filter, :data:`xds_server.resources.listener.METER_LUA`), and for an
+SSE answer its generated-text bytes so far under :data:`PRODUCED_KEY` (a number);
 ``response.response_code`` the status sent downstream (0 when none was). Envoy batches entries per worker
 (``buffer_flush_interval``, ``buffer_size_bytes``) into one stream message and never retries a message, so
 the receiver only ever sees an entry once unless Envoy logs it twice; the settler's ledger ignores repeats.
@@ -23,7 +24,7 @@ import grpc
 from envoy.data.accesslog.v3 import accesslog_pb2
 from envoy.service.accesslog.v3 import als_pb2, als_pb2_grpc
 
-from inferlb.policy.settlement import AUTHZ_NAMESPACE, USAGE_KEY, USAGE_NAMESPACE, MeterEntry
+from inferlb.policy.settlement import AUTHZ_NAMESPACE, PRODUCED_KEY, USAGE_KEY, USAGE_NAMESPACE, MeterEntry
 from inferlb.request import headers as h
 from inferlb.request.usage import usage_counts
 
@@ -55,8 +56,13 @@ def meter_entry(entry: accesslog_pb2.HTTPAccessLogEntry) -> MeterEntry | None:
                 usage = usage_counts(json.loads(text))
             except ValueError:
                 usage = None
+    produced: int | None = None
+    if found is not None and PRODUCED_KEY in found.fields:
+        value = found.fields[PRODUCED_KEY]
+        if value.WhichOneof("kind") == "number_value" and 0 <= value.number_value < 2**53:
+            produced = int(value.number_value)
     status = entry.response.response_code.value if entry.response.HasField("response_code") else 0
-    return MeterEntry(meter_id=meter_id, status=status, usage=usage)
+    return MeterEntry(meter_id=meter_id, status=status, usage=usage, produced=produced)
 
 
 class AccessLogReceiver(als_pb2_grpc.AccessLogServiceServicer):  # type: ignore[misc]  # generated, untyped

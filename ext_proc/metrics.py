@@ -74,7 +74,8 @@ class ExtProcMetrics:
         self.meter_settlements = Counter(
             "inferlb_meter_settlements",
             "ext_authz mode: reservations settled from Envoy's access log, by outcome (metered: the "
-            "reported usage; unmetered: the entry had no usage, charged the reservation; not_served: "
+            "reported usage; unmetered: the entry had no usage, charged the reservation; produced: a "
+            "stream cut before its usage, charged the prompt and its streamed text bytes; not_served: "
             "non-2xx without usage, charged nothing; expired: no entry within the lease TTL, charged the "
             "reservation)",
             ("outcome",),

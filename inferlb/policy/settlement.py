@@ -10,8 +10,10 @@ The rule, for each reserved id (``t0`` its reservation time, ``ttl`` the ledger'
 
 - the **first entry for the id that arrives before ``t0 + ttl``** settles it, at the entry's charge
   (:func:`entry_charge`): the reported usage when the entry has one, nothing when the upstream answered
-  non-2xx without one (nothing was generated, as ext_proc mode), else the reservation itself (a stream
-  whose usage the client did not ask for, a response cut before its usage, a body the scan could not read);
+  non-2xx without one (nothing was generated, as ext_proc mode), for a 2xx stream cut before its usage the
+  prompt count plus the text bytes it streamed (:data:`PRODUCED_KEY`: never below the tokens it streamed,
+  never above the reservation), else the reservation itself (a JSON response cut before its usage, a body
+  the scan could not read);
 - if no entry arrived by ``t0 + ttl``, :meth:`SettlementLedger.expire` (or an entry arriving later)
   settles it **at the reservation** and counts it as expired;
 - every other entry (a duplicate, one after the TTL settled the id, one of an id never reserved here, e.g.
@@ -43,6 +45,12 @@ AUTHZ_NAMESPACE: Final = "envoy.filters.http.ext_authz"
 #: text to (:data:`xds_server.resources.listener.METER_LUA`), read back from the access-log entry.
 USAGE_NAMESPACE: Final = "inferlb.meter"
 USAGE_KEY: Final = "usage"
+#: Key (in :data:`USAGE_NAMESPACE`) of an SSE answer's generated-text bytes so far, whole events only (a
+#: number the Lua filter updates after each chunk; -1 once an event was too long to count): the raw JSON
+#: bytes of the string values of the events' text keys, so never fewer than the UTF-8 bytes of the text
+#: streamed, which are never fewer than its tokens (every token of a byte-level BPE, as tiktoken's, is at
+#: least one byte).
+PRODUCED_KEY: Final = "produced"
 
 
 def meter_id_prefix(process: int) -> str:
@@ -67,6 +75,9 @@ class Outcome(StrEnum):
     METERED = "metered"
     #: settled by its entry at the reservation: the entry carried no usage
     UNMETERED = "unmetered"
+    #: settled by its entry at the admission's prompt count plus the text bytes a stream cut before its
+    #: usage had streamed (at most the reservation): the entry carried no usage but a produced count
+    PRODUCED = "produced"
     #: settled by its entry at zero: the upstream answered non-2xx and reported no usage
     NOT_SERVED = "not_served"
     #: no entry before the TTL: settled at the reservation
@@ -87,11 +98,14 @@ class MeterEntry:
         meter_id: the id the gateway's check answer gave the request.
         status: the HTTP status sent to the client (0 when none was sent, e.g. the client left first).
         usage: ``(prompt, completion)`` tokens the model server reported, or None when none was read.
+        produced: a 2xx SSE answer's generated-text bytes in whole events (:data:`PRODUCED_KEY`), an upper
+            bound of its completion tokens; None when not counted (not SSE, not 2xx, an event too long).
     """
 
     meter_id: str
     status: int
     usage: tuple[int, int] | None
+    produced: int | None = None
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -137,31 +151,31 @@ class Settlement:
 def entry_charge(reserved: Reserved, entry: MeterEntry) -> Settlement:
     """What ``entry`` settles ``reserved`` at (see the module docstring)."""
     if entry.usage is not None:
-        prompt, completion = entry.usage
-        return Settlement(
-            reserved=reserved,
-            outcome=Outcome.METERED,
-            tokens=prompt + completion,
-            prompt_tokens=prompt,
-            completion_tokens=completion,
-        )
+        return _charge(reserved, Outcome.METERED, *entry.usage)
     if entry.status and not 200 <= entry.status < 300:
-        return Settlement(
-            reserved=reserved, outcome=Outcome.NOT_SERVED, tokens=0, prompt_tokens=0, completion_tokens=0
+        return _charge(reserved, Outcome.NOT_SERVED, 0, 0)
+    if entry.produced is not None and entry.produced >= 0 and 200 <= entry.status < 300:
+        # a stream cut before its usage (client gone, upstream reset): what it streamed, bounded above
+        prompt = min(reserved.prompt_tokens, reserved.admitted.tokens)
+        return _charge(
+            reserved, Outcome.PRODUCED, prompt, min(entry.produced, reserved.admitted.tokens - prompt)
         )
     return _at_reservation(reserved, Outcome.UNMETERED)
 
 
-def _at_reservation(reserved: Reserved, outcome: Outcome) -> Settlement:
-    tokens = reserved.admitted.tokens
-    prompt = min(reserved.prompt_tokens, tokens)
+def _charge(reserved: Reserved, outcome: Outcome, prompt: int, completion: int) -> Settlement:
     return Settlement(
         reserved=reserved,
         outcome=outcome,
-        tokens=tokens,
+        tokens=prompt + completion,
         prompt_tokens=prompt,
-        completion_tokens=tokens - prompt,
+        completion_tokens=completion,
     )
+
+
+def _at_reservation(reserved: Reserved, outcome: Outcome) -> Settlement:
+    prompt = min(reserved.prompt_tokens, reserved.admitted.tokens)
+    return _charge(reserved, outcome, prompt, reserved.admitted.tokens - prompt)
 
 
 class SettlementLedger:

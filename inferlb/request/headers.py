@@ -37,7 +37,8 @@ STREAM: Final = "x-inferlb-stream"
 BODY_SPLICE: Final = "x-inferlb-body-splice"
 #: On an ext_authz refusal with a 5xx status: that status. Envoy turns a 5xx from the HTTP authorization
 #: service into ``status_on_error`` with an empty body, so the service refuses with 403 and this header,
-#: and the gateway's local-reply mapper gives the reply back its status (the OpenAI JSON body stays).
+#: which Envoy keeps as dynamic metadata (``dynamic_metadata_from_headers``; not sent to the client), and
+#: the gateway's local-reply mapper gives the reply back its status (the OpenAI JSON body stays).
 STATUS: Final = "x-inferlb-status"
 #: Response header set by a (simulated) model server: which endpoint served the request.
 ENDPOINT: Final = "x-inferlb-endpoint"

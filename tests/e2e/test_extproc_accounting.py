@@ -218,12 +218,10 @@ def test_an_aborted_stream_is_charged_for_what_was_produced(
         stream.close()
     prompt, completion = wait_charged(rs.config, "acct-abort", QWEN, before)
     assert prompt > 0
-    if request_path == "ext_authz":
-        # Envoy saw no usage before the cut, and nothing counts deltas there: the whole reservation,
-        # never less than what was produced
-        assert completion == max_tokens
-        return
-    # charged what was produced: at least what the client read, well short of the reservation
+    # charged what was produced: at least what the client read, well short of the reservation (ext_proc
+    # counts the streamed deltas' tokens; in ext_authz mode Envoy's Lua filter counts their text bytes,
+    # never fewer than their tokens)
+    print(f"\n{request_path}: read {seen} content chunks, charged {completion} of {max_tokens}")
     assert seen <= completion < max_tokens
 
 

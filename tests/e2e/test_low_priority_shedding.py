@@ -5,7 +5,9 @@ The qwen pool gets a DEFAULT circuit breaker of 4 requests (connections and pend
 once 2 DEFAULT-priority requests are in flight). A bounded closed loop saturates it with 2 ``default``
 workers and 4 ``low`` ones (6 > 4: Envoy's breaker alone would shed both alike, as it did before low had a
 mechanism of its own), while one ``high`` worker sends short requests. Low is refused with 503
-``overloaded`` and ``retry-after``; every default and high request is served.
+``overloaded`` and ``retry-after``, with the same response headers in both request-path modes (in ext_authz
+mode the 5xx is restored from a 403 by a local-reply mapper, and the status it carried stays in Envoy);
+every default and high request is served.
 """
 
 from __future__ import annotations
@@ -32,6 +34,8 @@ DURATION_S = 6.0
 MAX_PER_WORKER = 200
 
 Result = tuple[int, str | None, str | None]
+#: The response headers of a shed request, in both modes (ext_proc's immediate response as Envoy sends it).
+SHED_HEADERS = frozenset({"content-type", "content-length", "retry-after", "date", "server"})
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +51,8 @@ def saturated_stack(tmp_path_factory: pytest.TempPathFactory, request_path: str)
 
 
 async def _one(c: openai.AsyncOpenAI, i: int, *, stream: bool, max_tokens: int) -> Result:
-    """One request: (status, retry-after, error code)."""
+    """One request: (status, retry-after, error code); a refusal whose header names are not
+    :data:`SHED_HEADERS` is its status with the names instead of the code."""
     try:
         if stream:
             chunks = await c.chat.completions.create(
@@ -66,6 +71,9 @@ async def _one(c: openai.AsyncOpenAI, i: int, *, stream: bool, max_tokens: int) 
         return 200, None, None
     except openai.APIStatusError as err:
         body = err.body if isinstance(err.body, dict) else {}
+        names = frozenset(k.lower() for k in err.response.headers)
+        if err.status_code == 503 and names != SHED_HEADERS:
+            return err.status_code, None, f"headers {sorted(names)}"
         return err.status_code, err.response.headers.get("retry-after"), body.get("code")
 
 

@@ -25,7 +25,7 @@ from ext_proc.access_log import meter_entry, serve_access_log
 from ext_proc.state import ExtProcState
 from inferlb.config.schema import parse_config
 from inferlb.policy.quota import MemoryQuotaStore, QuotaBook
-from inferlb.policy.settlement import AUTHZ_NAMESPACE, USAGE_KEY, USAGE_NAMESPACE, MeterEntry
+from inferlb.policy.settlement import AUTHZ_NAMESPACE, PRODUCED_KEY, USAGE_KEY, USAGE_NAMESPACE, MeterEntry
 from inferlb.request import headers as h
 
 CONFIG: dict[str, Any] = {
@@ -199,6 +199,16 @@ def test_an_entry_is_read_from_envoys_shape(
     if isinstance(usage, str):
         entry.common_properties.metadata.filter_metadata[USAGE_NAMESPACE].update({USAGE_KEY: usage})
     assert meter_entry(entry) == MeterEntry(meter_id="m-1", status=status, usage=expected)
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [(0, 0), (1234, 1234), (-1, None), ("12", None), (2.0**60, None)],
+)
+def test_a_streams_produced_bytes_are_read_only_as_a_count(value: Any, expected: int | None) -> None:
+    entry = log_entry("m-1", 200, None)
+    entry.common_properties.metadata.filter_metadata[USAGE_NAMESPACE].update({PRODUCED_KEY: value})
+    assert meter_entry(entry) == MeterEntry(meter_id="m-1", status=200, usage=None, produced=expected)
 
 
 def test_an_entry_without_a_meter_id_is_not_metered() -> None:

@@ -104,7 +104,7 @@ def test_a_metered_gateway_logs_metered_requests_to_the_settler() -> None:
     assert hcm.http_filters[0].typed_config.Unpack(authz)
     response = authz.http_service.authorization_response
     names = [p.exact for p in response.dynamic_metadata_from_headers.patterns]
-    assert names == [headers.METER, headers.USAGE_ADDED]
+    assert names == [headers.METER, headers.USAGE_ADDED, headers.STATUS]
     assert headers.METER not in [p.exact for p in response.allowed_upstream_headers.patterns]
     # the splice filter (request half, skipped without splices) and the metering filter (response half)
     splice, meter_lua = lua_sources(hcm)

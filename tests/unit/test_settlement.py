@@ -133,14 +133,17 @@ def ledger_reserved(admitted: Admitted, prompt: int, deadline: float) -> Reserve
 
 @given(
     usage=st.none() | st.tuples(st.integers(0, 9_000), st.integers(0, 9_000)),
-    status=st.sampled_from([0, 200, 404, 500]),
+    status=st.sampled_from([0, 200, 206, 404, 500]),
     tokens=st.integers(1, 9_000),
+    prompt=st.integers(0, 9_000),
+    produced=st.none() | st.integers(0, 20_000),
 )
-def test_a_charge_is_the_usage_else_nothing_for_an_error_else_the_reservation(
-    usage: tuple[int, int] | None, status: int, tokens: int
+def test_a_charge_is_the_usage_else_nothing_for_an_error_else_what_was_streamed_else_the_reservation(
+    usage: tuple[int, int] | None, status: int, tokens: int, prompt: int, produced: int | None
 ) -> None:
-    reserved = ledger_reserved(Admitted(tenant="t", tokens=tokens), 7, 1.0)
-    s = entry_charge(reserved, MeterEntry(meter_id="x", status=status, usage=usage))
+    reserved = ledger_reserved(Admitted(tenant="t", tokens=tokens), prompt, 1.0)
+    s = entry_charge(reserved, MeterEntry(meter_id="x", status=status, usage=usage, produced=produced))
+    assert s.prompt_tokens + s.completion_tokens == s.tokens
     if usage is not None:
         assert (s.tokens, s.prompt_tokens, s.completion_tokens, s.outcome) == (
             sum(usage),
@@ -149,9 +152,15 @@ def test_a_charge_is_the_usage_else_nothing_for_an_error_else_the_reservation(
         )
     elif status in (404, 500):
         assert (s.tokens, s.outcome) == (0, Outcome.NOT_SERVED)
+    elif produced is not None and status in (200, 206):
+        # the prompt as admitted and the streamed bytes (never fewer than the streamed tokens), capped
+        # by the reservation
+        assert s.outcome is Outcome.PRODUCED
+        assert s.prompt_tokens == min(prompt, tokens)
+        assert s.completion_tokens == min(produced, tokens - s.prompt_tokens)
+        assert s.tokens <= tokens
     else:
         assert (s.tokens, s.outcome) == (tokens, Outcome.UNMETERED)
-        assert s.prompt_tokens + s.completion_tokens == tokens
 
 
 def test_duplicates_late_and_unknown_entries_are_told_apart() -> None:

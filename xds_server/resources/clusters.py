@@ -45,6 +45,42 @@ from xds_server.resources.common import (
 #: (1024 requests) would 503 the gateway before any model cluster is saturated, so lift it.
 EXT_PROC_MAX_REQUESTS: Final = 1_000_000
 EXT_PROC_CONNECT_TIMEOUT_MS: Final = 1_000
+#: Connections to one request-path process that failed in a row (refused, timed out, reset before a
+#: response: Envoy's local-origin errors) before outlier detection ejects it; a refusal of the service
+#: (an HTTP answer) is never one.
+REQUEST_PATH_EJECT_AFTER_FAILURES: Final = 3
+#: How long (ms) an ejected request-path process gets no checks, times the ejections in a row (Envoy's
+#: ``base_ejection_time``; capped at :data:`REQUEST_PATH_MAX_EJECTION_MS`). Back in, it is ejected again
+#: after :data:`REQUEST_PATH_EJECT_AFTER_FAILURES` more failures.
+REQUEST_PATH_EJECTION_MS: Final = 10_000
+REQUEST_PATH_MAX_EJECTION_MS: Final = 60_000
+
+
+def request_path_outlier_detection() -> outlier_detection_pb2.OutlierDetection:
+    """The outlier detection of the request-path cluster (``inferlb_ext_authz`` / ``inferlb_ext_proc``): a
+    process that is down (``extra_listen``'s or ``listen``'s, killed or not started) is ejected after
+    :data:`REQUEST_PATH_EJECT_AFTER_FAILURES` connection failures in a row, so Envoy stops sending it checks
+    (without it, Envoy's round robin keeps sending it every other check). Local-origin errors are counted
+    apart (``split_external_local_origin_errors``: connect failure, timeout, reset), and only they eject:
+    the service never answers 5xx (ext_authz refusals are 4xx, or 403 + ``x-inferlb-status``), and
+    ext_proc's answers are gRPC over HTTP 200. ``max_ejection_percent`` 100: with every process down,
+    Envoy's panic mode sends to all anyway. Envoy docs, "Outlier detection" (local origin errors)."""
+    off = wrappers_pb2.UInt32Value(value=0)
+    return outlier_detection_pb2.OutlierDetection(
+        split_external_local_origin_errors=True,
+        consecutive_local_origin_failure=wrappers_pb2.UInt32Value(value=REQUEST_PATH_EJECT_AFTER_FAILURES),
+        enforcing_consecutive_local_origin_failure=wrappers_pb2.UInt32Value(value=100),
+        # the HTTP-status and success-rate detectors stay off (see above)
+        enforcing_consecutive_5xx=off,
+        enforcing_consecutive_gateway_failure=off,
+        enforcing_success_rate=off,
+        enforcing_local_origin_success_rate=off,
+        enforcing_failure_percentage=off,
+        enforcing_failure_percentage_local_origin=off,
+        base_ejection_time=duration_ms(REQUEST_PATH_EJECTION_MS),
+        max_ejection_time=duration_ms(REQUEST_PATH_MAX_EJECTION_MS),
+        max_ejection_percent=wrappers_pb2.UInt32Value(value=100),
+    )
 
 
 def _http2_protocol_options() -> dict[str, any_pb2.Any]:
@@ -343,7 +379,11 @@ def build_ext_proc_cluster(config: Config) -> cluster_pb2.Cluster:
 
     With ``ext_proc.protocol: ext_authz`` it is ``inferlb_ext_authz`` instead, on the same addresses, over
     HTTP/1.1 (Envoy's HTTP authorization client; Envoy pools several keep-alive connections per endpoint
-    and worker, one check in flight on each)."""
+    and worker, one check in flight on each).
+
+    Both get :func:`request_path_outlier_detection` (a dead process stops getting requests) and lift
+    ``max_retries`` with the other bounds (ext_authz retries a check that never reached a process on
+    another one: :func:`xds_server.resources.listener.build_ext_authz_filter`)."""
     authz = config.ext_proc.protocol == "ext_authz"
     addresses = (config.ext_proc.grpc_address(), *config.ext_proc.extra_listen)
     if all(isinstance(a, UnixSocket) or a.is_ip for a in addresses):
@@ -363,10 +403,12 @@ def build_ext_proc_cluster(config: Config) -> cluster_pb2.Cluster:
                     max_connections=wrappers_pb2.UInt32Value(value=EXT_PROC_MAX_REQUESTS),
                     max_pending_requests=wrappers_pb2.UInt32Value(value=EXT_PROC_MAX_REQUESTS),
                     max_requests=wrappers_pb2.UInt32Value(value=EXT_PROC_MAX_REQUESTS),
+                    max_retries=wrappers_pb2.UInt32Value(value=EXT_PROC_MAX_REQUESTS),
                 )
                 for p in (base_pb2.RoutingPriority.DEFAULT, base_pb2.RoutingPriority.HIGH)
             ]
         ),
+        outlier_detection=request_path_outlier_detection(),
         load_assignment=_static_endpoints(name, addresses),
     )
 

@@ -21,6 +21,7 @@ from typing import Any, Final
 from envoy.config.accesslog.v3 import accesslog_pb2
 from envoy.config.common.mutation_rules.v3 import mutation_rules_pb2
 from envoy.config.core.v3 import (
+    backoff_pb2,
     base_pb2,
     config_source_pb2,
     extension_pb2,
@@ -44,6 +45,7 @@ from envoy.extensions.filters.network.http_connection_manager.v3 import http_con
 from envoy.extensions.http.early_header_mutation.header_mutation.v3 import (
     header_mutation_pb2 as early_header_mutation_pb2,
 )
+from envoy.extensions.retry.host.previous_hosts.v3 import previous_hosts_pb2
 from envoy.type.matcher.v3 import http_inputs_pb2, string_pb2
 from envoy.type.matcher.v3 import metadata_pb2 as metadata_matcher_pb2
 from envoy.type.matcher.v3 import value_pb2 as value_matcher_pb2
@@ -56,7 +58,13 @@ from xds.type.matcher.v3 import string_pb2 as xds_string_pb2
 from inferlb.config.schema import Config
 from inferlb.errors import RequestError
 from inferlb.policy.routing import missing_api_key
-from inferlb.policy.settlement import AUTHZ_NAMESPACE, USAGE_KEY, USAGE_NAMESPACE, meter_id_prefix
+from inferlb.policy.settlement import (
+    AUTHZ_NAMESPACE,
+    PRODUCED_KEY,
+    USAGE_KEY,
+    USAGE_NAMESPACE,
+    meter_id_prefix,
+)
 from inferlb.request import headers
 from xds_server.resources.common import (
     API_KEY_FILTER,
@@ -289,7 +297,8 @@ def build_local_reply_config(config: Config) -> http_connection_manager_pb2.Loca
        upstream, 504 timeout, ...): ``{"error": {"message": "<Envoy's text> (Envoy response flags:
        <flags>)", "type": "server_error", "param": null, "code": <the flag's code>}}``.
     0. (``ext_proc.protocol: ext_authz`` only, first) a denial of the ext_authz service carrying
-       ``x-inferlb-status: 500|503`` gets that status (the service's JSON body stays); a failed check
+       ``x-inferlb-status: 500|503`` (read from the check's dynamic metadata: the header is not sent to the
+       client) gets that status (the service's JSON body stays); a failed check
        (``ext_authz_error``: service down or slow, Envoy's empty ``status_on_error`` 503):
        ``gateway_processor_unavailable``.
     6. / 7. any other reply of Envoy's with status 4xx / 5xx (codec errors: 400 malformed request, 431
@@ -369,13 +378,14 @@ def build_local_reply_config(config: Config) -> http_connection_manager_pb2.Loca
     )
     authz: list[http_connection_manager_pb2.ResponseMapper] = []
     if config.ext_proc.protocol == "ext_authz":
-        # a 5xx refusal of the service comes as 403 + x-inferlb-status: give it back its status (its body
-        # and headers stay); a failed check (service down, timeout) gets the processor-unavailable JSON
+        # a 5xx refusal of the service comes as 403 + x-inferlb-status, which Envoy keeps as dynamic
+        # metadata only (never a client header, as in ext_proc mode): give the reply back its status (its
+        # body and headers stay); a failed check (service down, timeout) gets the processor-unavailable JSON
         authz = [
             http_connection_manager_pb2.ResponseMapper(
                 filter=_cel(
                     f"response.code_details == '{EXT_AUTHZ_DENIED_DETAILS}'"
-                    f" && response.headers['{headers.STATUS}'] == '{status}'"
+                    f" && metadata.filter_metadata['{AUTHZ_NAMESPACE}']['{headers.STATUS}'] == '{status}'"
                 ),
                 status_code=wrappers_pb2.UInt32Value(value=status),
             )
@@ -587,6 +597,14 @@ end
 #: :data:`METER_TAIL_BYTES`), else the last 8 bytes (a key cut in two), so a chunk costs one ``find`` over
 #: itself.
 #:
+#: Produced text (an SSE answer): after each chunk, the raw JSON bytes of the string values of the text
+#: keys (``content``, ``reasoning_content``, ``refusal``, ``name``, ``arguments``, ``text``, a string
+#: ``delta``) of every complete event so far go to ``inferlb.meter`` /
+#: :data:`~inferlb.policy.settlement.PRODUCED_KEY` (a number; -1 once an unfinished event passes
+#: :data:`HIDE_HOLD_BYTES`). Envoy destroys the filter's coroutine at a downstream reset without resuming
+#: it, so what a cut stream is charged must already be there; the settler charges it for a stream that
+#: ended without usage (:func:`inferlb.policy.settlement.entry_charge`).
+#:
 #: Hiding (the gateway added ``include_usage``, an SSE answer): the client gets the bytes it would have got
 #: without it, as ext_proc's :class:`~inferlb.request.usage.SseMeter` gives them: each complete event
 #: (ended by a blank line, ``\n\n`` or ``\r\n\r\n``) passes without its top-level ``"usage": null`` member
@@ -617,6 +635,42 @@ local find, sub, match, byte, concat = string.find, string.sub, string.match, st
 
 local function record(handle, usage)
   handle:streamInfo():dynamicMetadata():set("@NS@", "@KEY@", usage)
+end
+
+-- the keys whose string values are generated text (a chat delta's content, reasoning_content, refusal,
+-- tool call name and arguments, a legacy choice's text, a Responses API delta event's delta)
+-- (searched for without the opening quote, far more frequent than a key's first letter, then checked)
+local TEXT_KEYS = {'content"', 'reasoning_content"', 'refusal"', 'name"', 'arguments"', 'text"', 'delta"'}
+-- the raw JSON bytes of the string values of the TEXT_KEYS in `text` (whole SSE events), wherever they
+-- are: never fewer than the UTF-8 bytes of the text (an escape is never shorter than what it stands for),
+-- so never fewer than its tokens. A key's quotes are never escaped, and one inside a string is.
+local function text_bytes(text)
+  local n = 0
+  for k = 1, #TEXT_KEYS do
+    local key = TEXT_KEYS[k]
+    local at = find(text, key, 1, true)
+    while at ~= nil do
+      local next_at = at + #key
+      local v = nil
+      if byte(text, at - 1) == 34 then v = match(text, '^%s*:%s*"()', next_at) end
+      if v ~= nil then
+        local j = v
+        while true do
+          j = find(text, '["\\]', j)
+          if j == nil then return n + #text - v + 1 end
+          if byte(text, j) == 92 then j = j + 2 else break end
+        end
+        n = n + j - v
+        next_at = j + 1
+      end
+      at = find(text, key, next_at, true)
+    end
+  end
+  return n
+end
+
+local function produced_so_far(handle, n)
+  handle:streamInfo():dynamicMetadata():set("@NS@", "@PRODUCED@", n)
 end
 
 -- one chunk's text (with the carry) scanned for usage; returns the next carry
@@ -704,19 +758,33 @@ function envoy_on_response(handle)
   local response_headers = handle:headers()
   local status = tonumber(response_headers:get(":status")) or 0
   if status < 200 or status >= 300 then return end
-  if hide then
-    local kind = response_headers:get("content-type")
-    hide = kind ~= nil and find(kind, "text/event-stream", 1, true) ~= nil
-    if hide then response_headers:remove("content-length") end
-  end
+  local kind = response_headers:get("content-type")
+  local sse = kind ~= nil and find(kind, "text/event-stream", 1, true) ~= nil
+  hide = hide and sse
+  if hide then response_headers:remove("content-length") end
+  -- a stream's text bytes so far, in whole events (-1: an event past HOLD, not counted)
+  local produced, pending = 0, ""
+  if sse then produced_so_far(handle, 0) end
   local carry, held, last, out = "", "", nil, ""
   for chunk in handle:bodyChunks() do
     last, out = chunk, ""
     local n = chunk:length()
     if n > 0 then
       local raw = chunk:getBytes(0, n)
+      local before = produced
       if not hide then
         if carry ~= "" then carry = scan(handle, carry .. raw) else carry = scan(handle, raw) end
+        if sse and produced >= 0 then
+          local text = raw
+          if pending ~= "" then text = pending .. raw end
+          local cut = match(text, "^.*\n\r?\n()")
+          if cut ~= nil then
+            produced, pending = produced + text_bytes(sub(text, 1, cut - 1)), sub(text, cut)
+          else
+            pending = text
+          end
+          if #pending > HOLD then produced, pending = -1, "" end
+        end
       else
         local text = raw
         if held ~= "" then text = held .. raw end
@@ -727,14 +795,16 @@ function envoy_on_response(handle)
           parts[#parts + 1] = client_event(handle, sub(text, pos, e))
           pos = e + 1
         end
+        if pos > 1 then produced = produced + text_bytes(sub(text, 1, pos - 1)) end
         held = sub(text, pos)
         if #held > HOLD then
           parts[#parts + 1] = held
-          carry, held, hide = scan(handle, held), "", false
+          carry, held, hide, produced = scan(handle, held), "", false, -1
         end
         out = concat(parts)
         if out ~= raw then chunk:setBytes(out) end
       end
+      if produced ~= before then produced_so_far(handle, produced) end
     end
   end
   if held ~= "" and last ~= nil then
@@ -754,6 +824,7 @@ def meter_lua() -> str:
         .replace("@HOLD@", str(HIDE_HOLD_BYTES))
         .replace("@NS@", USAGE_NAMESPACE)
         .replace("@KEY@", USAGE_KEY)
+        .replace("@PRODUCED@", PRODUCED_KEY)
     )
 
 
@@ -819,15 +890,56 @@ EXT_AUTHZ_UPSTREAM_HEADERS: Final[tuple[str, ...]] = (
     headers.BODY_SPLICE,
     headers.DESTINATION_ENDPOINT,
 )
-#: Headers of the ext_authz service's refusal sent to the client (``x-inferlb-status``: the status of a
-#: 5xx refusal, read by the local-reply mapper).
-EXT_AUTHZ_CLIENT_HEADERS: Final[tuple[str, ...]] = ("content-type", "retry-after", "allow", headers.STATUS)
+#: Headers of the ext_authz service's refusal sent to the client. ``x-inferlb-status`` (the status of a 5xx
+#: refusal) is not one: Envoy keeps it as dynamic metadata (``dynamic_metadata_from_headers`` applies to
+#: denials too), where the local-reply mapper reads it, so the client sees the headers ext_proc mode sends
+#: (measured on Envoy 1.40).
+EXT_AUTHZ_CLIENT_HEADERS: Final[tuple[str, ...]] = ("content-type", "retry-after", "allow")
 #: The host of the check requests' URI (Envoy sends them to the cluster; the name is only a label).
 EXT_AUTHZ_URI: Final = "http://inferlb-ext-authz"
 
 
 def _exact_names(names: tuple[str, ...]) -> string_pb2.ListStringMatcher:
     return string_pb2.ListStringMatcher(patterns=[string_pb2.StringMatcher(exact=n) for n in names])
+
+
+#: Envoy's retry conditions under which a check is sent again, to another process: it never reached the
+#: first one (refused or timed-out connection, a stream reset before the request was sent), so no
+#: process admitted it or reserved its quota. A reset after the request was sent is not retried: the
+#: process may have reserved it (Envoy docs, ``x-envoy-retry-on``).
+EXT_AUTHZ_RETRY_ON: Final = "connect-failure,reset-before-request"
+#: Base backoff (ms) before such a retry (Envoy jitters it, doubling per retry): the other process is
+#: likely up, and the default (1 s for this core retry policy) would add up to that to the request.
+EXT_AUTHZ_RETRY_BASE_MS: Final = 1
+
+
+def ext_authz_retry_policy(config: Config) -> base_pb2.RetryPolicy | None:
+    """The check's retry policy with several ext_authz processes (``ext_proc.extra_listen``; one process:
+    None, there is nowhere else to send it): up to one retry per other process on
+    :data:`EXT_AUTHZ_RETRY_ON`, each to a process not tried yet (``previous_hosts``), so a dead process
+    costs the client nothing while outlier detection
+    (:func:`~xds_server.resources.clusters.request_path_outlier_detection`) takes it out."""
+    others = len(config.ext_proc.extra_listen)
+    if not others:
+        return None
+    # Envoy turns this core policy into a route retry policy whose per-try timeout is the backoff's
+    # max_interval (measured on Envoy 1.40: a 5 ms max_interval timed checks out after 5 ms,
+    # upstream_rq_per_try_timeout), so the max is the check's own timeout
+    timeout = config.ext_proc.message_timeout_ms
+    return base_pb2.RetryPolicy(
+        retry_on=EXT_AUTHZ_RETRY_ON,
+        num_retries=wrappers_pb2.UInt32Value(value=others),
+        retry_back_off=backoff_pb2.BackoffStrategy(
+            base_interval=duration_ms(EXT_AUTHZ_RETRY_BASE_MS), max_interval=duration_ms(timeout)
+        ),
+        retry_host_predicate=[
+            base_pb2.RetryPolicy.RetryHostPredicate(
+                name="envoy.retry_host_predicates.previous_hosts",
+                typed_config=pack(previous_hosts_pb2.PreviousHostsPredicate()),
+            )
+        ],
+        host_selection_retry_max_attempts=3,
+    )
 
 
 def build_ext_authz_filter(config: Config, *, fail_open: bool | None = None) -> ext_authz_pb2.ExtAuthz:
@@ -837,10 +949,12 @@ def build_ext_authz_filter(config: Config, *, fail_open: bool | None = None) -> 
     (``with_request_body.max_request_bytes`` = ``gateway.max_request_body_bytes``, no partial bodies: a
     larger one is Envoy's 413), within ``ext_proc.message_timeout_ms``. A 200 answer sets the routing
     headers upstream and the route is picked again (``clear_route_cache``); a refusal goes to the client
-    with ``content-type``, ``retry-after`` and ``x-inferlb-status``. A failed check (down, timeout, 5xx)
-    fails open or closed by ``ext_proc.failure_mode_allow``, closed as 503 (``status_on_error``, shaped by
-    the local-reply mappers). ``fail_open`` given: that failure mode instead, and the stats of the second
-    filter (:data:`~xds_server.resources.common.EXT_AUTHZ_OTHER_MODE_FILTER`)."""
+    with ``content-type`` and ``retry-after`` (``x-inferlb-status`` as dynamic metadata). A failed check
+    (down, timeout, 5xx) fails open or closed by ``ext_proc.failure_mode_allow``, closed as 503
+    (``status_on_error``, shaped by the local-reply mappers); with several processes a check that never
+    reached one is sent to another (:func:`ext_authz_retry_policy`). ``fail_open`` given: that failure mode
+    instead, and the stats of the second filter
+    (:data:`~xds_server.resources.common.EXT_AUTHZ_OTHER_MODE_FILTER`)."""
     ep = config.ext_proc
     other = fail_open is not None and fail_open != ep.failure_mode_allow
     allowed = ("authorization", *((ep.session_header,) if ep.session_header else ()))
@@ -853,11 +967,15 @@ def build_ext_authz_filter(config: Config, *, fail_open: bool | None = None) -> 
                 allowed_upstream_headers=_exact_names(EXT_AUTHZ_UPSTREAM_HEADERS),
                 allowed_client_headers=_exact_names(EXT_AUTHZ_CLIENT_HEADERS),
                 # the meter id and the usage-added mark become dynamic metadata for the Lua filter and the
-                # access log, never upstream headers (they are not in allowed_upstream_headers)
-                dynamic_metadata_from_headers=_exact_names((headers.METER, headers.USAGE_ADDED))
-                if ep.meters_access_log()
-                else None,
+                # access log, never upstream headers (they are not in allowed_upstream_headers); a 5xx
+                # refusal's status, for the local-reply mapper, never a client header
+                dynamic_metadata_from_headers=_exact_names(
+                    (headers.METER, headers.USAGE_ADDED, headers.STATUS)
+                    if ep.meters_access_log()
+                    else (headers.STATUS,)
+                ),
             ),
+            retry_policy=ext_authz_retry_policy(config),
         ),
         transport_api_version=config_source_pb2.ApiVersion.V3,
         allowed_headers=_exact_names(allowed),

@@ -521,7 +521,7 @@ class BatchEngine:
     _running: dict[str, _Sequence] = field(default_factory=dict)  # in admission order
     _running_slots: int = 0
     _waiting: deque[_Sequence] = field(default_factory=deque)
-    _waiting_ids: set[str] = field(default_factory=set)
+    _waiting_ids: dict[str, _Sequence] = field(default_factory=dict)  # the queue's sequences by id
     _outbox: list[EngineEvent] = field(default_factory=list)
     _prompt_tokens_total: int = 0
     _generation_tokens_done: int = 0
@@ -603,7 +603,7 @@ class BatchEngine:
             tail_tokens=tail,
         )
         self._waiting.append(seq)
-        self._waiting_ids.add(request_id)
+        self._waiting_ids[request_id] = seq
         if self._step_ends_at is None:
             self._start_step(self._clock)
         return Admitted(request_id=request_id, running=request_id in self._running)
@@ -617,7 +617,7 @@ class BatchEngine:
         """
         self._advance_to(now)
         if request_id in self._waiting_ids:
-            self._waiting_ids.discard(request_id)
+            del self._waiting_ids[request_id]
             self._waiting = deque(s for s in self._waiting if s.request_id != request_id)
             self._cancelled_total += 1
             return True
@@ -687,8 +687,9 @@ class BatchEngine:
         seq = self._running.get(request_id)
         if seq is not None:
             return self._emitted(seq)
-        if request_id in self._waiting_ids:
-            return next(s.emitted_base for s in self._waiting if s.request_id == request_id)
+        waiting = self._waiting_ids.get(request_id)
+        if waiting is not None:
+            return waiting.emitted_base
         raise KeyError(request_id)
 
     def holds(self, request_id: str) -> bool:
@@ -843,7 +844,7 @@ class BatchEngine:
         seq.to_prefill = 0
         seq.held = 0
         self._waiting.appendleft(seq)
-        self._waiting_ids.add(seq.request_id)
+        self._waiting_ids[seq.request_id] = seq
         self._preemptions_total += 1
         self._outbox.append(SequencePreempted(request_id=seq.request_id, at=t, emitted=seq.emitted_base))
 
@@ -857,7 +858,7 @@ class BatchEngine:
         if self._pool.blocks_needed(prompts, decode_tokens=recompute) > self._pool.free_blocks:
             return None
         self._waiting.popleft()
-        self._waiting_ids.discard(seq.request_id)
+        del self._waiting_ids[seq.request_id]
         alloc = self._pool.allocate(seq.request_id, prompts, decode_tokens=recompute)
         assert alloc.held
         seq.held = alloc.blocks

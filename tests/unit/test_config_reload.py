@@ -92,7 +92,7 @@ def test_a_file_cut_before_tenants_is_refused_with_the_field_named(doc: dict[str
     with pytest.raises(ConfigError) as err:
         check_not_emptied(running, cut, "inferlb.yaml")
     assert err.value.source == "inferlb.yaml"
-    ((field, message),) = err.value.problems
+    (field, message), = err.value.problems
     assert field == "tenants"
     assert "allow_empty: [tenants]" in message and "3 tenants" in message
 

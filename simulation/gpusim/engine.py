@@ -51,9 +51,10 @@ The model (all times in seconds, all rates in tokens/s, for one model replica on
   default) every prompt token is prefilled.
 
 :class:`BatchEngine` is the state machine of one server. It is driven by explicit timestamps (``now``), never
-reads a clock, and jumps over runs of identical decode steps in O(1), so the same code serves the real-time
-aiohttp server (which wakes at every step to stream tokens) and a discrete-event simulation of a large fleet
-(which only needs :meth:`BatchEngine.next_transition_time`).
+reads a clock, and jumps over runs of identical decode steps (in O(running requests x log(steps)): a run ends
+at its first completion or at the first step whose new KV blocks do not fit), so the same code serves the
+real-time aiohttp server (which wakes at every step to stream tokens) and a discrete-event simulation of a
+large fleet (which only needs :meth:`BatchEngine.next_transition_time`).
 """
 
 from __future__ import annotations

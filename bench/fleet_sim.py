@@ -80,7 +80,7 @@ def _table(title: str, results: list[tuple[str, FleetRunResult]], *, throttle: b
         t.add_column(col, justify="right" if col not in ("policy",) else "left")
     for col in ("p99 / RR", "p99 / LR", "busy spread pts", "work spread pts", "work p95-p5 pts"):
         t.add_column(col, justify="right")
-    for col in ("work % H/A/V", "refused", "long > tok (fallback)"):
+    for col in ("work % H/A/V", "refused", "preempted", "long > tok (fallback)"):
         t.add_column(col, justify="right")
     # p99 ratios against round robin and least request at the same load (and scenario)
     ref = {(load, _name(r)): r.e2e_p99_s for load, r in results}
@@ -104,6 +104,7 @@ def _table(title: str, results: list[tuple[str, FleetRunResult]], *, throttle: b
             _fmt(r.work_p95_p5_pts, 1),
             "/".join(f"{wt.get(k, math.nan):.0f}" for k in ("H100", "A100", "V100")),
             f"{r.refused}" + (f" (+{r.unfinished} unfinished)" if r.unfinished else ""),
+            f"{r.preemptions:,}",
             _long_cell(r),
         ]
         if throttle:

@@ -7,6 +7,9 @@
 - :mod:`simulation.kvcache`: the pure model of vLLM's automatic prefix caching (chained block hashes, an
   LRU block pool with reference counts) that both use: gpusim's engine holds one per GPU, and so does each
   engine the fleet simulation is given.
+- :mod:`simulation.scheduler`: the pure step rules of vLLM's scheduler (token budget and chunked prefill,
+  KV blocks per sequence, preemption, the step time) that gpusim's engine applies, and so the fleet
+  simulation through it.
 
 May import: the core (:mod:`inferlb.config`, :mod:`inferlb.request`, :mod:`inferlb.policy`,
 :mod:`inferlb.traces`, :mod:`inferlb.errors`), aiohttp and prometheus_client; no service, adapter or

@@ -40,10 +40,15 @@ What this model does differently from vLLM, on purpose:
   reserves its prompts' full blocks once and ``ceil((partial tails + decode tokens) / block_size)`` blocks
   for the rest (vLLM gives each sequence its own tail block). The blocks evicted are the same ones, only
   earlier. Generated tokens' blocks are never cached (the simulator's completions are not real text).
-* When the free blocks cannot hold a new sequence, vLLM keeps it waiting (or preempts a running one); this
-  model still runs it, *without* blocks (:attr:`CacheAllocation.held` False, counted in
-  :attr:`PrefixCache.unheld_total`): its hits are counted, it caches nothing and pins nothing. Admission
-  bounded by memory and preemption belong to the engine, a later step.
+* When the free blocks cannot hold a new sequence, :meth:`PrefixCache.allocate` still runs it, *without*
+  blocks (:attr:`CacheAllocation.held` False, counted in :attr:`PrefixCache.unheld_total`): its hits are
+  counted, it caches nothing and pins nothing. The engine (:mod:`simulation.scheduler` has its rules) never
+  lets that happen: it admits a sequence only when :meth:`PrefixCache.blocks_needed` fit in the free blocks,
+  grows a running sequence's blocks with :meth:`PrefixCache.extend` as it decodes, and preempts when they
+  run out, as vLLM's scheduler does.
+
+:class:`BlockPool` is the same pool without prefix caching (``--no-enable-prefix-caching``): blocks are
+counted, never hashed, so that one KV-usage view (``vllm:kv_cache_usage_perc``) holds either way.
 """
 
 from __future__ import annotations
@@ -271,7 +276,50 @@ class PrefixCache:
             n += 1
         return n
 
+    def blocks_needed(self, prompts: Sequence[PromptBlocks], *, decode_tokens: int = 0) -> int:
+        """Free blocks :meth:`allocate` would take now for ``prompts`` and ``decode_tokens`` more tokens: its
+        new blocks plus the hit blocks that are free now (pinning takes them out of the free pool). No side
+        effect; the allocation is held when this is at most :attr:`free_blocks`.
+
+        Raises:
+            ValueError: a negative token count.
+        """
+        if decode_tokens < 0 or any(p.tokens < 0 for p in prompts):
+            raise ValueError("token counts must be >= 0")
+        new_needed, hit_blocks = self._plan(prompts, decode_tokens)
+        return new_needed + len({b for b in hit_blocks if b not in self._ref})
+
+    def _plan(self, prompts: Sequence[PromptBlocks], decode_tokens: int) -> tuple[int, list[int]]:
+        """(new blocks needed, the blocks the prompts' cached prefixes hit, in order)."""
+        bs = self.block_size
+        hits = [self.cached_prefix_blocks(p) for p in prompts]
+        full_new = sum(p.tokens // bs - k for p, k in zip(prompts, hits, strict=True))
+        new_needed = full_new + math.ceil((sum(p.tokens % bs for p in prompts) + decode_tokens) / bs)
+        hit_blocks = [
+            next(iter(self._blocks_of[h])) for p, k in zip(prompts, hits, strict=True) for h in p.hashes[:k]
+        ]
+        return new_needed, hit_blocks
+
     # -- operations -----------------------------------------------------------------------------------------
+
+    def extend(self, seq_id: str, blocks: int) -> bool:
+        """Give sequence ``seq_id`` ``blocks`` more blocks for the tokens it decodes (never cached), taken
+        from the LRU head of the free queue as :meth:`allocate` takes them (evicting their cached hashes).
+        Returns False, changing nothing, when fewer than ``blocks`` are free.
+
+        Raises:
+            KeyError: ``seq_id`` holds no blocks.
+            ValueError: ``blocks < 0``.
+        """
+        held = self._seqs[seq_id]
+        if not _extension_fits(blocks, self.free_blocks):
+            return False
+        held.extend(self._take_free_block() for _ in range(blocks))
+        if self._evicted:
+            if self.record_events:
+                self._events.append(BlockRemoved(block_hashes=tuple(self._evicted)))
+            self._evicted.clear()
+        return True
 
     def allocate(
         self, seq_id: str, prompts: Sequence[PromptBlocks], *, decode_tokens: int = 0
@@ -299,11 +347,7 @@ class PrefixCache:
         self.hits_total += hit_tokens
         # blocks: the prompts' full blocks not hit, then blocks for the prompts' partial tails and the decode
         # tokens together (one prompt: ceil((prompt + decode tokens) / block_size) blocks in all)
-        full_new = sum(p.tokens // bs - k for p, k in zip(prompts, hits, strict=True))
-        new_needed = full_new + math.ceil((sum(p.tokens % bs for p in prompts) + decode_tokens) / bs)
-        hit_blocks = [
-            next(iter(self._blocks_of[h])) for p, k in zip(prompts, hits, strict=True) for h in p.hashes[:k]
-        ]
+        new_needed, hit_blocks = self._plan(prompts, decode_tokens)
         # hit blocks that are free now leave the free pool when pinned: they cannot also be reused
         hit_free = len({b for b in hit_blocks if b not in self._ref})
         if new_needed > self.free_blocks - hit_free:
@@ -405,3 +449,110 @@ class PrefixCache:
         whose last block was recomputed, or a prefix whose head was evicted before its tail), as vLLM does."""
         self._blocks_of.setdefault(block_hash, {})[block] = None
         self._hash_of[block] = block_hash
+
+
+def _extension_fits(blocks: int, free_blocks: int) -> bool:
+    """True when ``blocks`` more blocks are free. Raises ValueError for ``blocks < 0``."""
+    if blocks < 0:
+        raise ValueError(f"blocks must be >= 0, got {blocks}")
+    return blocks <= free_blocks
+
+
+@dataclass(kw_only=True)
+class BlockPool:
+    """The KV-cache blocks of one GPU without prefix caching: the interface of :class:`PrefixCache` that the
+    engine uses, counting blocks only (nothing is hashed, so nothing hits nor is evicted). A sequence takes
+    ``sum(tokens // block_size) + ceil((sum(tokens % block_size) + decode_tokens) / block_size)`` blocks, as
+    in :class:`PrefixCache`.
+
+    Args:
+        num_blocks: physical blocks (>= 1).
+        block_size: tokens per block (>= 1).
+
+    Raises:
+        ValueError: ``num_blocks < 1`` or ``block_size < 1``.
+    """
+
+    num_blocks: int
+    block_size: int = DEFAULT_BLOCK_SIZE
+    #: prompt tokens of the sequences allocated (no lookup hits: the hits stay 0)
+    queries_total: int = 0
+    hits_total: int = 0
+    _used: int = 0
+    _seqs: dict[str, int] = field(default_factory=dict)  # sequence -> blocks it holds
+
+    def __post_init__(self) -> None:
+        if self.num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks}")
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+
+    @property
+    def blocks_in_use(self) -> int:
+        """Blocks held by sequences."""
+        return self._used
+
+    @property
+    def free_blocks(self) -> int:
+        """``num_blocks - blocks_in_use``."""
+        return self.num_blocks - self._used
+
+    @property
+    def usage(self) -> float:
+        """Blocks in use over all blocks, 0..1."""
+        return self._used / self.num_blocks
+
+    def holds(self, seq_id: str) -> bool:
+        """True while ``seq_id`` holds blocks."""
+        return seq_id in self._seqs
+
+    def blocks_needed(self, prompts: Sequence[PromptBlocks], *, decode_tokens: int = 0) -> int:
+        """Blocks :meth:`allocate` would take (see the class doc). Raises ValueError on a negative count."""
+        if decode_tokens < 0 or any(p.tokens < 0 for p in prompts):
+            raise ValueError("token counts must be >= 0")
+        bs = self.block_size
+        return sum(p.tokens // bs for p in prompts) + math.ceil(
+            (sum(p.tokens % bs for p in prompts) + decode_tokens) / bs
+        )
+
+    def allocate(
+        self, seq_id: str, prompts: Sequence[PromptBlocks], *, decode_tokens: int = 0
+    ) -> CacheAllocation:
+        """Take :meth:`blocks_needed` blocks for ``seq_id`` (not held, as :meth:`PrefixCache.allocate`, when
+        they are not free).
+
+        Raises:
+            ValueError: ``seq_id`` already holds blocks, or a negative token count.
+        """
+        if seq_id in self._seqs:
+            raise ValueError(f"sequence {seq_id!r} already holds blocks")
+        need = self.blocks_needed(prompts, decode_tokens=decode_tokens)
+        prompt_tokens = sum(p.tokens for p in prompts)
+        self.queries_total += prompt_tokens
+        if need > self.free_blocks:
+            return CacheAllocation(prompt_tokens=prompt_tokens, hit_tokens=0, held=False, blocks=0)
+        self._seqs[seq_id] = need
+        self._used += need
+        return CacheAllocation(prompt_tokens=prompt_tokens, hit_tokens=0, held=True, blocks=need)
+
+    def extend(self, seq_id: str, blocks: int) -> bool:
+        """``blocks`` more for ``seq_id``; False, changing nothing, when they are not free.
+
+        Raises:
+            KeyError: ``seq_id`` holds no blocks.
+            ValueError: ``blocks < 0``.
+        """
+        held = self._seqs[seq_id]
+        if not _extension_fits(blocks, self.free_blocks):
+            return False
+        self._seqs[seq_id] = held + blocks
+        self._used += blocks
+        return True
+
+    def free(self, seq_id: str) -> bool:
+        """Release ``seq_id``'s blocks. False when it held none."""
+        n = self._seqs.pop(seq_id, None)
+        if n is None:
+            return False
+        self._used -= n
+        return True

@@ -512,6 +512,11 @@ class GpuProfile(_Frozen):
 
     relative_capacity: Annotated[float, Field(strict=True, gt=0, le=100)]
     memory_gb: Annotated[float, Field(strict=True, gt=0)] = 80.0
+    #: For the simulated servers: prefill (compute-bound, scales with dense FLOPs) and decode (memory-bound,
+    #: scales with HBM bandwidth) speed relative to a V100; unset: ``relative_capacity`` (see
+    #: ``simulation.gpusim.engine``; the bundled configs give datasheet-derived values and their sources).
+    prefill_relative_capacity: Annotated[float | None, Field(strict=True, gt=0, le=1000)] = None
+    decode_relative_capacity: Annotated[float | None, Field(strict=True, gt=0, le=1000)] = None
 
 
 class Simulation(_Frozen):
@@ -533,6 +538,22 @@ class Simulation(_Frozen):
     prefix_caching: Annotated[bool, Field(strict=True)] = True
     #: Tokens per KV-cache block (vLLM's ``--block-size``, default 16).
     block_size: Annotated[int, Field(strict=True, ge=1, le=1024)] = 16
+    #: Token budget of one engine step (vLLM's ``--max-num-batched-tokens`` with chunked prefill, 8192 for
+    #: vLLM V1's OpenAI server): decode tokens first, then prefill chunks fill the rest; ``null``: no
+    #: chunking (every admitted prompt is prefilled whole, stalling the batch). At least ``max_batch``.
+    max_num_batched_tokens: Annotated[int | None, Field(strict=True, ge=1, le=1_048_576)] = 8192
+    #: How a step's prefill and decode times combine: ``sum`` (one after the other) or ``max`` (overlapped;
+    #: ``simulation.scheduler.step_seconds``).
+    step_time: Literal["sum", "max"] = "sum"
+
+    @model_validator(mode="after")
+    def _budget_holds_batch(self) -> Self:
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < self.max_batch:
+            raise ValueError(
+                f"max_num_batched_tokens: must be >= max_batch ({self.max_batch}), got "
+                f"{self.max_num_batched_tokens}: every decoding sequence takes one token of a step"
+            )
+        return self
 
 
 class WeightsConfig(_Frozen):

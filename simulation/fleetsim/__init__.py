@@ -30,8 +30,13 @@ Import each name from the module that defines it; this ``__init__`` re-exports n
 :func:`inferlb.traces.read_mooncake_trace`) is submitted with them (:class:`simulation.kvcache.PromptBlocks`);
 an engine built with a :class:`simulation.kvcache.PrefixCache` of the trace's block size (512 tokens for
 Mooncake) prefills only what its cache misses, by the same rules as a gpusim server, and the run reports the
-hit rate. Rows without block ids (the Azure trace, synthetic loads) are submitted exactly as before, and
-engines without a cache behave exactly as before: runs of those stay bit-identical.
+hit rate. Rows without block ids (the Azure trace, synthetic loads) are submitted without them.
+
+**vLLM's scheduler.** The injected engines apply the rules of :mod:`simulation.scheduler` (chunked prefill
+under a per-step token budget, KV blocks taken as tokens are decoded, preemption with recompute when they
+run out, prefill and decode scaling apart per GPU profile) exactly as a gpusim server does, since they are
+the same engine; the run reports the preemptions (:attr:`simulation.fleetsim.results.FleetRunResult.
+preemptions`).
 
 May import: the core (:mod:`inferlb.config`, :mod:`inferlb.policy`, :mod:`inferlb.traces`),
 :mod:`simulation.kvcache`; never

@@ -492,6 +492,7 @@ class _FleetRun:
             live_classes=self.live,
             prefix_cache_queries=sum(end_mark[g][3] - start_mark[g][3] for g in range(n)),
             prefix_cache_hits=sum(end_mark[g][4] - start_mark[g][4] for g in range(n)),
+            preemptions=sum(e.stats().num_preemptions_total for e in self.engines),
         )
 
     def _latencies(self) -> tuple[list[float], list[float], int]:

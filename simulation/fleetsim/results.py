@@ -83,6 +83,8 @@ class FleetRunResult:
         prefix_cache_queries / prefix_cache_hits: prompt tokens the GPUs' prefix caches looked up, and found,
             in the window (tokens, summed over GPUs; 0 when the engines have no cache or the trace no block
             ids). :attr:`prefix_cache_hit_rate` is their ratio.
+        preemptions: running requests the engines preempted for want of KV blocks (and recomputed), over
+            the whole run (vLLM's ``vllm:num_preemptions_total`` summed over GPUs).
     """
 
     policy: Policy
@@ -120,6 +122,7 @@ class FleetRunResult:
     live_classes: bool = False
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
+    preemptions: int = 0
 
     @property
     def prefix_cache_hit_rate(self) -> float:

@@ -54,6 +54,9 @@ class EngineSnapshot(Protocol):
     @property
     def prefix_cache_hits_total(self) -> int: ...
 
+    @property
+    def num_preemptions_total(self) -> int: ...
+
 
 @runtime_checkable
 class FirstTokenLike(Protocol):

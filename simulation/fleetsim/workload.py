@@ -6,7 +6,7 @@ config's proportions (the bundled config has 2 H100, 3 A100, 3 V100, so 1,000 GP
 
 **Load** (:func:`fleet_capacity_rps`, :func:`scale_trace`): the capacity of a GPU is the request rate it
 sustains with a full batch: one request costs ``prefill_seconds(P) + (C - 1) * decode_step_seconds(B) / B``
-GPU-seconds (its prefill stalls the batch; its other ``C - 1`` tokens share full steps of ``B`` sequences),
+GPU-seconds (its prefill, whole or in chunks; its other ``C - 1`` tokens share full steps of ``B`` sequences),
 averaged over the trace's prompt (``P``) and completion (``C``) lengths; the fleet's capacity is the sum over
 GPUs of one over that mean. The trace is then superposed ``m`` times with circular shifts of ``j / m`` of
 its length and time-scaled so that the arrival rate is the target (e.g. 0.9 x capacity): arrival times are
@@ -115,18 +115,18 @@ def fleet_capacity_rps(models: Sequence[EngineTiming], rows: Sequence[TraceRow])
     """Requests/s the fleet sustains with every GPU running full batches of the trace's mix of requests:
     ``sum over GPUs of 1 / mean(request_service_seconds)``.
 
-    Models of equal ``relative_capacity`` and ``max_batch`` are taken to time alike (they do when built from
-    one config), so the mean is computed once per distinct pair.
+    Models of equal ``relative_capacity``, ``max_batch``, prefill and decode times are taken to time alike
+    (they do when built from one config), so the mean is computed once per distinct kind.
 
     Raises:
         ValueError: no models or no rows.
     """
     if not models or not rows:
         raise ValueError("need at least one model and one trace row")
-    mean_by_kind: dict[tuple[float, int], float] = {}
+    mean_by_kind: dict[tuple[float, int, float, float], float] = {}
     total = 0.0
     for m in models:
-        kind = (m.relative_capacity, m.max_batch)
+        kind = (m.relative_capacity, m.max_batch, m.prefill_seconds(1000), m.decode_step_seconds(1))
         mean = mean_by_kind.get(kind)
         if mean is None:
             mean = sum(request_service_seconds(m, r.prompt_tokens, r.output_tokens) for r in rows) / len(rows)

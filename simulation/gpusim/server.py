@@ -634,6 +634,16 @@ class SimulatedEndpoint:
             width=admission.width,
             prompts=self._prompt_blocks(req, admission.prompt_tokens),
         )
+        if isinstance(outcome, Refused) and outcome.reason == "exceeds_kv_cache":
+            self.metrics.request_refused("bad_request")
+            return _error_response(
+                bad_request(
+                    f"This request needs more KV cache than the server has ({self.engine.pool.num_blocks} "
+                    f"blocks of {self.engine.pool.block_size} tokens): {admission.prompt_tokens} prompt "
+                    f"tokens and {admission.tokens_per_choice} completion tokens x {admission.width}.",
+                    param="max_tokens",
+                )
+            )
         if isinstance(outcome, Refused):
             self.metrics.request_refused("queue_full")
             retry_after = max(1, math.ceil(outcome.retry_after_s))

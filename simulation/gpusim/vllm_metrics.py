@@ -6,8 +6,10 @@ vLLM names (docs.vllm.ai "Production Metrics"; vLLM design doc ``docs/design/met
 ==========================================  =========  ======================================================
 ``vllm:num_requests_running``               gauge      requests in the running batch
 ``vllm:num_requests_waiting``               gauge      requests queued behind it
-``vllm:kv_cache_usage_perc``                gauge      KV-cache usage 0..1 (an estimate, see
-simulation.gpusim.engine) ``vllm:prompt_tokens_total``                counter    prompt tokens prefilled
+``vllm:kv_cache_usage_perc``                gauge      KV-cache blocks in use over the GPU's blocks, 0..1
+                                                       (the pool the prefix cache uses; simulation.kvcache)
+``vllm:num_preemptions_total``              counter    running requests preempted for want of KV blocks
+``vllm:prompt_tokens_total``                counter    prompt tokens prefilled
 ``vllm:generation_tokens_total``            counter    tokens generated (all choices)
 ``vllm:prefix_cache_queries_total``         counter    prompt tokens looked up in the prefix cache
 ``vllm:prefix_cache_hits_total``            counter    prompt tokens found there (simulation.kvcache)
@@ -109,6 +111,8 @@ class _EngineCollector(Collector):
              s.waiting_requests),
             (GaugeMetricFamily, "vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.",
              s.kv_usage),
+            (CounterMetricFamily, "vllm:num_preemptions", "Cumulative number of preemption from the engine.",
+             s.num_preemptions_total),
             (CounterMetricFamily, "vllm:prompt_tokens", "Number of prefill tokens processed.",
              s.prompt_tokens_total),
             (CounterMetricFamily, "vllm:generation_tokens", "Number of generation tokens processed.",

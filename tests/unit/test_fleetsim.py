@@ -14,7 +14,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 import inferlb
-from inferlb.config.schema import Config, load_config
+from inferlb.config.schema import Config, load_config, parse_config
 from inferlb.policy.weights import WeightParams
 from inferlb.traces import DEFAULT_TRACE, TraceRow, read_trace
 from simulation.fleetsim.balancers import (
@@ -375,15 +375,27 @@ def test_scale_trace_hits_the_target_rate_and_keeps_token_counts() -> None:
     )
 
 
-def test_fleet_capacity_is_sum_of_capacities_over_the_mean_request_cost() -> None:
+def test_fleet_capacity_is_the_sum_over_gpus_of_one_over_the_mean_request_cost() -> None:
     cfg = config()
     fleet = fleet_mix(cfg, 8)
     models = [TimingModel.for_endpoint(cfg, g.endpoint) for g in fleet]
     rows = trace()[:500]
-    v100 = next(m for m in models if m.relative_capacity == 1.0)
-    mean = sum(request_service_seconds(v100, r.prompt_tokens, r.output_tokens) for r in rows) / len(rows)
+
+    def mean_cost(m: TimingModel) -> float:
+        return sum(request_service_seconds(m, r.prompt_tokens, r.output_tokens) for r in rows) / len(rows)
+
+    assert fleet_capacity_rps(models, rows) == pytest.approx(sum(1 / mean_cost(m) for m in models), rel=1e-9)
+    # when prefill and decode scale alike (no prefill_relative_capacity), a GPU's capacity is its
+    # relative capacity over a V100's mean cost; the bundled profiles prefill faster than that on H100/A100
+    doc = cfg.model_dump(mode="json", exclude_defaults=True)
+    for profile in doc["gpu_profiles"].values():
+        profile.pop("prefill_relative_capacity", None)
+    alike = parse_config(doc)
+    same = [TimingModel.for_endpoint(alike, g.endpoint) for g in fleet]
+    v100 = next(m for m in same if m.relative_capacity == 1.0)
     total_capacity = sum(g.relative_capacity for g in fleet)
-    assert fleet_capacity_rps(models, rows) == pytest.approx(total_capacity / mean, rel=1e-9)
+    assert fleet_capacity_rps(same, rows) == pytest.approx(total_capacity / mean_cost(v100), rel=1e-9)
+    assert fleet_capacity_rps(models, rows) > fleet_capacity_rps(same, rows)
 
 
 def test_a_saturated_engine_delivers_the_capacity_the_model_predicts() -> None:

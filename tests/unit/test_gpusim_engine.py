@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol, TypeVar
 
 import pytest
 from hypothesis import example, given, settings
@@ -291,13 +293,18 @@ def test_slowdown_applies_from_the_next_step() -> None:
         eng.set_slowdown(11.0, 0.0)
 
 
-def test_kv_usage_counts_tokens_held_by_running_sequences() -> None:
+def test_kv_usage_counts_blocks_held_by_running_sequences() -> None:
+    # the usage is the block pool's (62 blocks of 16 tokens in a budget of 1,000 tokens), not tokens / budget
     eng = BatchEngine(model=model(kv_budget_tokens=1000, decode_tokens_per_s=10.0, prefill_tokens_per_s=1e9))
     eng.submit(0.0, request_id="r", prompt_tokens=300, completion_tokens=100, width=2)
-    eng.advance(0.25)  # prefill (instant) + 2 decode steps -> 3 tokens per sample
+    eng.advance(
+        0.25
+    )  # prefill (instant) + 2 decode steps -> 3 tokens per sample, the third step feeding them
     stats = eng.stats()
-    assert stats.kv_tokens == 300 + 3 * 2
-    assert stats.kv_usage == pytest.approx(0.306)
+    # 18 full prompt blocks, then the 12-token tail and 3 x 2 fed tokens in ceil(18 / 16) = 2 blocks
+    assert (stats.kv_blocks_in_use, stats.kv_blocks_total) == (20, 62)
+    assert stats.kv_tokens == 20 * 16
+    assert stats.kv_usage == pytest.approx(20 / 62)
 
 
 def test_time_never_runs_backwards() -> None:
@@ -335,6 +342,32 @@ arrivals = st.lists(
 )
 
 
+class Timed(Protocol):
+    """An arrival of a random workload: seconds after the previous one, and when its client gives up."""
+
+    @property
+    def gap(self) -> float: ...
+
+    @property
+    def cancel_after(self) -> float | None: ...
+
+
+A = TypeVar("A", bound=Timed)
+
+
+def timeline(workload: Sequence[A]) -> list[tuple[float, int, str, A | None]]:
+    """The workload's arrivals (kind 0, ids ``r0``, ``r1``, ...) and cancellations (kind 1), in time order."""
+    pending: list[tuple[float, int, str, A | None]] = []
+    t = 0.0
+    for i, a in enumerate(workload):
+        t += a.gap
+        pending.append((t, 0, f"r{i}", a))
+        if a.cancel_after is not None:
+            pending.append((t + a.cancel_after, 1, f"r{i}", None))
+    pending.sort(key=lambda p: (p[0], p[1]))
+    return pending
+
+
 def run(
     m: TimingModel, workload: list[Arrival], *, fine: bool
 ) -> tuple[dict[str, float], list[EngineEvent], set[str], BatchEngine]:
@@ -344,15 +377,7 @@ def run(
     events: list[EngineEvent] = []
     arrived: dict[str, float] = {}
     refused: set[str] = set()
-    pending: list[tuple[float, int, str, Arrival | None]] = []
-    t = 0.0
-    for i, a in enumerate(workload):
-        t += a.gap
-        pending.append((t, 0, f"r{i}", a))
-        if a.cancel_after is not None:
-            pending.append((t + a.cancel_after, 1, f"r{i}", None))
-    pending.sort(key=lambda p: (p[0], p[1]))
-    for at, kind, rid, arrival in pending:
+    for at, kind, rid, arrival in timeline(workload):
         while True:
             nxt = eng.next_step_end() if fine else eng.next_transition_time()
             if nxt is None or nxt > at:

@@ -90,8 +90,10 @@ def test_running_requests_pin_their_blocks_and_release_them_on_finish_or_cancel(
     engine = BatchEngine(model=timing(), prefix_cache=cache)
     prompt = list(range(100))
     engine.submit(0.0, request_id="a", prompt_tokens=100, completion_tokens=50, prompts=blocks(prompt))
-    # 100 prompt tokens + 50 to generate: ceil(150 / 16) = 10 blocks reserved at scheduling
-    assert cache.blocks_in_use == 10 and cache.holds("a")
+    # the prompt's ceil(100 / 16) = 7 blocks at scheduling; decode blocks come as tokens are generated
+    assert cache.blocks_in_use == 7 and cache.holds("a")
+    engine.advance(0.5)  # 0.1 s of prefill, then 20 decode steps of 0.02 s: the 21st token is being fed
+    assert cache.blocks_in_use == 6 + 2  # 6 full prompt blocks, then the 4-token tail + 21 tokens
     assert engine.cancel(0.5, "a")
     assert cache.blocks_in_use == 0 and not cache.holds("a")
     engine.submit(1.0, request_id="b", prompt_tokens=100, completion_tokens=3, prompts=blocks(prompt))

@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from simulation.kvcache import (
     NONE_HASH,
     AllBlocksCleared,
+    BlockPool,
     BlockRemoved,
     BlockStored,
     CacheAllocation,
@@ -149,6 +150,12 @@ class Free:
     seq: int
 
 
+@dataclass(frozen=True)
+class Extend:
+    seq: int
+    blocks: int
+
+
 def tokens_of(family: int, length: int) -> list[int]:
     # family f: a shared head of 8 tokens, then tokens that depend on f (so families share one block)
     return [7] * min(length, 8) + [1000 * (family + 1) + i for i in range(max(0, length - 8))]
@@ -158,12 +165,16 @@ ops_strategy = st.lists(
     st.one_of(
         st.builds(Alloc, st.integers(0, 7), st.integers(0, 3), st.integers(0, 40), st.integers(0, 12)),
         st.builds(Free, st.integers(0, 7)),
+        st.builds(Extend, st.integers(0, 7), st.integers(0, 4)),
     ),
     max_size=60,
 )
 
 
-def run_ops(cache: PrefixCache, ops: list[Alloc | Free]) -> list[CacheAllocation | bool]:
+Op = Alloc | Free | Extend
+
+
+def run_ops(cache: PrefixCache, ops: list[Op]) -> list[CacheAllocation | bool]:
     """Apply ``ops``, checking the invariants after each; returns what each op returned."""
     out: list[CacheAllocation | bool] = []
     pinned: dict[str, list[bytes | int]] = {}  # running sequence -> the hashes of its prompt's full blocks
@@ -173,10 +184,22 @@ def run_ops(cache: PrefixCache, ops: list[Alloc | Free]) -> list[CacheAllocation
             if cache.holds(sid):
                 continue
             p = prompt(tokens_of(op.family, op.length))
+            free, need = cache.free_blocks, cache.blocks_needed([p], decode_tokens=op.decode)
             a = cache.allocate(sid, [p], decode_tokens=op.decode)
             out.append(a)
+            # blocks_needed says beforehand whether the allocation is held, and how many free blocks it takes
+            assert a.held == (need <= free)
             if a.held:
                 pinned[sid] = list(p.hashes)
+                assert cache.free_blocks == free - need
+        elif isinstance(op, Extend):
+            if not cache.holds(sid):
+                continue
+            free = cache.free_blocks
+            grew = cache.extend(sid, op.blocks)
+            out.append(grew)
+            assert grew == (op.blocks <= free)
+            assert cache.free_blocks == (free - op.blocks if grew else free)
         else:
             out.append(cache.free(sid))
             pinned.pop(sid, None)
@@ -199,14 +222,12 @@ def snapshot(cache: PrefixCache) -> tuple[object, ...]:
 
 @settings(max_examples=200)
 @given(ops=ops_strategy, num_blocks=st.integers(1, 24))
-def test_invariants_hold_over_any_operation_sequence(ops: list[Alloc | Free], num_blocks: int) -> None:
+def test_invariants_hold_over_any_operation_sequence(ops: list[Op], num_blocks: int) -> None:
     run_ops(PrefixCache(num_blocks=num_blocks, block_size=BS), ops)
 
 
 @given(ops=ops_strategy, num_blocks=st.integers(1, 24))
-def test_identical_operation_sequences_give_identical_states(
-    ops: list[Alloc | Free], num_blocks: int
-) -> None:
+def test_identical_operation_sequences_give_identical_states(ops: list[Op], num_blocks: int) -> None:
     a = PrefixCache(num_blocks=num_blocks, block_size=BS)
     b = PrefixCache(num_blocks=num_blocks, block_size=BS)
     assert run_ops(a, ops) == run_ops(b, ops)
@@ -215,7 +236,7 @@ def test_identical_operation_sequences_give_identical_states(
 
 @given(ops=ops_strategy, num_blocks=st.integers(1, 24), family=st.integers(0, 3), length=st.integers(1, 40))
 def test_a_repeated_prompt_hits_all_its_full_blocks_when_nothing_evicted_them(
-    ops: list[Alloc | Free], num_blocks: int, family: int, length: int
+    ops: list[Op], num_blocks: int, family: int, length: int
 ) -> None:
     cache = PrefixCache(num_blocks=num_blocks, block_size=BS)
     run_ops(cache, ops)
@@ -293,3 +314,52 @@ def test_block_hashes_chain_hash_block_tokens(tokens: list[int], bs: int) -> Non
         parent = hash_block_tokens(parent, tokens[start : start + bs])
         expected.append(parent)
     assert block_hashes(tokens, block_size=bs) == tuple(expected)
+
+
+@given(ops=ops_strategy, num_blocks=st.integers(1, 24))
+def test_the_block_pool_counts_as_a_prefix_cache_that_never_hits(ops: list[Op], num_blocks: int) -> None:
+    # prompts without hashes: the prefix cache hits and caches nothing, so it holds what the BlockPool holds
+    cache = PrefixCache(num_blocks=num_blocks, block_size=BS)
+    pool = BlockPool(num_blocks=num_blocks, block_size=BS)
+    for op in ops:
+        sid = f"s{op.seq}"
+        if isinstance(op, Alloc):
+            if cache.holds(sid):
+                continue
+            p = PromptBlocks(tokens=op.length)
+            assert pool.blocks_needed([p], decode_tokens=op.decode) == cache.blocks_needed(
+                [p], decode_tokens=op.decode
+            )
+            assert pool.allocate(sid, [p], decode_tokens=op.decode) == cache.allocate(
+                sid, [p], decode_tokens=op.decode
+            )
+        elif isinstance(op, Extend):
+            if cache.holds(sid):
+                assert pool.extend(sid, op.blocks) == cache.extend(sid, op.blocks)
+        else:
+            assert pool.free(sid) == cache.free(sid)
+        assert (pool.blocks_in_use, pool.free_blocks, pool.usage, pool.holds(sid)) == (
+            cache.blocks_in_use,
+            cache.free_blocks,
+            cache.usage,
+            cache.holds(sid),
+        )
+    assert pool.queries_total == cache.queries_total and pool.hits_total == cache.hits_total == 0
+
+
+def test_extend_takes_lru_blocks_and_reports_their_eviction() -> None:
+    cache = PrefixCache(num_blocks=4, block_size=BS, record_events=True)
+    p = prompt(list(range(2 * BS)))
+    assert cache.allocate("a", [p]).blocks == 2
+    cache.free("a")  # its 2 cached blocks are free, LRU
+    cache.take_events()
+    assert cache.allocate("b", [PromptBlocks(tokens=1)]).blocks == 1  # a never-used block first
+    assert cache.extend("b", 2)  # the last never-used block, then the LRU head: one of a's cached blocks
+    assert cache.evictions_total == 1
+    assert [type(e) for e in cache.take_events()] == [BlockRemoved]
+    assert not cache.extend("b", 2)  # one block is free
+    assert cache.blocks_in_use == 3
+    with pytest.raises(KeyError):
+        cache.extend("nobody", 1)
+    with pytest.raises(ValueError, match="blocks must be >= 0"):
+        cache.extend("b", -1)

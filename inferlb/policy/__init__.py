@@ -12,7 +12,9 @@
   in-process store; the Redis store is an adapter (:mod:`inferlb.adapters.quota_redis`).
 - :mod:`inferlb.policy.settlement`: the exactly-once rule that settles reservations from access-log entries
   (ext_authz mode's metering).
-- :mod:`inferlb.policy.picker`: the endpoint picker's scoring (prefix match, load, KV usage, the load guard).
+- :mod:`inferlb.policy.picker`: the endpoint picker's scoring (prefix match, request and token load, KV
+  usage, the load guard, length-class eligibility).
+- :mod:`inferlb.policy.prefix_index`: the approximate prefix index, learnt from the picker's own picks.
 
 May import: :mod:`inferlb.errors`, :mod:`inferlb.config`, :mod:`inferlb.request`, prometheus_client's text
 parser; no server, client, Redis, NVML or simulator.

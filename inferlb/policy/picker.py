@@ -28,10 +28,12 @@ weight ``W = sum w_e``:
   endpoints instead of piling onto the one that caches it, and an idle fleet has every endpoint within.
 * **Prefill load** in tokens: ``Q_e = (prefill_tokens_e + miss_e) / w_e``, the prompt tokens ``e`` would
   have to prefill before this request's first token (those sent and not yet prefilled, plus this request's
-  own miss ``miss_e = max(prompt_tokens - block_tokens * matched_e, 0)``), against ``Qbar = (sum
-  prefill_tokens + prompt_tokens) / W``. It prices a cache hit and a queue in the same unit (prefill time
-  is about linear in tokens at these lengths: vLLM's chunked prefill runs a fixed token budget per step),
-  which is what time to first token follows. Zero when no token count is known (``Qbar = 0``).
+  own miss ``miss_e = max(prompt_tokens - block_tokens * matched_e, 0)``) per unit of capacity: an
+  estimate of the request's time to first token (prefill time is about linear in tokens at these lengths;
+  vLLM's chunked prefill runs a fixed token budget per step). It prices a cache hit and a queue in the
+  same unit, against ``Qbar = prompt_tokens``: the request's own cold prefill on a unit of capacity, so
+  a queue of several prompts outweighs any hit. When ``prompt_tokens`` is unknown (0), ``Qbar`` is the
+  fleet's mean queue ``sum prefill_tokens / W`` instead, and the term is 0 when that is 0 too.
 * **Decode load** ``D_e = decode_tokens_e / w_e`` (completion tokens still owed by the requests in flight,
   at most their ``max_tokens``), against ``Dbar = (sum decode_tokens + 1) / W``.
 * **Score** of an endpoint within the bound::
@@ -244,7 +246,10 @@ def pick(
     prompt = max(prompt_tokens, 0)
     total_weight = sum(map(_WEIGHT, eligible))
     work = sum(map(_IN_FLIGHT, eligible)) + sum(map(_WAITING, eligible)) + 1.0
-    prefill = sum(map(_PREFILL, eligible)) + prompt if weights.tokens else 0.0
+    # Qbar: the request's own prefill; unknown, the fleet's mean queue per unit of weight
+    prefill = (
+        float(prompt) if prompt else sum(map(_PREFILL, eligible)) / total_weight if weights.tokens else 0.0
+    )
     decode = sum(map(_DECODE, eligible)) + 1.0 if weights.decode else 1.0
     share_bound = weights.load_factor * work / total_weight
     matched = matched_blocks or {}
@@ -252,9 +257,9 @@ def pick(
     k = weights.candidates
     if k and len(eligible) > 2 * k:
         scored = _candidates(eligible, matched, k, candidate_seed)
-    # the fleet means (per unit of weight) folded into factors: weight * (x / w) / mean = factor * x / w
+    # each term's weight over its mean folded into one factor: weight * (x / w) / mean = factor * x / w
     f_load = weights.load * total_weight / work
-    f_tokens = weights.tokens * total_weight / prefill if prefill > 0 else 0.0
+    f_tokens = weights.tokens / prefill if prefill > 0 else 0.0
     f_decode = weights.decode * total_weight / decode
     f_prefix = weights.prefix / prompt_blocks if prompt_blocks > 0 else 0.0
     w_kv = weights.kv

@@ -660,7 +660,7 @@ class EngineCacheIndex:
     request still queued is not yet visible. Hosts are named by their index as a string."""
 
     def __init__(self, caches: Sequence[CachedPrefixes]) -> None:
-        self._caches = list(caches)
+        self._is_cached = [c.is_cached for c in caches]  # bound once: a lookup per host per request
 
     def matched_blocks(self, keys: Sequence[int], addresses: Collection[str]) -> Mapping[str, int]:
         """Host -> leading ``keys`` its cache holds now (hosts holding none left out)."""
@@ -669,10 +669,10 @@ class EngineCacheIndex:
             return out
         k0 = keys[0]
         n = len(keys)
-        for g, cache in enumerate(self._caches):
-            if cache.is_cached(k0):
+        for g, is_cached in enumerate(self._is_cached):
+            if is_cached(k0):
                 m = 1
-                while m < n and cache.is_cached(keys[m]):
+                while m < n and is_cached(keys[m]):
                     m += 1
                 out[str(g)] = m
         return out

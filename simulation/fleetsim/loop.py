@@ -566,7 +566,7 @@ class _FleetRun:
             model = self.engines[g].model
             b = model.max_batch
             decoded = max(0, end_mark[g][1] - start_mark[g][1] - first_tokens[g])
-            prefilled = end_mark[g][2] - start_mark[g][2] - (end_mark[g][4] - start_mark[g][4])
+            prefilled = max(0, end_mark[g][2] - start_mark[g][2] - (end_mark[g][4] - start_mark[g][4]))
             work_s.append(model.prefill_seconds(prefilled) + decoded * model.decode_step_seconds(b) / b)
         return tuple(100.0 * w / window for w in work_s)
 

@@ -14,7 +14,9 @@ Placements (:mod:`simulation.fleetsim.balancers`):
 * ``approximate``: the endpoint picker (:func:`inferlb.policy.picker.pick`) over an
   :class:`inferlb.policy.prefix_index.ApproximatePrefixIndex` learnt from its own picks (per-GPU capacity
   the engine's cache blocks).
-* ``precise``: the same picker over the engines' real prefix caches (what perfect KV events give).
+* ``precise``: the same picker over the engines' real prefix caches (what perfect KV events give: a block
+  counts once its engine schedules the request that computes it).
+* ``precise_speculative``: ``precise`` plus the picks not yet scheduled, as llm-d's speculative entries.
 
 Workloads:
 
@@ -34,7 +36,8 @@ against the workload's *ideal* (one never-evicting cache that sees every request
 can hit), and each GPU's time-averaged in-flight requests: max over mean, raw and per unit of capacity
 (in-flight / ``relative_capacity``; the picker weighs by capacity, so an H100 is meant to carry more).
 
-Usage: ``.venv/bin/python bench/prefix_routing.py [--quick] [--gpus 1000] [--duration 60] [--out bench/out]``.
+Usage: ``.venv/bin/python bench/prefix_routing.py --mooncake shared/traces/mooncake/mooncake_conversation_
+trace.jsonl [--quick] [--gpus 1000] [--duration 60] [--out bench/out]`` (``--help`` for the rest).
 """
 
 from __future__ import annotations
@@ -69,8 +72,14 @@ from simulation.kvcache import PrefixCache
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_CONFIG = ROOT / "inferlb" / "data" / "local.yaml"
-DEFAULT_MOONCAKE = Path("/work/shared/traces/mooncake/mooncake_conversation_trace.jsonl")
-PREFIX_POLICIES: tuple[Policy, ...] = ("round_robin", "least_request", "ring_hash", "approximate", "precise")
+PREFIX_POLICIES: tuple[Policy, ...] = (
+    "round_robin",
+    "least_request",
+    "ring_hash",
+    "approximate",
+    "precise",
+    "precise_speculative",
+)
 MOONCAKE_ATTRIBUTION = (
     "Trace: Mooncake conversation trace, Qin et al., 'Mooncake', USENIX FAST 2025 (Apache-2.0)"
 )
@@ -165,12 +174,12 @@ def table(title: str, runs: list[Run], caption: str) -> Table:
 
 
 def targets(runs: list[Run], console: Console) -> None:
-    """The issue's targets at the highest load of each workload, as measured."""
+    """The targets at the highest load of each workload, as measured."""
     for workload in sorted({x.workload for x in runs}):
         rs = [x for x in runs if x.workload == workload]
         top = max(x.load for x in rs)
         at = {x.result.policy: x for x in rs if x.load == top}
-        for p in ("approximate", "precise"):
+        for p in ("approximate", "precise", "precise_speculative"):
             if p in at:
                 x = at[p]
                 console.print(
@@ -223,12 +232,14 @@ def plots(out: Path, runs: list[Run], n: int) -> list[Path]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", type=Path, default=DEFAULT_CONFIG)
-    ap.add_argument("--mooncake", type=Path, default=DEFAULT_MOONCAKE, help="the Mooncake JSONL trace")
+    ap.add_argument("--mooncake", type=Path, help="the Mooncake JSONL trace (for the mooncake workload)")
     ap.add_argument("--gpus", type=int, default=1000)
     ap.add_argument("--duration", type=float, default=60.0, help="seconds of arrivals per run")
     ap.add_argument("--warmup", type=float, default=15.0, help="seconds left out of the figures")
     ap.add_argument("--loads", type=float, nargs="+", default=[0.7, 0.9], help="Mooncake load fractions")
-    ap.add_argument("--sp-loads", type=float, nargs="+", default=[0.5, 0.7, 0.9], help="shared-prefix ladder")
+    ap.add_argument(
+        "--sp-loads", type=float, nargs="+", default=[0.5, 0.7, 0.9, 1.1], help="shared-prefix ladder"
+    )
     ap.add_argument("--groups-per-gpu", type=float, default=1.5)
     ap.add_argument("--policies", nargs="+", default=list(PREFIX_POLICIES), choices=PREFIX_POLICIES)
     ap.add_argument("--workloads", nargs="+", default=["mooncake", "shared-prefix"],
@@ -275,6 +286,8 @@ def main() -> None:
                 console.print(f"  {workload} {load:.0%} {policy}: {wall:.0f} s", highlight=False)
 
     if "mooncake" in args.workloads:
+        if args.mooncake is None:
+            ap.error("the mooncake workload needs --mooncake FILE (or --workloads shared-prefix)")
         trace = read_mooncake_trace(args.mooncake)
         cap = fleet_capacity_rps(models, trace)
 

@@ -247,9 +247,12 @@ def pick(
     total_weight = sum(map(_WEIGHT, eligible))
     work = sum(map(_IN_FLIGHT, eligible)) + sum(map(_WAITING, eligible)) + 1.0
     # Qbar: the request's own prefill; unknown, the fleet's mean queue per unit of weight
-    prefill = (
-        float(prompt) if prompt else sum(map(_PREFILL, eligible)) / total_weight if weights.tokens else 0.0
-    )
+    if not weights.tokens:
+        prefill = 0.0
+    elif prompt:
+        prefill = float(prompt)
+    else:
+        prefill = sum(map(_PREFILL, eligible)) / total_weight
     decode = sum(map(_DECODE, eligible)) + 1.0 if weights.decode else 1.0
     share_bound = weights.load_factor * work / total_weight
     matched = matched_blocks or {}

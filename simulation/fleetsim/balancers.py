@@ -461,7 +461,8 @@ def make_balancer(
     ``approximate`` and ``precise``: a :class:`PickerBalancer` with ``scenario.picker_weights`` and
     ``scenario.block_tokens``, over an :class:`inferlb.policy.prefix_index.ApproximatePrefixIndex` whose
     per-GPU capacity is ``cache_blocks`` (each engine's cache in blocks; default: unbounded), or over the
-    engines' own ``caches`` (:class:`EngineCacheIndex`).
+    engines' own ``caches`` (:class:`EngineCacheIndex`; ``precise_speculative``: with the pending picks,
+    :class:`SpeculativeCacheIndex`).
 
     Raises:
         ValueError: for ``length_aware``, no GPU in the fast set; for ``tiered``, not one threshold per
@@ -477,13 +478,13 @@ def make_balancer(
             key_blocks=scenario.affinity_blocks,
             balance=scenario.hash_balance_factor / 100.0,
         )
-    if scenario.policy in ("approximate", "precise"):
+    if scenario.policy in ("approximate", "precise", "precise_speculative"):
         index: PrefixIndex
-        if scenario.policy == "precise":
+        if scenario.policy != "approximate":
             held = [c for c in caches if c is not None]
             if len(held) != n:
-                raise ValueError("the precise policy needs every engine's prefix cache")
-            index = EngineCacheIndex(held)
+                raise ValueError(f"the {scenario.policy} policy needs every engine's prefix cache")
+            index = EngineCacheIndex(held) if scenario.policy == "precise" else SpeculativeCacheIndex(held)
         else:
             caps = {str(g): max(1, b) for g, b in enumerate(cache_blocks)}
             index = ApproximatePrefixIndex(capacity_blocks=1 << 40, max_entries=1 << 40, capacities=caps)
@@ -681,6 +682,59 @@ class EngineCacheIndex:
         """Nothing to learn: the caches themselves are read."""
 
 
+class SpeculativeCacheIndex(EngineCacheIndex):
+    """:class:`EngineCacheIndex` plus the picks whose blocks the engines have not cached yet: a request sent
+    and not yet scheduled counts as held by its host (llm-d's precise prefix-cache scorer does the same,
+    "speculative" entries added at pick time until the KV events confirm them). Without it, a follow-up
+    that arrives while its conversation's previous turn still waits in the engine's queue sees nothing
+    cached and is placed by load alone. An entry lasts until the request's first token (by then its
+    engine has scheduled it and its cache holds the blocks) or its end."""
+
+    def __init__(self, caches: Sequence[CachedPrefixes]) -> None:
+        super().__init__(caches)
+        self._pending: dict[int, tuple[str, tuple[int, ...]]] = {}  # request -> (host, keys)
+        self._holders: dict[int, dict[str, int]] = {}  # key -> host -> pending requests holding it
+
+    def add(self, request: int, address: str, keys: Sequence[int]) -> None:
+        """Request ``request`` with ``keys`` was sent to ``address``."""
+        ks = tuple(keys)
+        self._pending[request] = (address, ks)
+        for k in ks:
+            by = self._holders.setdefault(k, {})
+            by[address] = by.get(address, 0) + 1
+
+    def settle(self, request: int) -> None:
+        """Request ``request`` was scheduled (its first token) or ended: its entries go."""
+        got = self._pending.pop(request, None)
+        if got is None:
+            return
+        address, ks = got
+        for k in ks:
+            by = self._holders[k]
+            if by[address] == 1:
+                del by[address]
+                if not by:
+                    del self._holders[k]
+            else:
+                by[address] -= 1
+
+    def matched_blocks(self, keys: Sequence[int], addresses: Collection[str]) -> Mapping[str, int]:
+        """The caches' matches, raised to the pending picks' where those are longer."""
+        out = dict(super().matched_blocks(keys, addresses))
+        if not keys:
+            return out
+        first = self._holders.get(keys[0])
+        if not first:
+            return out
+        for a in first:
+            m = 1
+            while m < len(keys) and a in self._holders.get(keys[m], ()):
+                m += 1
+            if m > out.get(a, 0):
+                out[a] = m
+        return out
+
+
 class PickerBalancer:
     """The endpoint picker (:func:`inferlb.policy.picker.pick`) as the DES balancer: ``approximate`` with an
     :class:`inferlb.policy.prefix_index.ApproximatePrefixIndex` fed by its own picks, ``precise`` with an
@@ -774,6 +828,8 @@ class PickerBalancer:
         self.expected_hit_blocks += m
         if keys:
             self._index.record_pick(chosen, keys)
+            if isinstance(self._index, SpeculativeCacheIndex):
+                self._index.add(request, chosen, keys)
         miss = float(max(row.prompt_tokens - bt * m, 0))
         self._pending_prefill[request] = miss
         self._pending_decode[request] = float(row.output_tokens)
@@ -784,6 +840,8 @@ class PickerBalancer:
 
     def first_token(self, host: int, request: int) -> None:
         """Its prefill is done: its prompt tokens leave the host's ``prefill_tokens``."""
+        if isinstance(self._index, SpeculativeCacheIndex):
+            self._index.settle(request)
         miss = self._pending_prefill.pop(request, None)
         if miss is not None:
             self._prefill[host] = max(0.0, self._prefill[host] - miss)

@@ -16,12 +16,12 @@ from inferlb.traces import MOONCAKE_BLOCK_TOKENS
 WeightPolicy = Literal[
     "round_robin", "least_request", "static_weights", "telemetry_weights", "length_aware", "tiered"
 ]
-PrefixPolicy = Literal["ring_hash", "approximate", "precise"]
+PrefixPolicy = Literal["ring_hash", "approximate", "precise", "precise_speculative"]
 Policy = Literal[WeightPolicy, PrefixPolicy]
 #: The weight and length policies (the fleet benchmark's set).
 POLICIES: tuple[Policy, ...] = get_args(WeightPolicy)
 #: The prefix-affinity policies: Envoy's ring hash on the prefix, and the endpoint picker over an
-#: approximate or a precise prefix index.
+#: approximate or a precise prefix index (the latter with or without the pending picks).
 PREFIX_POLICIES: tuple[Policy, ...] = get_args(PrefixPolicy)
 #: The policies whose weights follow the telemetry (:func:`inferlb.policy.weights.step`).
 TELEMETRY_POLICIES: frozenset[Policy] = frozenset({"telemetry_weights", "length_aware", "tiered"})

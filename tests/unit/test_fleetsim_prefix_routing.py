@@ -12,7 +12,12 @@ from hypothesis import strategies as st
 
 from inferlb.policy.picker import PickerWeights
 from inferlb.traces import MOONCAKE_BLOCK_TOKENS, TraceRow
-from simulation.fleetsim.balancers import EngineCacheIndex, PickerBalancer, RingHashBalancer
+from simulation.fleetsim.balancers import (
+    EngineCacheIndex,
+    PickerBalancer,
+    RingHashBalancer,
+    SpeculativeCacheIndex,
+)
 from simulation.fleetsim.loop import simulate
 from simulation.fleetsim.results import FleetRunResult
 from simulation.fleetsim.scenario import Policy, Scenario
@@ -37,7 +42,7 @@ def shared_run(policy: Policy) -> FleetRunResult:
 
 def test_prefix_aware_placement_beats_round_robin_on_hits() -> None:
     rr = shared_run("round_robin")
-    for policy in ("precise", "approximate", "ring_hash"):
+    for policy in ("precise", "precise_speculative", "approximate", "ring_hash"):
         r = shared_run(policy)
         assert r.finished == r.arrivals, policy
         assert r.prefix_cache_hit_rate > rr.prefix_cache_hit_rate + 0.25, (policy, r.prefix_cache_hit_rate)
@@ -75,6 +80,22 @@ def test_engine_cache_index_reads_what_the_caches_hold() -> None:
     index = EngineCacheIndex(caches)
     assert index.matched_blocks([1, 2, 3, 4], {"0", "1", "2"}) == {"1": 3, "2": 2}
     assert index.matched_blocks([5], {"0"}) == {}
+
+
+def test_speculative_index_counts_pending_picks_until_they_settle() -> None:
+    caches = [PrefixCache(num_blocks=16, block_size=4) for _ in range(2)]
+    caches[0].allocate("a", [PromptBlocks(tokens=8, hashes=(1, 2))])
+    index = SpeculativeCacheIndex(caches)
+    index.add(7, "1", [1, 2, 3])
+    index.add(8, "1", [1, 2])
+    index.add(9, "0", [1])  # shorter than what cache 0 holds: the cache's match stands
+    assert index.matched_blocks([1, 2, 3], {"0", "1"}) == {"0": 2, "1": 3}
+    index.settle(7)
+    assert index.matched_blocks([1, 2, 3], {"0", "1"}) == {"0": 2, "1": 2}
+    index.settle(8)
+    index.settle(8)  # twice: ignored
+    index.settle(9)
+    assert index.matched_blocks([1, 2, 3], {"0", "1"}) == {"0": 2}
 
 
 def test_picker_balancer_tracks_the_gateway_counts() -> None:

@@ -7,7 +7,9 @@ the ``k`` least loaded of ``2k`` drawn), the cells interleaved round by round so
 every cell alike, and reports the median microseconds per pick of ``--rounds`` rounds of ``--picks`` picks
 (``time.process_time``: CPU, not wall), for a prompt whose prefix four endpoints hold in part and for one
 no endpoint holds. It also reports how often each first choice is the exact one, and the mean rank of
-the choice in the exact order (a percentile of the eligible endpoints).
+the choice in the exact order (a percentile of the eligible endpoints). A last row per fleet times a
+bench-only prototype of the same score over numpy columns the caller keeps (:class:`Columns`), the
+alternative to sampling for large fleets.
 
 Usage: ``.venv/bin/python bench/picker_scoring.py [--sizes 8 100 1000] [--rounds 7] [--picks 300]``.
 """
@@ -23,6 +25,8 @@ from rich.console import Console
 from rich.table import Table
 
 from inferlb.policy.picker import EndpointState, PickerWeights, pick
+
+COLUMNAR = "columnar numpy (prototype)"
 
 
 def fleet(n: int, seed: int) -> list[EndpointState]:
@@ -44,6 +48,46 @@ def fleet(n: int, seed: int) -> list[EndpointState]:
             )
         )
     return out
+
+
+class Columns:
+    """A fleet's state as numpy columns, as a caller could keep them (updated in place per request): the
+    bench-only prototype of a vectorised :func:`pick` (first choice only, ties to the lowest index instead
+    of the salted hash; no fallback list)."""
+
+    def __init__(self, eps: list[EndpointState]) -> None:
+        import numpy as np  # noqa: PLC0415 - bench-only (matplotlib's dependency)
+
+        self.np = np
+        self.addresses = [e.address for e in eps]
+        self.index = {a: i for i, a in enumerate(self.addresses)}
+        self.ok = np.array([e.healthy and e.weight > 0 for e in eps])
+        self.weight = np.array([e.weight for e in eps])
+        self.outstanding = np.array([e.in_flight + e.waiting for e in eps], dtype=float)
+        self.kv = np.clip(np.array([e.kv_usage for e in eps]), 0.0, 1.0)
+        self.prefill = np.array([e.prefill_tokens for e in eps])
+
+    def pick(self, matched: dict[str, int], prompt_blocks: int, prompt_tokens: int, block_tokens: int) -> str:
+        """The first choice by :func:`pick`'s rule with the default weights."""
+        np, w = self.np, PickerWeights()
+        ok, weight, out = self.ok, self.weight, self.outstanding
+        total_weight = weight[ok].sum()
+        work = out[ok].sum() + 1.0
+        within = ok & (out + 1.0 <= np.ceil(w.load_factor * work / total_weight * weight))
+        m = np.zeros(len(weight))
+        for a, b in matched.items():
+            m[self.index[a]] = min(b, prompt_blocks)
+        score = (
+            w.prefix * m / prompt_blocks
+            - w.load * total_weight / work * out / weight
+            - w.kv * self.kv
+            - w.tokens
+            / prompt_tokens
+            * (self.prefill + np.maximum(prompt_tokens - block_tokens * m, 0))
+            / weight
+        )
+        score[~within] = -np.inf
+        return self.addresses[int(np.argmax(score))]
 
 
 def exact_order(eps: list[EndpointState], matched: dict[str, int]) -> list[str]:
@@ -76,7 +120,17 @@ def main() -> None:
     }
     cells = [(n, p, name, w) for n in args.sizes for p in ("held", "new") for name, w in variants]
     times: dict[tuple[int, str, str], list[float]] = {(n, p, name): [] for n, p, name, _ in cells}
+    columns = {n: Columns(fleets[n]) for n in args.sizes}
+    for n in args.sizes:
+        for p in ("held", "new"):
+            times[(n, p, COLUMNAR)] = []
     for r in range(args.rounds):
+        for n, p in ((n, p) for n in args.sizes for p in ("held", "new")):
+            cols, m = columns[n], prompts[n][p]
+            t0 = time.process_time()
+            for _ in range(args.picks):
+                cols.pick(m, 32, 16384, 512)
+            times[(n, p, COLUMNAR)].append((time.process_time() - t0) / args.picks * 1e6)
         for n, p, name, w in cells:
             eps, m = fleets[n], prompts[n][p]
             t0 = time.process_time()
@@ -101,6 +155,15 @@ def main() -> None:
         t.add_row(str(n), p, name, f"{statistics.median(xs):.1f}", f"{min(xs):.1f}", f"{max(xs):.1f}",
                   f"{sum(x == 0 for x in ranks) / len(ranks):.0%}",
                   f"{100 * statistics.mean(ranks) / max(1, len(order) - 1):.1f}%")  # fmt: skip
+    for n in args.sizes:
+        for p in ("held", "new"):
+            eps, m = fleets[n], prompts[n][p]
+            order = exact_order(eps, m)
+            rank = order.index(columns[n].pick(m, 32, 16384, 512))
+            xs = times[(n, p, COLUMNAR)]
+            same = "100%" if rank == 0 else "0%"
+            t.add_row(str(n), p, COLUMNAR, f"{statistics.median(xs):.1f}", f"{min(xs):.1f}", f"{max(xs):.1f}",
+                      same, f"{100 * rank / max(1, len(order) - 1):.1f}%")  # fmt: skip
     Console(width=140).print(t)
 
 

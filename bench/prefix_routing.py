@@ -285,8 +285,9 @@ def main() -> None:
                 runs.append(Run(workload, load, rate, ideal, r, capacity, wall))
                 x = runs[-1]
                 console.print(
-                    f"  {workload} {load:.0%} {policy}: TTFT p50/p90/p99 {r.ttft_p50_s:.2f}/{r.ttft_p90_s:.2f}/"
-                    f"{r.ttft_p99_s:.2f} s, e2e p50/p99 {r.e2e_p50_s:.1f}/{r.e2e_p99_s:.1f} s, "
+                    f"  {workload} {load:.0%} {policy}: TTFT p50/p90/p99 {r.ttft_p50_s:.2f}/"
+                    f"{r.ttft_p90_s:.2f}/{r.ttft_p99_s:.2f} s, "
+                    f"e2e p50/p99 {r.e2e_p50_s:.1f}/{r.e2e_p99_s:.1f} s, "
                     f"{r.throughput_tokens_per_s:,.0f} tok/s, hit {r.prefix_cache_hit_rate:.1%} "
                     f"({x.of_ideal:.0%} of ideal {ideal:.1%}), in-flight max/mean {x.in_flight_ratio:.2f} "
                     f"(per capacity {x.per_capacity_ratio:.2f}); {wall:.0f} s",

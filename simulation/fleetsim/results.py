@@ -85,6 +85,9 @@ class FleetRunResult:
             ids). :attr:`prefix_cache_hit_rate` is their ratio.
         preemptions: running requests the engines preempted for want of KV blocks (and recomputed), over
             the whole run (vLLM's ``vllm:num_preemptions_total`` summed over GPUs).
+        ttft_p90_s: time to first token, 90th percentile (s), as ``ttft_p99_s``.
+        mean_in_flight: per GPU, its active requests averaged over the window (requests; a request counts
+            from its arrival to its end).
     """
 
     policy: Policy
@@ -123,6 +126,8 @@ class FleetRunResult:
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
     preemptions: int = 0
+    ttft_p90_s: float = math.nan
+    mean_in_flight: tuple[float, ...] = ()
 
     @property
     def prefix_cache_hit_rate(self) -> float:

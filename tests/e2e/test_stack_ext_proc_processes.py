@@ -19,7 +19,7 @@ from inferlb.config.schema import HostPort
 from inferlb.ops.stack import Child, Stack, StackError, clusters_json, free_ports, port_open
 from inferlb.ops.status import host_rows
 from tests.conftest import make_config_doc, write_config
-from tests.e2e.conftest import http_request, in_mode
+from tests.e2e.conftest import http_request, in_mode, stop_stack
 from tests.e2e.test_extproc_accounting import process_samples
 
 pytestmark = pytest.mark.e2e
@@ -87,7 +87,7 @@ def test_each_extra_listen_address_gets_its_own_ext_proc_process(tmp_path: Path,
             ]
             assert got == [first, other]
     finally:
-        stack.stop()
+        stop_stack(stack)
 
 
 def test_a_busy_extra_ext_proc_address_is_refused_up_front(tmp_path: Path) -> None:

@@ -1,7 +1,9 @@
 """End-to-end fixtures: the whole stack (gpusim, xds_server, ext_proc, real Envoy) on free loopback ports.
 
-One stack per test module (start-up takes a few seconds); tests that change shared state (quotas) use
-tenants or models no other test in the module relies on.
+One stack per test module and request-path mode (start-up and stop take 5-15 s on the 2-core machine),
+or one per mode for the whole session (``shared_stack``, :class:`SharedStacks`) for modules that only send
+requests and read counters; tests that change shared state (quotas) use tenants or models no other test
+relies on. :func:`stop_stack` stops a stack's children together once Envoy is gone.
 """
 
 from __future__ import annotations

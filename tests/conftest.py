@@ -22,13 +22,19 @@ from inferlb.ops.redis_server import RedisServer, find_redis_server
 from inferlb.ops.stack import on_free_ports
 
 LOOPBACK = "127.0.0.1"
+#: ``ext_proc.meter_flush_interval_ms`` of the fast test config (the default is 1,000): what the tests
+#: that use it check (each entry settled once, at its usage) does not depend on when a batch leaves Envoy;
+#: a test about the flush itself sets the interval it needs.
+TEST_METER_FLUSH_MS = 250
 
 
 def make_config_doc(*, fast: bool = True) -> dict[str, Any]:
     """The default local config as a dict, moved to free loopback ports.
 
     With ``fast`` the simulated GPUs are ~100x quicker than the defaults (tests send thousands of
-    requests) while keeping the H100/A100/V100 capacity ratios.
+    requests) while keeping the H100/A100/V100 capacity ratios, and Envoy flushes its metering access log
+    (ext_authz mode) every :data:`TEST_METER_FLUSH_MS` instead of every second, so settlements land and a
+    stack stops (:meth:`inferlb.ops.stack.Stack.drain_envoy` waits one flush) sooner.
     """
     doc: dict[str, Any] = yaml.safe_load(default_config_path().read_text(encoding="utf-8"))
     on_free_ports(doc, LOOPBACK)
@@ -36,6 +42,7 @@ def make_config_doc(*, fast: bool = True) -> dict[str, Any]:
         doc["simulation"].update(
             prefill_tokens_per_s=2_000_000, decode_tokens_per_s=5_000, max_batch=64, max_queue=4096
         )
+        doc["ext_proc"]["meter_flush_interval_ms"] = TEST_METER_FLUSH_MS
     return doc
 
 

@@ -1,7 +1,9 @@
 """End-to-end fixtures: the whole stack (gpusim, xds_server, ext_proc, real Envoy) on free loopback ports.
 
-One stack per test module (start-up takes a few seconds); tests that change shared state (quotas) use
-tenants or models no other test in the module relies on.
+One stack per test module and request-path mode (start-up and stop take 5-15 s on the 2-core machine),
+or one per mode for the whole session (``shared_stack``, :class:`SharedStacks`) for modules that only send
+requests and read counters; tests that change shared state (quotas) use tenants or models no other test
+relies on. :func:`stop_stack` stops a stack's children together once Envoy is gone.
 """
 
 from __future__ import annotations
@@ -9,8 +11,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import http.client
+import itertools
 import json
+import os
 import random
+import signal
 import subprocess
 import time
 from collections.abc import Iterator
@@ -104,16 +109,65 @@ class RunningStack:
         )
 
 
+#: Seconds :func:`stop_stack` waits for a child after its SIGTERM before it sends SIGKILL (as
+#: :meth:`inferlb.ops.stack.Child.stop`'s default grace).
+STOP_GRACE_S = 5.0
+
+
+def stop_stack(stack: Stack) -> None:
+    """Stop ``stack`` as :meth:`Stack.stop <inferlb.ops.stack.Stack.stop>` does, Envoy first (drained
+    first when it meters into the access log, so no settlement is lost), but then every other child at
+    once: each is sent SIGTERM before any is waited for, then each gets :data:`STOP_GRACE_S` seconds before
+    SIGKILL. The Python services each take about a second to stop (their shutdown graces, measured 0.9-2.0 s
+    per child on the 2-core machine), which :meth:`Stack.stop` spends one child after the other; none of
+    them needs another to stop first once Envoy is gone. :meth:`Stack.stop` then closes the logs."""
+    envoy = next((c for c in stack.children if c.name == "envoy"), None)
+    if envoy is not None and envoy.exited() is None:
+        if stack.config.ext_proc.meters_access_log():
+            stack.drain_envoy()
+        envoy.stop()
+    running = [c.proc for c in stack.children if c.proc is not None and c.proc.poll() is None]
+    for proc in running:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+    deadline = time.monotonic() + STOP_GRACE_S
+    for proc in running:
+        try:
+            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=STOP_GRACE_S)
+    stack.stop()
+
+
+#: Envoy ``--base-id`` slots (0-9 within this process's ten; a :class:`Stack` left to its default takes
+#: slot 1): :func:`started_stack` cycles through these, one stack after another ...
+_STACK_SLOTS = itertools.cycle(range(2, 8))
+#: ... and the shared stacks of :class:`SharedStacks`, alive the whole session, hold one each.
+_SHARED_SLOTS = {"ext_proc": 8, "ext_authz": 9}
+
+
+def envoy_base_id(slot: int) -> int:
+    """Envoy's ``--base-id`` for ``slot`` (0-9) of this process: :class:`Stack`'s default is slot 1
+    (``pid % 50,000 * 10 + 1``), so each test process has ten and no two Envoys alive at once in one
+    process share one (Envoy refuses to start on a base id in use: ``unable to bind domain socket``)."""
+    return (os.getpid() % 50_000) * 10 + slot
+
+
 @contextlib.contextmanager
-def started_stack(work: Path, doc: dict[str, Any]) -> Iterator[RunningStack]:
-    """Write ``doc`` to ``work/inferlb.yaml``, start the whole stack on it, stop it on exit."""
+def started_stack(work: Path, doc: dict[str, Any], *, base_id: int | None = None) -> Iterator[RunningStack]:
+    """Write ``doc`` to ``work/inferlb.yaml``, start the whole stack on it (Envoy on ``base_id``, by
+    default the next of :data:`_STACK_SLOTS`), stop it on exit (:func:`stop_stack`)."""
     path = write_config(work / "inferlb.yaml", doc)
-    stack = Stack(path, workdir=work, log_level="info")
+    if base_id is None:
+        base_id = envoy_base_id(next(_STACK_SLOTS))
+    stack = Stack(path, workdir=work, log_level="info", base_id=base_id)
     stack.start(timeout_s=60)
     try:
         yield RunningStack(stack, stack.config, path, doc)
     finally:
-        stack.stop()
+        stop_stack(stack)
 
 
 #: The request-path protocols every request-side e2e test runs over (``ext_proc.protocol``).
@@ -147,6 +201,98 @@ def running_stack(tmp_path_factory: pytest.TempPathFactory, request_path: str) -
     module."""
     with started_stack(tmp_path_factory.mktemp("stack"), in_mode(make_config_doc(), request_path)) as rs:
         yield rs
+
+
+#: Tenants of the modules on the shared stacks (:func:`shared_doc`), each of one module and most of one
+#: test, so what one spends (requests and tokens per minute, a concurrency slot) cannot change what another
+#: sees: ``resp-*`` of test_responses_accounting, ``acct-*`` of test_extproc_accounting (``acct-conc``: one
+#: request at a time; ``acct-burst``: 2,000 tokens/min, the demo team-c's limit, spent by its burst).
+SHARED_TENANTS: tuple[dict[str, Any], ...] = (
+    *({"name": t, "api_keys": [f"sk-{t}-key"]} for t in ("resp-json", "resp-sse")),
+    *(
+        {"name": t, "api_keys": [f"sk-{t}-key"]}
+        for t in ("acct-json", "acct-sse", "acct-sse-hidden", "acct-abort")
+    ),
+    {"name": "acct-conc", "api_keys": ["sk-acct-conc-key"], "max_concurrent_requests": 1},
+    {
+        "name": "acct-burst",
+        "api_keys": ["sk-acct-burst-key"],
+        "priority": "default",
+        "requests_per_minute": 600,
+        "tokens_per_minute": 2_000,
+    },
+)
+
+
+def shared_doc(mode: str) -> dict[str, Any]:
+    """The config of the shared stack of ``mode`` (:func:`shared_stack`): the default fleet on free ports
+    (:func:`tests.conftest.make_config_doc`), the default response accounting (``account_responses``
+    unset: the default is what test_extproc_accounting and test_responses_accounting check), decode at
+    2,000 tokens/s per V100 sequence (an aborted stream must end before its completion does; small
+    completions take a few ms either way), and :data:`SHARED_TENANTS` beside the demo tenants."""
+    doc = in_mode(make_config_doc(), mode)
+    doc["ext_proc"].pop("account_responses", None)
+    doc["simulation"]["decode_tokens_per_s"] = 2_000
+    doc["tenants"] += [dict(t) for t in SHARED_TENANTS]
+    return doc
+
+
+class SharedStacks:
+    """Started :func:`shared_doc` stacks, one per request-path mode, each started by the first module that
+    asks for it and stopped at the end of the session (an idle stack costs under 1% of a core: health
+    checks and scrapes).
+
+    What carries over between modules, and why it cannot change a result: quota use (every module spends
+    only its own tenants; the demo team-c's small token quota is spent by test_gateway alone), gpusim's
+    counters and recorded requests (tests compare before/after their own requests, or read the request the
+    reply names, and requests are never concurrent across tests), and settlements landing one access-log
+    flush after a response (read per tenant, as deltas). No module on it injects GPU faults, restarts or
+    kills a child or rewrites its config: one that does needs a stack of its own. :meth:`get` fails when a
+    child of the stack has exited.
+    """
+
+    def __init__(self, tmp_path_factory: pytest.TempPathFactory) -> None:
+        self._tmp = tmp_path_factory
+        self._stacks: dict[str, RunningStack] = {}
+        self._exits = contextlib.ExitStack()
+
+    def get(self, mode: str) -> RunningStack:
+        """The shared stack of ``mode``, started now if it is the first use.
+
+        Raises:
+            AssertionError: one of its children has exited (the stack is broken).
+        """
+        rs = self._stacks.get(mode)
+        if rs is None:
+            work = self._tmp.mktemp(f"shared-{mode}")
+            started = started_stack(work, shared_doc(mode), base_id=envoy_base_id(_SHARED_SLOTS[mode]))
+            rs = self._stacks[mode] = self._exits.enter_context(started)
+        gone = rs.stack.first_exited()
+        assert gone is None, f"the shared {mode} stack lost {gone.name}: {gone.log_tail()}"
+        return rs
+
+    def close(self) -> None:
+        """Stop every stack started (:func:`stop_stack`)."""
+        self._exits.close()
+
+
+@pytest.fixture(scope="session")
+def shared_stacks(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SharedStacks]:
+    """The session's :class:`SharedStacks`; every stack started is stopped at the end."""
+    stacks = SharedStacks(tmp_path_factory)
+    try:
+        yield stacks
+    finally:
+        stacks.close()
+
+
+@pytest.fixture(scope="module")
+def shared_stack(shared_stacks: SharedStacks, request_path: str) -> RunningStack:
+    """The stack of :func:`shared_doc` in each request-path mode, shared by every module that uses this
+    fixture (see :class:`SharedStacks` for what such a module may and may not do to it). Where
+    ``running_stack`` starts a stack per module and mode (about 5-15 s with its stop on the 2-core
+    machine), this starts one per mode for the session."""
+    return shared_stacks.get(request_path)
 
 
 async def spawn_envoy(bootstrap: Path, log: Path) -> asyncio.subprocess.Process:

@@ -28,15 +28,26 @@ from prometheus_client.samples import Sample
 
 from inferlb.config.schema import Config
 from inferlb.ops.stack import free_ports
-from tests.conftest import make_config_doc, redis_or_skip
-from tests.e2e.conftest import RunningStack, chat_body, http_request, in_mode, started_stack
+from tests.conftest import redis_or_skip
+from tests.e2e.conftest import (
+    SHARED_TENANTS,
+    RunningStack,
+    SharedStacks,
+    chat_body,
+    http_request,
+    shared_doc,
+    started_stack,
+)
 
 pytestmark = pytest.mark.e2e
 
 QWEN = "qwen2.5-7b-instruct"
 LLAMA = "llama-3.1-8b-instruct"
-#: Extra tenants, one per test, so each test reads its own counters (labels are per tenant).
-TENANTS = ("acct-json", "acct-sse", "acct-sse-hidden", "acct-abort")
+#: This module's tenants (:data:`tests.e2e.conftest.SHARED_TENANTS`), one per test, so each test reads its
+#: own counters (labels are per tenant): ``acct-conc`` runs one request at a time, ``acct-burst`` has
+#: 2,000 tokens/min.
+TENANTS = ("acct-json", "acct-sse", "acct-sse-hidden", "acct-abort", "acct-conc", "acct-burst")
+BURST_KEY = "sk-acct-burst-key"
 
 
 def metric_samples(config: Config) -> Iterator[Sample]:
@@ -90,29 +101,33 @@ def quota_backend(request: pytest.FixtureRequest) -> str:
 
 @pytest.fixture(scope="module")
 def accounting_stack(
-    tmp_path_factory: pytest.TempPathFactory, request_path: str, quota_backend: str
+    tmp_path_factory: pytest.TempPathFactory,
+    shared_stacks: SharedStacks,
+    request_path: str,
+    quota_backend: str,
 ) -> Iterator[RunningStack]:
-    """The default fleet with the default config's response accounting, decode slowed to 2,000 tokens/s
-    per V100 sequence (an abort mid-stream must come before the end), plus one tenant per test, in each
-    request-path mode and with each quota store: with Redis, two replicas share it (in ext_authz mode
-    each with its own settler, Envoy's access log sending each entry to the replica that admitted it)."""
-    work = tmp_path_factory.mktemp("acct")
-    doc = in_mode(make_config_doc(), request_path)
-    doc["ext_proc"].pop("account_responses", None)  # the default is what is under test
-    doc["simulation"]["decode_tokens_per_s"] = 2_000
-    doc["tenants"] += [{"name": t, "api_keys": [f"sk-{t}-key"]} for t in TENANTS]
-    doc["tenants"].append(
-        {"name": "acct-conc", "api_keys": ["sk-acct-conc-key"], "max_concurrent_requests": 1}
-    )
+    """The config of the shared stacks (:func:`tests.e2e.conftest.shared_doc`: the default fleet with the
+    default config's response accounting, decode slowed to 2,000 tokens/s per V100 sequence so an abort
+    mid-stream comes before the end, one tenant per test of this module) in each request-path mode and
+    with each quota store. In-process: the shared stack itself; each test spends and reads only its own
+    tenant (by difference), so what other modules did on it does not count. With Redis: a stack of its
+    own, two replicas sharing a real Redis (in ext_authz mode each with its own settler, Envoy's access
+    log sending each entry to the replica that admitted it)."""
+    assert set(TENANTS) <= {t["name"] for t in SHARED_TENANTS}
+    if quota_backend == "memory":
+        rs = shared_stacks.get(request_path)
+        assert rs.config.ext_proc.account_responses
+        yield rs
+        return
+    doc = shared_doc(request_path)
     with contextlib.ExitStack() as stack:
-        if quota_backend == "redis":
-            redis = stack.enter_context(redis_or_skip(tmp_path_factory.mktemp("redis")))
-            doc["ext_proc"].update(quota_backend="redis", redis_url=redis.url)
-            grpc_port, metrics_port, meter_port = free_ports(3)
-            doc["ext_proc"]["extra_listen"] = [f"127.0.0.1:{grpc_port}"]
-            doc["ext_proc"]["extra_metrics_listen"] = [f"127.0.0.1:{metrics_port}"]
-            doc["ext_proc"]["extra_meter_listen"] = [f"127.0.0.1:{meter_port}"]
-        rs = stack.enter_context(started_stack(work, doc))
+        redis = stack.enter_context(redis_or_skip(tmp_path_factory.mktemp("redis")))
+        doc["ext_proc"].update(quota_backend="redis", redis_url=redis.url)
+        grpc_port, metrics_port, meter_port = free_ports(3)
+        doc["ext_proc"]["extra_listen"] = [f"127.0.0.1:{grpc_port}"]
+        doc["ext_proc"]["extra_metrics_listen"] = [f"127.0.0.1:{metrics_port}"]
+        doc["ext_proc"]["extra_meter_listen"] = [f"127.0.0.1:{meter_port}"]
+        rs = stack.enter_context(started_stack(tmp_path_factory.mktemp("acct"), doc))
         assert rs.config.ext_proc.account_responses
         yield rs
 
@@ -159,9 +174,11 @@ def test_a_stream_that_did_not_ask_is_charged_but_never_sees_the_usage_chunk(
     messages: Any = [{"role": "user", "content": "stream without usage"}]
     with rs.openai_client("sk-acct-sse-hidden-key") as c:
         # the same prompt non-streamed tells the prompt count the stream must be charged
+        start = charged(rs.config, "acct-sse-hidden", QWEN)
         ref = c.chat.completions.create(model=QWEN, messages=messages, max_tokens=1)
         assert ref.usage is not None
-        before = wait_charged(rs.config, "acct-sse-hidden", QWEN, (0, 0))
+        ref_charge = wait_charged(rs.config, "acct-sse-hidden", QWEN, start)
+        before = (start[0] + ref_charge[0], start[1] + ref_charge[1])  # once the reference has settled
         chunks = list(c.chat.completions.create(model=QWEN, messages=messages, max_tokens=13, stream=True))
     assert chunks and all(ch.usage is None for ch in chunks)
     # no usage-only chunk: the gateway asked for it and removed it (ext_proc's stream, Envoy's Lua filter)
@@ -229,7 +246,7 @@ def test_a_concurrent_streamed_burst_never_exceeds_the_tokens_per_minute_quota(
     accounting_stack: RunningStack,
 ) -> None:
     rs = accounting_stack
-    tenant = next(t for t in rs.config.tenants if "sk-demo-c" in t.api_keys)
+    tenant = next(t for t in rs.config.tenants if BURST_KEY in t.api_keys)
     quota = tenant.tokens_per_minute
     assert quota == 2_000
     refused_retry_after: list[str | None] = []
@@ -256,7 +273,7 @@ def test_a_concurrent_streamed_burst_never_exceeds_the_tokens_per_minute_quota(
 
     async def burst() -> list[int]:
         async with openai.AsyncOpenAI(
-            base_url=f"http://{rs.gateway}/v1", api_key="sk-demo-c", max_retries=0, timeout=30
+            base_url=f"http://{rs.gateway}/v1", api_key=BURST_KEY, max_retries=0, timeout=30
         ) as c:
             first = await asyncio.wait_for(asyncio.gather(*(one(c, i) for i in range(24))), 60)
             # a second wave once the first has settled: settled usage still counts in the minute

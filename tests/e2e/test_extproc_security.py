@@ -19,7 +19,7 @@ import pytest
 
 from inferlb.ops.stack import Stack
 from tests.conftest import make_config_doc, write_config
-from tests.e2e.conftest import RunningStack, in_mode
+from tests.e2e.conftest import RunningStack, in_mode, stop_stack
 
 pytestmark = pytest.mark.e2e
 
@@ -73,7 +73,7 @@ def recorder_stack(
         stack.start(timeout_s=60)
         yield RunningStack(stack, stack.config, path, doc), _Recorder
     finally:
-        stack.stop()
+        stop_stack(stack)
         server.shutdown()
         server.server_close()
         thread.join(timeout=5)

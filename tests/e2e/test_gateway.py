@@ -46,8 +46,8 @@ def backend_requests(rs: RunningStack) -> int:
     return total
 
 
-def test_weights_from_the_config_are_what_envoy_reports(running_stack: RunningStack) -> None:
-    rs = running_stack
+def test_weights_from_the_config_are_what_envoy_reports(shared_stack: RunningStack) -> None:
+    rs = shared_stack
     rows = host_rows(rs.config, clusters_json(rs.config))
     seen = {r.name: r.weight for r in rows}
     want = {e.display_name: capacity_weight(rs.config, e) for e in rs.config.endpoints}
@@ -58,21 +58,21 @@ def test_weights_from_the_config_are_what_envoy_reports(running_stack: RunningSt
 
 @pytest.mark.parametrize(("model", "canonical"), [(QWEN, QWEN), ("qwen", QWEN), ("llama3", LLAMA)])
 def test_the_model_named_only_in_the_body_picks_the_cluster(
-    running_stack: RunningStack, model: str, canonical: str
+    shared_stack: RunningStack, model: str, canonical: str
 ) -> None:
     served = set()
     for _ in range(12):
-        r = running_stack.chat(model)
+        r = shared_stack.chat(model)
         assert r.status == 200, r.body
         body = r.json()
         assert body["usage"]["completion_tokens"] == 4
         served.add(r.headers[ENDPOINT])
-    assert served <= endpoints_of(running_stack, canonical)
+    assert served <= endpoints_of(shared_stack, canonical)
     assert len(served) >= 2  # balanced over the model's GPUs, not pinned to one
 
 
-def test_canary_split_is_90_10_within_3_points(running_stack: RunningStack) -> None:
-    rs = running_stack
+def test_canary_split_is_90_10_within_3_points(shared_stack: RunningStack) -> None:
+    rs = shared_stack
     n = 2000
     body = {"model": LLAMA, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
 
@@ -140,64 +140,64 @@ REFUSALS = [
 
 @pytest.mark.parametrize(("what", "req", "status", "etype", "code"), REFUSALS, ids=[r[0] for r in REFUSALS])
 def test_refusals_reach_the_client_and_never_a_gpu(
-    running_stack: RunningStack, what: str, req: dict[str, object], status: int, etype: str, code: str | None
+    shared_stack: RunningStack, what: str, req: dict[str, object], status: int, etype: str, code: str | None
 ) -> None:
-    before = backend_requests(running_stack)
+    before = backend_requests(shared_stack)
     headers = {"Authorization": f"Bearer {req['key']}"} if req["key"] else {}
-    r = http_request(running_stack.gateway, "POST", "/v1/chat/completions", req["body"], headers)  # type: ignore[arg-type]
+    r = http_request(shared_stack.gateway, "POST", "/v1/chat/completions", req["body"], headers)  # type: ignore[arg-type]
     assert r.status == status, (what, r.body)
     assert r.headers["content-type"].startswith("application/json")
     err = r.json()["error"]
     assert err["type"] == etype and err["message"]
     if code is not None:
         assert err["code"] == code
-    assert backend_requests(running_stack) == before
+    assert backend_requests(shared_stack) == before
 
 
-def test_a_wrong_method_gets_405_with_allow(running_stack: RunningStack) -> None:
+def test_a_wrong_method_gets_405_with_allow(shared_stack: RunningStack) -> None:
     """RFC 9110 15.5.6: a 405 names the methods the path takes (``allow``), in both request-path modes."""
     key = {"Authorization": "Bearer sk-demo-a"}
     for method, path, allowed in (("GET", "/v1/chat/completions", "POST"), ("POST", "/v1/models", "GET")):
-        r = http_request(running_stack.gateway, method, path, {} if method == "POST" else None, key)
+        r = http_request(shared_stack.gateway, method, path, {} if method == "POST" else None, key)
         assert r.status == 405, (method, path, r.body)
         assert r.headers["allow"] == allowed
         assert r.json()["error"]["code"] == "method_not_allowed"
 
 
-def test_a_body_over_the_limit_gets_413_before_any_gpu(running_stack: RunningStack) -> None:
-    before = backend_requests(running_stack)
-    limit = running_stack.config.gateway.max_request_body_bytes
+def test_a_body_over_the_limit_gets_413_before_any_gpu(shared_stack: RunningStack) -> None:
+    before = backend_requests(shared_stack)
+    limit = shared_stack.config.gateway.max_request_body_bytes
     big = {"model": QWEN, "messages": [{"role": "user", "content": "a " * (limit // 2 + 10)}]}
     r = http_request(
-        running_stack.gateway, "POST", "/v1/chat/completions", big, {"Authorization": "Bearer sk-demo-a"}
+        shared_stack.gateway, "POST", "/v1/chat/completions", big, {"Authorization": "Bearer sk-demo-a"}
     )
     assert r.status == 413
     assert r.headers["content-type"].startswith("application/json")
     assert r.json()["error"]["code"] == "request_too_large"
-    assert backend_requests(running_stack) == before
+    assert backend_requests(shared_stack) == before
 
 
-def test_over_quota_is_429_with_retry_after_and_never_reaches_a_gpu(running_stack: RunningStack) -> None:
+def test_over_quota_is_429_with_retry_after_and_never_reaches_a_gpu(shared_stack: RunningStack) -> None:
     # sk-demo-c has 2,000 tokens/min: a few 600-token requests use it up
     statuses = []
     for _ in range(6):
-        r = running_stack.chat(QWEN, "sk-demo-c", max_tokens=500, content="hello " * 90)
+        r = shared_stack.chat(QWEN, "sk-demo-c", max_tokens=500, content="hello " * 90)
         statuses.append(r.status)
         if r.status == 429:
             break
     assert statuses[-1] == 429, statuses
     assert statuses[0] == 200
-    before = backend_requests(running_stack)
-    r = running_stack.chat(QWEN, "sk-demo-c", max_tokens=500, content="hello " * 90)
+    before = backend_requests(shared_stack)
+    r = shared_stack.chat(QWEN, "sk-demo-c", max_tokens=500, content="hello " * 90)
     assert r.status == 429
     assert int(r.headers["retry-after"]) >= 1
     err = r.json()["error"]
     assert err["type"] == "rate_limit_error"
-    assert backend_requests(running_stack) == before
+    assert backend_requests(shared_stack) == before
 
 
-def test_client_sent_inferlb_headers_have_no_effect(running_stack: RunningStack) -> None:
-    rs = running_stack
+def test_client_sent_inferlb_headers_have_no_effect(shared_stack: RunningStack) -> None:
+    rs = shared_stack
     spoof = {
         "x-inferlb-tenant": "team-a",
         "x-inferlb-priority": "high",
@@ -216,8 +216,8 @@ def test_client_sent_inferlb_headers_have_no_effect(running_stack: RunningStack)
     assert 429 in statuses, statuses
 
 
-def test_the_openai_sdk_works_streamed_and_not(running_stack: RunningStack) -> None:
-    client = openai.OpenAI(base_url=f"http://{running_stack.gateway}/v1", api_key="sk-demo-b", max_retries=0)
+def test_the_openai_sdk_works_streamed_and_not(shared_stack: RunningStack) -> None:
+    client = openai.OpenAI(base_url=f"http://{shared_stack.gateway}/v1", api_key="sk-demo-b", max_retries=0)
     try:
         resp = client.chat.completions.create(
             model="qwen", messages=[{"role": "user", "content": "hi there"}], max_tokens=7
@@ -243,13 +243,13 @@ def test_the_openai_sdk_works_streamed_and_not(running_stack: RunningStack) -> N
             client.chat.completions.create(model="nope", messages=[{"role": "user", "content": "x"}])
         with pytest.raises(openai.AuthenticationError):
             openai.OpenAI(
-                base_url=f"http://{running_stack.gateway}/v1", api_key="sk-wrong-key", max_retries=0
+                base_url=f"http://{shared_stack.gateway}/v1", api_key="sk-wrong-key", max_retries=0
             ).models.list()
     finally:
         client.close()
 
 
-def test_status_json_lists_every_endpoint(running_stack: RunningStack) -> None:
+def test_status_json_lists_every_endpoint(shared_stack: RunningStack) -> None:
     import contextlib  # noqa: PLC0415
     import io  # noqa: PLC0415
 
@@ -257,7 +257,7 @@ def test_status_json_lists_every_endpoint(running_stack: RunningStack) -> None:
 
     buf = io.StringIO()
     with contextlib.redirect_stdout(buf):
-        code = main(["status", "--config", str(running_stack.config_path), "--json"])
+        code = main(["status", "--config", str(shared_stack.config_path), "--json"])
     assert code == 0
     rows = json.loads(buf.getvalue())
-    assert {r["name"] for r in rows} == {e.display_name for e in running_stack.config.endpoints}
+    assert {r["name"] for r in rows} == {e.display_name for e in shared_stack.config.endpoints}

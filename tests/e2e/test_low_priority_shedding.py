@@ -46,6 +46,9 @@ def saturated_stack(tmp_path_factory: pytest.TempPathFactory, request_path: str)
     doc = in_mode(saturable_doc(QWEN, DEFAULT_BUDGET, RETRY_AFTER_S), request_path)
     # a default-priority tenant without limits (the demo's team-c has a tiny token quota)
     doc["tenants"].append({"name": "team-d", "api_keys": [DEFAULT_KEY], "priority": "default"})
+    # the default flush (the fast test config's is shorter): how long an ext_authz-mode request stays
+    # counted after its response is part of the saturation this module measures
+    doc["ext_proc"]["meter_flush_interval_ms"] = 1_000
     with started_stack(work, doc) as rs:
         yield rs
 

@@ -44,6 +44,9 @@ def metered_doc(processes: int, redis_url: str | None) -> dict[str, Any]:
     """The default fleet in ext_authz mode with response accounting (the default), with ``processes``
     ext_authz processes (more than one share ``redis_url``'s quotas)."""
     doc = in_mode(make_config_doc(), "ext_authz")
+    # the default flush (the fast test config's is shorter): entries wait in Envoy's buffer as long as in
+    # production, which is what the drain must wait out
+    doc["ext_proc"]["meter_flush_interval_ms"] = 1_000
     extra = processes - 1
     if extra:
         assert redis_url is not None

@@ -18,7 +18,7 @@ import pytest
 
 from inferlb.ops.stack import Stack
 from tests.conftest import make_config_doc, write_config
-from tests.e2e.conftest import RunningStack, http_request, in_mode
+from tests.e2e.conftest import RunningStack, http_request, in_mode, stop_stack
 
 pytestmark = pytest.mark.e2e
 
@@ -47,7 +47,7 @@ def alias_stack(tmp_path_factory: pytest.TempPathFactory, request_path: str) -> 
         wait_for_alias(rs, NEW_ALIAS)
         yield rs
     finally:
-        stack.stop()
+        stop_stack(stack)
 
 
 def wait_for_alias(rs: RunningStack, alias: str, timeout_s: float = 20.0) -> None:

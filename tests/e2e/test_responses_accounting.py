@@ -5,31 +5,27 @@ the ``usage`` the SDK saw (``input_tokens`` as prompt, ``output_tokens`` as comp
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 
-from tests.conftest import make_config_doc
-from tests.e2e.conftest import RunningStack, in_mode, started_stack
+from tests.e2e.conftest import SHARED_TENANTS, RunningStack
 from tests.e2e.test_extproc_accounting import charged, wait_charged
 
 pytestmark = pytest.mark.e2e
 
 QWEN = "qwen2.5-7b-instruct"
+#: This module's tenants on the shared stack (:data:`tests.e2e.conftest.SHARED_TENANTS`), one per test.
 TENANTS = ("resp-json", "resp-sse")
 
 
 @pytest.fixture(scope="module")
-def responses_stack(tmp_path_factory: pytest.TempPathFactory, request_path: str) -> Iterator[RunningStack]:
-    """The default fleet with the default response accounting, plus one tenant per test, in each
-    request-path mode (ext_authz: the usage read by Envoy's Lua filter, settled from the access log)."""
-    work = tmp_path_factory.mktemp("responses")
-    doc = in_mode(make_config_doc(), request_path)
-    doc["ext_proc"].pop("account_responses", None)  # the default is what is under test
-    doc["tenants"] += [{"name": t, "api_keys": [f"sk-{t}-key"]} for t in TENANTS]
-    with started_stack(work, doc) as rs:
-        assert rs.config.ext_proc.account_responses
-        yield rs
+def responses_stack(shared_stack: RunningStack) -> RunningStack:
+    """The shared stack (:func:`tests.e2e.conftest.shared_doc`: the default fleet with the default response
+    accounting, and one tenant per test of this module) in each request-path mode (ext_authz: the usage
+    read by Envoy's Lua filter, settled from the access log). Each test reads its own tenant's charges as
+    a difference, so what other modules did on the stack does not count."""
+    assert shared_stack.config.ext_proc.account_responses
+    assert set(TENANTS) <= {t["name"] for t in SHARED_TENANTS}
+    return shared_stack
 
 
 def test_a_response_body_is_charged_its_usage(responses_stack: RunningStack) -> None:

@@ -9,30 +9,22 @@ import pytest
 
 from inferlb.ops.stack import Stack, StackError
 from tests.conftest import make_config_doc, write_config
-from tests.e2e.conftest import http_request
+from tests.e2e.conftest import SharedStacks, http_request
 
 pytestmark = pytest.mark.e2e
 
 
-def test_a_second_stack_on_the_same_ports_is_refused(tmp_path: Path) -> None:
-    path = write_config(tmp_path / "c.yaml", make_config_doc())
-    first = Stack(path, workdir=tmp_path / "first")
-    first.start(timeout_s=60)
-    try:
-        second = Stack(path, workdir=tmp_path / "second")
-        with pytest.raises(StackError, match="already in use") as info:
-            second.start(timeout_s=20)
-        assert "gateway.admin" in str(info.value) and "xds.listen" in str(info.value)
-        assert second.children == []
-        r = http_request(
-            str(first.config.gateway.listen),
-            "GET",
-            "/v1/models",
-            headers={"Authorization": "Bearer sk-demo-a"},
-        )
-        assert r.status == 200
-    finally:
-        first.stop()
+def test_a_second_stack_on_the_same_ports_is_refused(tmp_path: Path, shared_stacks: SharedStacks) -> None:
+    # the running stack: the shared one in the default mode (ext_authz), left as it was found
+    first = shared_stacks.get("ext_authz")
+    second = Stack(first.config_path, workdir=tmp_path / "second")
+    with pytest.raises(StackError, match="already in use") as info:
+        second.start(timeout_s=20)
+    assert "gateway.admin" in str(info.value) and "xds.listen" in str(info.value)
+    assert second.children == []
+    assert first.stack.first_exited() is None
+    r = http_request(first.gateway, "GET", "/v1/models", headers={"Authorization": "Bearer sk-demo-a"})
+    assert r.status == 200
 
 
 def test_a_stack_removes_its_own_temp_dir_on_a_clean_stop(tmp_path: Path) -> None:

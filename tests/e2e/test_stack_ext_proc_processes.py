@@ -21,7 +21,7 @@ from inferlb.config.schema import HostPort
 from inferlb.ops.stack import Child, Stack, StackError, admin_get, clusters_json, free_ports, port_open
 from inferlb.ops.status import host_rows
 from tests.conftest import make_config_doc, write_config
-from tests.e2e.conftest import http_request, in_mode
+from tests.e2e.conftest import http_request, in_mode, stop_stack
 from tests.e2e.test_extproc_accounting import process_samples
 from xds_server.resources.clusters import REQUEST_PATH_EJECT_AFTER_FAILURES, REQUEST_PATH_EJECTION_MS
 from xds_server.resources.common import EXT_AUTHZ_CLUSTER, EXT_PROC_CLUSTER
@@ -102,7 +102,7 @@ def test_each_extra_listen_address_gets_its_own_ext_proc_process(tmp_path: Path,
             ]
             assert got == [first, other]
     finally:
-        stack.stop()
+        stop_stack(stack)
 
 
 def _connect_failures(stack: Stack, cluster: str) -> int:

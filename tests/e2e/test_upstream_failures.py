@@ -9,7 +9,7 @@ import pytest
 
 from inferlb.ops.stack import Stack, free_ports
 from tests.conftest import make_config_doc, write_config
-from tests.e2e.conftest import REQUEST_PATH_MODES, http_request, in_mode
+from tests.e2e.conftest import REQUEST_PATH_MODES, http_request, in_mode, stop_stack
 
 pytestmark = pytest.mark.e2e
 
@@ -51,4 +51,4 @@ def test_a_model_whose_gpus_are_all_down_gets_a_json_503(tmp_path: Path, mode: s
         )
         assert ok.status == 200
     finally:
-        stack.stop()
+        stop_stack(stack)

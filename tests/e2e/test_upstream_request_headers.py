@@ -47,11 +47,11 @@ def _received(stack: RunningStack, endpoint: str) -> dict[str, Any]:
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_model_servers_get_no_client_host_no_internal_headers_and_envoys_peer_address(
-    running_stack: RunningStack, stream: bool
+    shared_stack: RunningStack, stream: bool
 ) -> None:
-    reply = running_stack.chat("qwen", headers=CLIENT_HEADERS, stream=stream)
+    reply = shared_stack.chat("qwen", headers=CLIENT_HEADERS, stream=stream)
     assert reply.status == 200, reply.body
-    got = _received(running_stack, reply.headers[headers.ENDPOINT])
+    got = _received(shared_stack, reply.headers[headers.ENDPOINT])
     hdrs: dict[str, str] = got["headers"]
     assert got["path"] == "/v1/chat/completions"
     # the route's host_rewrite_literal: the model's canonical name, not what the client sent

@@ -26,7 +26,7 @@ import pytest
 
 from inferlb.ops.stack import Stack
 from tests.conftest import make_config_doc, write_config
-from tests.e2e.conftest import RunningStack, http_request, in_mode
+from tests.e2e.conftest import RunningStack, http_request, in_mode, stop_stack
 from tests.e2e.test_extproc_accounting import charged, wait_charged
 
 pytestmark = pytest.mark.e2e
@@ -145,7 +145,7 @@ def scripted_stack(tmp_path_factory: pytest.TempPathFactory, request_path: str) 
         stack.start(timeout_s=60)
         yield RunningStack(stack, stack.config, path, doc)
     finally:
-        stack.stop()
+        stop_stack(stack)
         server.shutdown()
         server.server_close()
         thread.join(timeout=5)

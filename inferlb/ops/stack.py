@@ -363,23 +363,29 @@ class Stack:
                 "these addresses in the config.",
             )
         try:
+            # The simulated GPUs, the xDS server and the request-path processes start together (each
+            # is mostly Python imports; the xDS server's first scrapes and probes of a GPU not yet
+            # listening count as failures it recovers from on the next interval); Envoy starts only
+            # once every one of them listens, so its first health checks and checks find them up.
             sim_count = sum(1 for e in cfg.endpoints if e.simulated)
+            sim = None
             if sim_count:
                 sim = self._python_child("gpusim", SERVICE_MODULES["gpusim"])
                 sim.start(env)
                 self.children.append(sim)
                 say(f"starting {sim_count} simulated GPU servers")
+            started = []
+            for child, addr in self._control_children():
+                child.start(env)
+                self.children.append(child)
+                started.append((child, addr))
+            if sim is not None:
                 self._wait(
                     sim,
                     "listening",
                     lambda: all(port_open(e.address) for e in cfg.endpoints if e.simulated),
                     timeout_s,
                 )
-            started = []
-            for child, addr in self._control_children():
-                child.start(env)
-                self.children.append(child)
-                started.append((child, addr))
             for child, addr in started:
                 say(f"starting {child.name} on {addr}")
                 self._wait(child, f"listening on {addr}", functools.partial(port_open, addr), timeout_s)

@@ -14,7 +14,6 @@ from dataclasses import dataclass
 
 import grpc
 import pytest
-from aiohttp import web
 from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
@@ -27,6 +26,7 @@ from epp.pool import Pool, PoolEndpoint, Saturation, Scraper
 from epp.server import add_to_server, make_server
 from inferlb.request.parsing import EndpointKind, parse_request
 from tests.conftest import wait_until
+from tests.integration.test_epp_grpc import serve_model_metrics
 
 
 @dataclass
@@ -56,17 +56,7 @@ async def start() -> AsyncIterator[Start]:
 
     async def _start(*, depth: float, max_wait_s: float, waiting: float = 0.0) -> Running:
         text = [f"vllm:num_requests_waiting {waiting}\nvllm:kv_cache_usage_perc 0.1\n"]
-
-        async def metrics(request: web.Request) -> web.Response:
-            return web.Response(text=text[0])
-
-        app = web.Application()
-        app.router.add_get("/metrics", metrics)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        address = f"127.0.0.1:{runner.addresses[0][1]}"
+        runner, address = await serve_model_metrics(text)
         pool = Pool([PoolEndpoint(address=address)], stale_after_s=60)
         epp_metrics = EppMetrics(pool.addresses, pool.in_flight)
         picker = EndpointPicker(

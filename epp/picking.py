@@ -371,6 +371,7 @@ class EndpointPicker:
         if served is not None and in_pool and served != first:
             self.pool.leave(first)
             self.pool.enter(served)
+            self.dispatch()  # the pick's room on the first choice is free again
             return served
         return first
 

@@ -352,12 +352,17 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EppStack]:
                 )
             ),
         ):
+            if name == "epp":
+                # an EPP's first scrape must find the pool up: it turns ready after that scrape even when it
+                # failed, and the endpoint stays unhealthy until a good one (600 s for the queued EPP)
+                _wait(
+                    "the pool's /health",
+                    lambda: all(_get(f"http://{a}/health") == 200 for a in pool.values()),
+                    procs,
+                )
             log = (work / f"{name}.log").open("wb")
             logs.append(log)
             procs.append(subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT))
-        _wait(
-            "the pool's /health", lambda: all(_get(f"http://{a}/health") == 200 for a in pool.values()), procs
-        )
         for port in (epp, queued_epp):
             _wait(
                 "the EPP's readiness", lambda port=port: _health(f"127.0.0.1:{port}", "readiness") == 1, procs

@@ -6,6 +6,7 @@ value in dynamic metadata ``envoy.lb``, 503 when nothing is eligible, 429 when s
 
 - :mod:`epp.pool`: the pool's endpoints and live state (``/metrics`` scrape, in-flight counts, saturation).
 - :mod:`epp.picking`: the decision for one request (parse, subset hint, 503/429, pick), transport-free.
+- :mod:`epp.flow`: the fair queue a request waits in when every eligible endpoint is saturated.
 - :mod:`epp.exchange`: one ext_proc stream as a state machine over Envoy's protos (no gRPC).
 - :mod:`epp.server`: the grpcio aio servicer and the gRPC health services.
 - :mod:`epp.metrics`: the service's Prometheus registry.

@@ -10,8 +10,11 @@ Serves ext_proc and the gRPC health services on ``--listen`` (``127.0.0.1:9002``
 one), Prometheus metrics on ``http://--metrics-listen/metrics`` (``127.0.0.1:9090``), scrapes every
 endpoint's ``/metrics`` each ``--scrape-interval`` seconds. Logs ``epp ready on HOST:PORT`` once it accepts
 streams and ``epp metrics on HOST:PORT``; readiness turns SERVING once each endpoint was scraped once.
-SIGINT/SIGTERM stop it (health NOT_SERVING, in-flight streams get :data:`SHUTDOWN_GRACE_S`). Exit status: 0
-after a clean stop, 2 for a bad command line or pool (the field named), 1 when an address cannot be bound.
+``--max-queued N`` (> 0) lets a request wait when every eligible endpoint is saturated, at most
+``--max-wait`` seconds, in a fair queue (:mod:`epp.flow`: ``--objective NAME=PRIORITY`` maps
+``x-gateway-inference-objective`` to a priority). SIGINT/SIGTERM stop it (health NOT_SERVING, in-flight
+streams get :data:`SHUTDOWN_GRACE_S`). Exit status: 0 after a clean stop, 2 for a bad command line or
+pool (the field named), 1 when an address cannot be bound.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from typing import Final
 import uvloop  # the event loop, as ext_proc's (~7% fewer instructions per request there)
 from prometheus_client import start_http_server
 
+from epp.flow import DEFAULT_MAX_TOKENS, DEFAULT_MAX_WAIT_S, QueueSettings, parse_objective
 from epp.metrics import EppMetrics
 from epp.picking import DEFAULT_EPP_WEIGHTS, EndpointPicker
 from epp.pool import (
@@ -46,6 +50,7 @@ from inferlb.config.schema import load_config
 from inferlb.errors import ConfigError
 from inferlb.policy.capacity import WEIGHT_SCALE, capacity_weight
 from inferlb.policy.picker import PickerWeights
+from inferlb.request.tokens import default_counter
 
 log = logging.getLogger("epp")
 
@@ -81,6 +86,29 @@ def _parser() -> argparse.ArgumentParser:
         help="endpoints per pick (ORIGINAL_DST takes exactly one)",
     )
     p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES, help="larger bodies: 413")
+    fq = p.add_argument_group("fair queue (when every eligible endpoint is saturated)")
+    fq.add_argument(
+        "--max-queued", type=int, default=0, help="requests waiting at most (0: none wait, 429 at once)"
+    )
+    fq.add_argument(
+        "--max-wait",
+        type=float,
+        default=DEFAULT_MAX_WAIT_S,
+        help="seconds a request may wait (keep it below the gateway's ext_proc message_timeout)",
+    )
+    fq.add_argument(
+        "--objective",
+        action="append",
+        default=[],
+        metavar="NAME=PRIORITY",
+        help="an InferenceObjective's priority for x-gateway-inference-objective (repeatable)",
+    )
+    fq.add_argument(
+        "--default-max-tokens",
+        type=int,
+        help=f"completion budget of a request without a cap (default: the config's model, else "
+        f"{DEFAULT_MAX_TOKENS})",
+    )
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return p
 
@@ -120,6 +148,27 @@ def pool_endpoints(args: argparse.Namespace) -> list[PoolEndpoint]:
     return out
 
 
+def queue_settings(args: argparse.Namespace) -> QueueSettings:
+    """The fair queue the command line asks for.
+
+    Raises:
+        ValueError: a flag out of range or an ``--objective`` that is not ``NAME=PRIORITY`` (named).
+        ConfigError: the config file is unreadable or invalid.
+    """
+    budget = args.default_max_tokens
+    if budget is None and args.config is not None:
+        config = load_config(args.config)
+        budget = next(
+            (m.default_max_tokens for m in config.models if args.model in (None, m.name)), DEFAULT_MAX_TOKENS
+        )
+    return QueueSettings(
+        max_queued=args.max_queued,
+        max_wait_s=args.max_wait,
+        objectives=dict(parse_objective(text) for text in args.objective),
+        default_max_tokens=budget if budget is not None else DEFAULT_MAX_TOKENS,
+    )
+
+
 def _host_port(text: str, flag: str) -> tuple[str, int]:
     host, sep, port = text.rpartition(":")
     if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
@@ -127,7 +176,9 @@ def _host_port(text: str, flag: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
-async def serve(args: argparse.Namespace, endpoints: list[PoolEndpoint]) -> int:
+async def serve(
+    args: argparse.Namespace, endpoints: list[PoolEndpoint], queue: QueueSettings | None = None
+) -> int:
     """Run the EPP until SIGINT/SIGTERM; returns the exit status."""
     interval = args.scrape_interval
     pool = Pool(endpoints, stale_after_s=args.stale_after if args.stale_after else 3 * interval)
@@ -137,8 +188,16 @@ async def serve(args: argparse.Namespace, endpoints: list[PoolEndpoint]) -> int:
         metrics,
         weights=PickerWeights(max_hosts=args.max_hosts),
         saturation=Saturation(queue_depth=args.queue_depth, kv_usage=args.kv_usage),
+        queue=queue,
     )
-    scraper = Scraper(pool, interval_s=interval, on_error=lambda a: metrics.scrape_errors.labels(a).inc())
+    if picker.flow is not None:
+        default_counter().count("load the tokenizer before the first request waits")
+    scraper = Scraper(
+        pool,
+        interval_s=interval,
+        on_error=lambda a: metrics.scrape_errors.labels(a).inc(),
+        on_round=picker.dispatch,
+    )
     host, port = _host_port(args.listen, "--listen")
     mhost, mport = _host_port(args.metrics_listen, "--metrics-listen")
     server = make_server()
@@ -186,6 +245,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     try:
         endpoints = pool_endpoints(args)
+        queue = queue_settings(args)
         PickerWeights(max_hosts=args.max_hosts)
         Saturation(queue_depth=args.queue_depth, kv_usage=args.kv_usage)
         if args.scrape_interval <= 0:
@@ -198,7 +258,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as exc:
         log.error("cannot start: %s", exc)
         return 2
-    return uvloop.run(serve(args, endpoints))
+    return uvloop.run(serve(args, endpoints, queue))
 
 
 if __name__ == "__main__":

@@ -41,6 +41,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from envoy.type.v3 import http_status_pb2
 from google.protobuf import struct_pb2
 
+from epp.flow import FAIRNESS_ID_HEADER, OBJECTIVE_HEADER, PRIORITY_HEADER, Waiting
 from epp.picking import Refused, RequestSeen, Routed, body_too_large
 
 #: The header (and ``envoy.lb`` metadata key) carrying the picked endpoints.
@@ -166,7 +167,10 @@ class Exchange:
         max_body_bytes: a request body over this is refused 413.
 
     After :attr:`done` the stream needs nothing more (an immediate response or the response's end was
-    answered); :attr:`routed` is the decision once made.
+    answered); :attr:`routed` is the decision once made. While :attr:`waiting` is set the request waits in
+    the fair queue: the answers the decision gives come from :meth:`resume`, and the stream reads nothing
+    meanwhile (Envoy sends nothing more on the request path before them, and anything it does send waits in
+    gRPC's flow control).
     """
 
     __slots__ = (
@@ -176,6 +180,7 @@ class Exchange:
         "_headers",
         "_on_refused",
         "_on_served",
+        "_pending_answer",
         "_request_body_mode",
         "_response_body_mode",
         "_subset",
@@ -184,11 +189,12 @@ class Exchange:
         "max_body_bytes",
         "routed",
         "served_reported",
+        "waiting",
     )
 
     def __init__(
         self,
-        decide: Callable[[RequestSeen], Routed | Refused],
+        decide: Callable[[RequestSeen], Routed | Refused | Waiting],
         *,
         on_served: Callable[[Routed, str | None], None],
         on_refused: Callable[[Refused], None],
@@ -209,6 +215,8 @@ class Exchange:
         self.routed: Routed | None = None
         self.served_reported = False
         self.done = False
+        self.waiting: Waiting | None = None
+        self._pending_answer: Callable[[Routed | Refused], list[ep.ProcessingResponse]] | None = None
 
     def on_message(self, req: ep.ProcessingRequest) -> list[ep.ProcessingResponse]:
         """The answers to send for ``req``, in order (possibly none yet)."""
@@ -258,15 +266,7 @@ class Exchange:
         self._headers = {hv.key.lower(): _header_value(hv) for hv in msg.headers.headers}
         if msg.end_of_stream or self._request_body_mode in (_Mode.NONE, _Mode.STREAMED):
             # no body before the headers answer: decide on the headers alone
-            decision = self._decision(body_read=msg.end_of_stream)
-            if isinstance(decision, Refused):
-                return self._refusal(decision)
-            return [
-                ep.ProcessingResponse(
-                    request_headers=ep.HeadersResponse(response=routed_common(decision)),
-                    dynamic_metadata=destination_metadata(decision.value),
-                )
-            ]
+            return self._decided(self._decision(body_read=msg.end_of_stream), self._headers_answer)
         if self._buffered_mode():
             # Envoy waits for this answer before it sends the body; the decision rides on the body answer
             return [_REQUEST_HEADERS_CONTINUE]
@@ -300,8 +300,47 @@ class Exchange:
         # the request had trailers: its body ended with them
         return self._complete(trailers=True)
 
+    def _headers_answer(self, decision: Routed | Refused) -> list[ep.ProcessingResponse]:
+        if isinstance(decision, Refused):
+            return self._refusal(decision)
+        return [
+            ep.ProcessingResponse(
+                request_headers=ep.HeadersResponse(response=routed_common(decision)),
+                dynamic_metadata=destination_metadata(decision.value),
+            )
+        ]
+
     def _complete(self, *, trailers: bool) -> list[ep.ProcessingResponse]:
-        decision = self._decision()
+        return self._decided(self._decision(), lambda d: self._body_answer(d, trailers=trailers))
+
+    def _decided(
+        self,
+        decision: Routed | Refused | Waiting,
+        answer: Callable[[Routed | Refused], list[ep.ProcessingResponse]],
+    ) -> list[ep.ProcessingResponse]:
+        if isinstance(decision, Waiting):
+            self.waiting = decision
+            self._pending_answer = answer
+            return []
+        return answer(decision)
+
+    def resume(self, decision: Routed | Refused) -> list[ep.ProcessingResponse]:
+        """The answers held back while the request waited, now that ``decision`` is made (its admission or
+        its refusal).
+
+        Raises:
+            RuntimeError: the request was not waiting.
+        """
+        answer = self._pending_answer
+        if self.waiting is None or answer is None:
+            raise RuntimeError("resume() without a waiting request")
+        self.waiting = None
+        self._pending_answer = None
+        if isinstance(decision, Routed):
+            self.routed = decision
+        return answer(decision)
+
+    def _body_answer(self, decision: Routed | Refused, *, trailers: bool) -> list[ep.ProcessingResponse]:
         if isinstance(decision, Refused):
             return self._refusal(decision)
         body = b"".join(self._body)
@@ -325,7 +364,7 @@ class Exchange:
             out.append(_REQUEST_TRAILERS_CONTINUE)
         return out
 
-    def _decision(self, *, body_read: bool = True) -> Routed | Refused:
+    def _decision(self, *, body_read: bool = True) -> Routed | Refused | Waiting:
         headers = self._headers or {}
         path = headers.get(":path", "").partition("?")[0]
         seen = RequestSeen(
@@ -334,6 +373,9 @@ class Exchange:
             body=b"".join(self._body),
             subset=self._subset,
             body_read=body_read,
+            fairness_id=headers.get(FAIRNESS_ID_HEADER),
+            objective=headers.get(OBJECTIVE_HEADER),
+            priority=headers.get(PRIORITY_HEADER),
         )
         decision = self._decide(seen)
         if isinstance(decision, Routed):

@@ -13,7 +13,12 @@ fixed match vocabulary, so cardinality is bounded by the pool.
   one is not of the pool or none was reported;
 - ``inferlb_epp_in_flight{endpoint}``: requests this EPP routed to ``endpoint`` that have not ended;
 - ``inferlb_epp_scrape_errors_total{endpoint}``: failed scrapes of the endpoint's ``/metrics``;
-- ``inferlb_epp_processing_seconds{phase}``: time to answer one ext_proc message.
+- ``inferlb_epp_processing_seconds{phase}``: time to answer one ext_proc message;
+- with a fair queue (:mod:`epp.flow`): ``inferlb_epp_queue_length{priority}`` (requests waiting now),
+  ``inferlb_epp_queue_wait_seconds{outcome}`` (how long each waiter waited, by how it left: ``admitted``,
+  ``expired``, ``cancelled`` when its stream ended, ``unavailable`` when no endpoint was eligible any
+  more), ``inferlb_epp_queue_expired_total`` and ``inferlb_epp_queue_full_total`` (refused with the queue
+  full). The priority label takes the priorities of waiting requests only, so it is bounded by the queue.
 """
 
 from __future__ import annotations
@@ -25,6 +30,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 #: Histogram buckets for one ext_proc message (s): 50 us to 1 s.
 PROCESSING_BUCKETS: Final = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.05, 0.25, 1.0)
+#: Histogram buckets for a wait in the fair queue (s): 1 ms to 30 s.
+QUEUE_WAIT_BUCKETS: Final = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
 
 class EppMetrics:
@@ -60,6 +67,19 @@ class EppMetrics:
             ("phase",),
             buckets=PROCESSING_BUCKETS,
             registry=r,
+        )
+        self.queue_wait = Histogram(
+            "inferlb_epp_queue_wait_seconds",
+            "Time a request waited in the fair queue, by how it left",
+            ("outcome",),
+            buckets=QUEUE_WAIT_BUCKETS,
+            registry=r,
+        )
+        self.queue_expired = Counter(
+            "inferlb_epp_queue_expired", "Requests refused after waiting the longest wait", registry=r
+        )
+        self.queue_full = Counter(
+            "inferlb_epp_queue_full", "Requests refused at once with the fair queue full", registry=r
         )
         gauge = Gauge("inferlb_epp_in_flight", "Requests routed and not ended", ("endpoint",), registry=r)
         for address in addresses:

@@ -9,9 +9,17 @@ Order of the checks (the Gateway API Inference Extension's endpoint-picker proto
    by load alone.
 2. The eligible endpoints are the healthy ones (:mod:`epp.pool`), within the subset hint when the gateway
    sent one. None: 503 (also for an empty hint, or one naming no endpoint of the pool).
-3. Every eligible endpoint saturated (:func:`epp.pool.saturated`): 429 (shed).
-4. Otherwise :func:`inferlb.policy.picker.pick` orders them; the first choice enters the in-flight count
-   until the stream ends, moved to the endpoint the gateway reports as having served it when that differs.
+3. Every eligible endpoint saturated (:func:`epp.pool.saturated`): 429 (shed). With a fair queue
+   (:mod:`epp.flow`, ``QueueSettings.max_queued`` > 0) the request waits instead
+   (:class:`epp.flow.Waiting`), and so does every request while others wait (no overtaking); saturation
+   then reads :meth:`epp.pool.Pool.backlog` (the scrape plus what was sent and ended since).
+   :meth:`EndpointPicker.dispatch` admits waiters in the queue's order while the head's eligible endpoints
+   have one with room: when a request ends and after each scrape round. A waiter whose eligible endpoints
+   are all gone is answered 503. The queue serves its head first: a head whose subset hint names only
+   saturated endpoints holds the others back until it is admitted or expires.
+4. Otherwise :func:`inferlb.policy.picker.pick` orders them (with a fair queue: the ones with room); the
+   first choice enters the in-flight count until the stream ends, moved to the endpoint the gateway reports
+   as having served it when that differs.
 
 The model named in the body is not checked against the pool: the gateway's route chose the pool.
 """
@@ -24,16 +32,29 @@ from typing import Final
 
 import msgspec
 
+from epp.flow import (
+    FlowControl,
+    QueueFull,
+    QueueSettings,
+    Waiting,
+    fairness_id,
+    request_cost,
+    request_priority,
+)
 from epp.metrics import EppMetrics
 from epp.pool import Pool, Saturation, saturated
 from inferlb.errors import RequestError
-from inferlb.policy.picker import NoPrefixIndex, PickerWeights, PrefixIndex, pick
+from inferlb.policy.picker import EndpointState, NoPrefixIndex, PickerWeights, PrefixIndex, pick
 from inferlb.request.parsing import INFERENCE_PATHS, InferenceRequest, parse_request
 
 #: ``error.code`` of the 503 when no endpoint is eligible.
 NO_ENDPOINT_CODE: Final = "no_endpoint_available"
 #: ``error.code`` of the 429 when every eligible endpoint is saturated.
 SATURATED_CODE: Final = "pool_saturated"
+#: ``error.code`` of the 429 when the fair queue is full.
+QUEUE_FULL_CODE: Final = "queue_full"
+#: ``error.code`` of the 429 after the longest wait in the fair queue.
+QUEUE_TIMEOUT_CODE: Final = "queue_timeout"
 #: The picker's weights by default: the picker core's, with one host per pick, since an ORIGINAL_DST cluster
 #: (the Gateway API Inference Extension's reference gateway config) takes exactly one ``ip:port`` from the
 #: header (Envoy 1.40 answered a list with 503 "no healthy upstream"); a gateway that walks the list
@@ -73,6 +94,9 @@ class RequestSeen(msgspec.Struct, frozen=True, kw_only=True):
         subset: the gateway's subset hint (``ip:port`` values), None when it sent none.
         body_read: False when the gateway's processing mode shows the EPP no body before the pick
             (``NONE``, or ``STREAMED``, where the headers must be answered first): nothing is parsed.
+        fairness_id: the ``x-gateway-inference-fairness-id`` header, None without one.
+        objective: the ``x-gateway-inference-objective`` header, None without one.
+        priority: the ``x-inferlb-priority`` header, None without one.
     """
 
     method: str
@@ -80,6 +104,9 @@ class RequestSeen(msgspec.Struct, frozen=True, kw_only=True):
     body: bytes = b""
     subset: tuple[str, ...] | None = None
     body_read: bool = True
+    fairness_id: str | None = None
+    objective: str | None = None
+    priority: str | None = None
 
 
 class Routed(msgspec.Struct, frozen=True, kw_only=True):
@@ -153,6 +180,8 @@ class EndpointPicker:
         saturation: when an endpoint counts as saturated (429 when all eligible ones are).
         index: the prefix index (:func:`prefix_index` by default).
         salt: tie-break salt (a per-process random value by default, so replicas do not herd).
+        queue: the fair queue's settings; None or ``max_queued`` 0: no queue (429 at once when saturated).
+            With one, the picker must be used from the event loop serving the streams.
     """
 
     def __init__(
@@ -164,6 +193,7 @@ class EndpointPicker:
         saturation: Saturation | None = None,
         index: PrefixIndex | None = None,
         salt: bytes | None = None,
+        queue: QueueSettings | None = None,
     ) -> None:
         self.pool = pool
         self.metrics = metrics
@@ -171,10 +201,13 @@ class EndpointPicker:
         self.saturation = saturation if saturation is not None else Saturation()
         self.index = index if index is not None else prefix_index()
         self.salt = salt if salt is not None else os.urandom(16)
+        self.flow: FlowControl | None = None
+        if queue is not None and queue.max_queued > 0:
+            self.flow = FlowControl(queue, metrics, on_expired=self._expired, clock=pool.clock)
 
-    def decide(self, seen: RequestSeen) -> Routed | Refused:
-        """Route ``seen`` or refuse it (see the module doc); a routed request is counted in flight on its
-        first choice until :meth:`finished`."""
+    def decide(self, seen: RequestSeen) -> Routed | Refused | Waiting:
+        """Route ``seen``, refuse it, or (with a fair queue) let it wait (see the module doc); a routed
+        request is counted in flight on its first choice until :meth:`finished`."""
         request: InferenceRequest | None = None
         kind = INFERENCE_PATHS.get(seen.path)
         if kind is not None and seen.method == "POST" and seen.body_read:
@@ -182,22 +215,46 @@ class EndpointPicker:
                 request = parse_request(kind, seen.body)
             except RequestError as err:
                 return self._refuse(refused(err, "inferlb_epp_bad_request"))
-        subset: Collection[str] | None = None if seen.subset is None else frozenset(seen.subset)
-        states = self.pool.snapshot()
-        eligible = [s for s in states if s.healthy and (subset is None or s.address in subset)]
+        flow = self.flow
+        priority = 0
+        if flow is not None:
+            try:
+                priority = request_priority(seen, flow.settings.objectives)
+            except RequestError as err:
+                return self._refuse(refused(err, "inferlb_epp_bad_priority"))
+        eligible = self._eligible(seen.subset)
         if not eligible:
-            where = " in the gateway's subset hint" if subset is not None else ""
-            return self._refuse(
-                refused(
-                    RequestError(
-                        503,
-                        f"No model server endpoint{where} is ready to take the request.",
-                        type="server_error",
-                        code=NO_ENDPOINT_CODE,
-                    ),
-                    "inferlb_epp_no_endpoint",
+            return self._refuse(self._no_endpoint(seen.subset))
+        if flow is not None:
+            if not len(flow):
+                room = self._room(eligible)
+                if room:
+                    return self._route(request, room)
+            try:
+                waiting = flow.enqueue(
+                    priority=priority,
+                    fairness_id=fairness_id(seen),
+                    cost_tokens=request_cost(request, default_max_tokens=flow.settings.default_max_tokens),
+                    subset=seen.subset,
+                    request=request,
                 )
-            )
+            except QueueFull:
+                self.metrics.queue_full.inc()
+                return self._refuse(
+                    refused(
+                        RequestError(
+                            429,
+                            "Every model server endpoint that could take the request is saturated and "
+                            f"{flow.settings.max_queued} requests already wait; retry later.",
+                            type="rate_limit_error",
+                            code=QUEUE_FULL_CODE,
+                            retry_after_s=SHED_RETRY_AFTER_S,
+                        ),
+                        "inferlb_epp_queue_full",
+                    )
+                )
+            self.dispatch()
+            return waiting
         if all(saturated(s, self.saturation) for s in eligible):
             return self._refuse(
                 refused(
@@ -211,6 +268,67 @@ class EndpointPicker:
                     "inferlb_epp_shed",
                 )
             )
+        return self._route(request, eligible)
+
+    def _eligible(self, hint: tuple[str, ...] | None) -> list[EndpointState]:
+        subset: Collection[str] | None = None if hint is None else frozenset(hint)
+        return [s for s in self.pool.snapshot() if s.healthy and (subset is None or s.address in subset)]
+
+    def _no_endpoint(self, hint: tuple[str, ...] | None) -> Refused:
+        where = " in the gateway's subset hint" if hint is not None else ""
+        return refused(
+            RequestError(
+                503,
+                f"No model server endpoint{where} is ready to take the request.",
+                type="server_error",
+                code=NO_ENDPOINT_CODE,
+            ),
+            "inferlb_epp_no_endpoint",
+        )
+
+    def _room(self, eligible: list[EndpointState]) -> list[EndpointState]:
+        backlog = self.pool.backlog
+        return [s for s in eligible if not saturated(s, self.saturation, waiting=backlog(s.address))]
+
+    def _expired(self) -> Refused:
+        assert self.flow is not None
+        return self._refuse(
+            refused(
+                RequestError(
+                    429,
+                    f"The request waited {self.flow.settings.max_wait_s:g} s for a model server endpoint "
+                    "with room and none had any; retry later.",
+                    type="rate_limit_error",
+                    code=QUEUE_TIMEOUT_CODE,
+                    retry_after_s=SHED_RETRY_AFTER_S,
+                ),
+                "inferlb_epp_queue_timeout",
+            )
+        )
+
+    def dispatch(self) -> None:
+        """Admit waiting requests in the fair queue's order while the head's eligible endpoints have one with
+        room (:meth:`epp.pool.Pool.backlog`); a head with no eligible endpoint left is answered 503. A no-op
+        without a queue. Called when a request ends, after each scrape round and after each enqueue."""
+        flow = self.flow
+        if flow is None:
+            return
+        while (head := flow.head()) is not None:
+            eligible = self._eligible(head.subset)
+            if not eligible:
+                flow.take_head(self._refuse(self._no_endpoint(head.subset)), "unavailable")
+                continue
+            room = self._room(eligible)
+            if not room:
+                return
+            flow.take_head(self._route(head.request, room), "admitted")
+
+    def abandon(self, waiting: Waiting) -> Routed | Refused | None:
+        """``waiting``'s stream ended before its answer went: it leaves the queue. Returns the decision when
+        one was made already (a routed one holds an in-flight count the caller releases)."""
+        return self.flow.abandon(waiting) if self.flow is not None else None
+
+    def _route(self, request: InferenceRequest | None, eligible: list[EndpointState]) -> Routed:
         keys = block_keys(request)
         matched: Mapping[str, int] = (
             self.index.matched_blocks(keys, [s.address for s in eligible]) if keys else {}
@@ -253,9 +371,11 @@ class EndpointPicker:
         if served is not None and in_pool and served != first:
             self.pool.leave(first)
             self.pool.enter(served)
+            self.dispatch()  # the pick's room on the first choice is free again
             return served
         return first
 
     def finished(self, address: str) -> None:
-        """The request counted in flight on ``address`` ended."""
+        """The request counted in flight on ``address`` ended (its room goes to the fair queue's head)."""
         self.pool.leave(address)
+        self.dispatch()

@@ -103,13 +103,24 @@ class Saturation(msgspec.Struct, frozen=True, kw_only=True):
             raise ValueError(f"kv_usage must be in (0, 1], got {self.kv_usage}")
 
 
-def saturated(state: EndpointState, limits: Saturation) -> bool:
-    """True when ``state``'s waiting queue or KV-cache usage reached ``limits``."""
-    return state.waiting >= limits.queue_depth or state.kv_usage >= limits.kv_usage
+def saturated(state: EndpointState, limits: Saturation, *, waiting: float | None = None) -> bool:
+    """True when ``state``'s waiting queue (``waiting`` instead, when given: :meth:`Pool.backlog`) or its
+    KV-cache usage reached ``limits``."""
+    queue = state.waiting if waiting is None else waiting
+    return queue >= limits.queue_depth or state.kv_usage >= limits.kv_usage
 
 
 class _Live:
-    __slots__ = ("address", "in_flight", "kv_usage", "last_ok", "scraped", "waiting", "weight")
+    __slots__ = (
+        "address",
+        "in_flight",
+        "kv_usage",
+        "last_ok",
+        "scraped",
+        "since_scrape",
+        "waiting",
+        "weight",
+    )
 
     def __init__(self, endpoint: PoolEndpoint) -> None:
         self.address = endpoint.address
@@ -117,6 +128,8 @@ class _Live:
         self.in_flight = 0
         self.waiting = 0.0
         self.kv_usage = 0.0
+        #: requests sent to it since its last good scrape less those that ended since (see Pool.backlog)
+        self.since_scrape = 0
         #: monotonic seconds of the last good scrape; None before the first
         self.last_ok: float | None = None
         #: a scrape finished (good or not): the pool is synced once every endpoint has one
@@ -150,6 +163,11 @@ class Pool:
         self.stale_after_s = stale_after_s
         self._clock = clock
         self._addresses = tuple(self._live)
+
+    @property
+    def clock(self) -> Callable[[], float]:
+        """The pool's monotonic clock (seconds); the fair queue's too."""
+        return self._clock
 
     @property
     def addresses(self) -> tuple[str, ...]:
@@ -187,6 +205,7 @@ class Pool:
         e.kv_usage = min(max(metrics.kv_cache_usage or 0.0, 0.0), 1.0)
         e.last_ok = self._clock()
         e.scraped = True
+        e.since_scrape = 0
 
     def scrape_failed(self, address: str) -> None:
         """A failed scrape of ``address``: the last good values stay until they go stale."""
@@ -197,12 +216,27 @@ class Pool:
         live = self._live.get(address)
         if live is not None:
             live.in_flight += 1
+            live.since_scrape += 1
 
     def leave(self, address: str) -> None:
         """A request :meth:`enter` counted on ``address`` ended."""
         live = self._live.get(address)
         if live is not None and live.in_flight > 0:
             live.in_flight -= 1
+            live.since_scrape -= 1
+
+    def backlog(self, address: str) -> float:
+        """``address``'s waiting queue as estimated now (requests): the last scrape's
+        ``vllm:num_requests_waiting`` plus the requests this EPP sent it since that scrape, less those that
+        ended since (each end lets one waiting request start), at least 0.
+
+        What the fair queue's admission reads: the scrape alone is up to an interval old, and between two
+        scrapes an admission loop would send every waiting request to an endpoint the last scrape showed
+        with room (llm-d's flow controller overshot its saturation gate that way until it counted the
+        dispatches the scraped metrics had not seen yet).
+        """
+        e = self._live[address]
+        return max(0.0, e.waiting + e.since_scrape)
 
     def in_flight(self) -> dict[str, int]:
         """Address -> requests in flight (counted from this EPP's streams)."""
@@ -217,6 +251,7 @@ class Scraper:
         interval_s: seconds between the starts of two rounds.
         timeout_s: a scrape slower than this (seconds) failed.
         on_error: called with the address of each failed scrape (a metric counter).
+        on_round: called after each round (the fair queue admits what the fresh values make room for).
     """
 
     def __init__(
@@ -226,11 +261,13 @@ class Scraper:
         interval_s: float = DEFAULT_SCRAPE_INTERVAL_S,
         timeout_s: float = DEFAULT_SCRAPE_TIMEOUT_S,
         on_error: Callable[[str], None] = lambda address: None,
+        on_round: Callable[[], None] = lambda: None,
     ) -> None:
         self.pool = pool
         self.interval_s = interval_s
         self.timeout_s = timeout_s
         self.on_error = on_error
+        self.on_round = on_round
         self._task: asyncio.Task[None] | None = None
         self._session: aiohttp.ClientSession | None = None
         self._failed_logged: set[str] = set()
@@ -240,6 +277,7 @@ class Scraper:
         if self._session is None:
             self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.timeout_s))
         await asyncio.gather(*(self._scrape(a) for a in (addresses or self.pool.addresses)))
+        self.on_round()
 
     async def _scrape(self, address: str) -> None:
         assert self._session is not None

@@ -11,8 +11,10 @@ Envoy needs last (an immediate response, or the response's end) the stream waits
 (:data:`RESET_WAIT_S`) instead of ending itself, as :mod:`ext_proc.servicer` does: grpcio aio leaks a status
 batch that races the reset. However the stream ends (response end, client abort, cancellation) the
 request leaves the in-flight count exactly once, and a pick never reported as served is counted
-``unreported``. A bug while answering a message answers 500 with an OpenAI ``server_error`` body rather
-than aborting the stream (Envoy would answer a bare 500).
+``unreported``. A request that waits in the fair queue (:mod:`epp.flow`) holds its stream's answer until
+its admission or refusal; a stream cancelled meanwhile takes it out of the queue (and releases the pick
+when its admission came first). A bug while answering a message answers 500 with an OpenAI
+``server_error`` body rather than aborting the stream (Envoy would answer a bare 500).
 """
 
 from __future__ import annotations
@@ -117,6 +119,10 @@ class EndpointPickerProcessor(ep_grpc.ExternalProcessorServicer):  # type: ignor
                 if ex.routed is not None and counted is None:
                     counted = ex.routed.endpoints[0]
                 processing.labels(phase).observe(time.perf_counter() - started)
+                if ex.waiting is not None:
+                    out = await self._wait(ex)
+                    if ex.routed is not None and counted is None:
+                        counted = ex.routed.endpoints[0]
                 if not ex.done:
                     for answer in out:
                         await write(answer)
@@ -133,6 +139,19 @@ class EndpointPickerProcessor(ep_grpc.ExternalProcessorServicer):  # type: ignor
                 return
         finally:
             release()
+
+    async def _wait(self, ex: Exchange) -> list[ep.ProcessingResponse]:
+        """Wait for the decision on ``ex``'s queued request; the answers it gives."""
+        waiting = ex.waiting
+        assert waiting is not None
+        try:
+            decision = await waiting.outcome
+        except asyncio.CancelledError:
+            late = self.picker.abandon(waiting)
+            if late is not None:
+                ex.resume(late)  # an admission that came first: the stream's end releases its pick
+            raise
+        return ex.resume(decision)
 
 
 class Health:

@@ -153,6 +153,17 @@ class FairQueue:
                 return entry
         return None
 
+    def peek(self) -> QueuedRequest | None:
+        """The entry :meth:`pop` would return next, left waiting (None when nothing waits)."""
+        for band in sorted(self._bands):
+            heap = self._bands[band].heap
+            while heap:
+                _, order, request_id = heap[0]
+                if self._orders.get(request_id) == order:
+                    return self._entries[request_id]
+                heapq.heappop(heap)  # a stale slot (see pop)
+        return None
+
     def remove(self, request_id: str) -> bool:
         """Take a waiting entry out (its client went away); False if it was not waiting.
 

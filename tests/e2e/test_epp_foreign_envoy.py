@@ -11,7 +11,7 @@ GIE gateway makes); and response headers echoing, per request, the header and th
 metadata the EPP set, so each answer shows what was picked and where it ran (gpusim's
 ``x-inferlb-endpoint``).
 
-One stack for the module: gpusim, the EPP, Envoy.
+One stack for the module: gpusim, the EPP, Envoy (and a second EPP with a fair queue, behind a third Envoy).
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ import sys
 import time
 import urllib.request
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -215,6 +216,11 @@ class EppStack:
     gateway: str
     #: a second Envoy on the same EPP with GIE's older BUFFERED-body, no-response-phase mode
     buffered_gateway: str
+    #: a third Envoy, on a second EPP with a fair queue (one request since the last scrape saturates an
+    #: endpoint; it scrapes once at start, while gpusim is idle, then every 600 s: only ends make room, and
+    #: the other tests' load on gpusim never shows in its values)
+    queued_gateway: str
+    queued_epp_metrics: str
     admin: str
     epp: str
     epp_metrics: str
@@ -230,9 +236,9 @@ class EppStack:
         """Requests the EPP counts in flight over the whole pool."""
         return sum(v for k, v in self.metrics().items() if k.startswith("inferlb_epp_in_flight{"))
 
-    def metrics(self) -> dict[str, float]:
-        """The EPP's Prometheus samples, ``name{labels}`` -> value."""
-        with urllib.request.urlopen(f"http://{self.epp_metrics}/metrics", timeout=5) as resp:
+    def metrics(self, where: str | None = None) -> dict[str, float]:
+        """The EPP's Prometheus samples (the one serving ``where`` metrics), ``name{labels}`` -> value."""
+        with urllib.request.urlopen(f"http://{where or self.epp_metrics}/metrics", timeout=5) as resp:
             text = resp.read().decode()
         out: dict[str, float] = {}
         for line in text.splitlines():
@@ -275,6 +281,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EppStack]:
     doc = make_config_doc()
     config = write_config(work / "inferlb.yaml", doc)
     listen, admin, epp, epp_metrics, buffered_listen, buffered_admin = free_ports(6)
+    queued_listen, queued_admin, queued_epp, queued_metrics = free_ports(4)
     access_log = work / "access.log"
     bootstrap = work / "envoy.yaml"
     bootstrap.write_text(
@@ -286,6 +293,12 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EppStack]:
             foreign_bootstrap(
                 listen=buffered_listen, admin=buffered_admin, epp=epp, log=access_log, mode=BUFFERED_MODE
             )
+        )
+    )
+    queued = work / "envoy-queued.yaml"
+    queued.write_text(
+        yaml.safe_dump(
+            foreign_bootstrap(listen=queued_listen, admin=queued_admin, epp=queued_epp, log=access_log)
         )
     )
     pool = {e["name"]: e["address"] for e in doc["endpoints"] if e["model"] == MODEL}
@@ -302,6 +315,28 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EppStack]:
                     *("--scrape-interval", "0.2"),
                 ],
             ),
+            (
+                "epp-queued",
+                [
+                    *(sys.executable, "-m", "epp", "--config", str(config), "--model", MODEL),
+                    *(
+                        "--listen",
+                        f"127.0.0.1:{queued_epp}",
+                        "--metrics-listen",
+                        f"127.0.0.1:{queued_metrics}",
+                    ),
+                    *(
+                        "--scrape-interval",
+                        "600",
+                        "--queue-depth",
+                        "1",
+                        "--max-queued",
+                        "4",
+                        "--max-wait",
+                        "8",
+                    ),
+                ],
+            ),
             *(
                 (
                     envoy,
@@ -310,21 +345,35 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EppStack]:
                         *("--concurrency", "1", "-l", "warning"),
                     ],
                 )
-                for envoy, path in (("envoy", bootstrap), ("envoy-buffered", buffered))
+                for envoy, path in (
+                    ("envoy", bootstrap),
+                    ("envoy-buffered", buffered),
+                    ("envoy-queued", queued),
+                )
             ),
         ):
+            if name == "epp":
+                # an EPP's first scrape must find the pool up: it turns ready after that scrape even when it
+                # failed, and the endpoint stays unhealthy until a good one (600 s for the queued EPP)
+                _wait(
+                    "the pool's /health",
+                    lambda: all(_get(f"http://{a}/health") == 200 for a in pool.values()),
+                    procs,
+                )
             log = (work / f"{name}.log").open("wb")
             logs.append(log)
             procs.append(subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT))
-        _wait(
-            "the pool's /health", lambda: all(_get(f"http://{a}/health") == 200 for a in pool.values()), procs
-        )
-        _wait("the EPP's readiness", lambda: _health(f"127.0.0.1:{epp}", "readiness") == 1, procs)
-        for port in (admin, buffered_admin):
+        for port in (epp, queued_epp):
+            _wait(
+                "the EPP's readiness", lambda port=port: _health(f"127.0.0.1:{port}", "readiness") == 1, procs
+            )
+        for port in (admin, buffered_admin, queued_admin):
             _wait("Envoy's /ready", lambda port=port: _get(f"http://127.0.0.1:{port}/ready") == 200, procs)
         yield EppStack(
             gateway=f"127.0.0.1:{listen}",
             buffered_gateway=f"127.0.0.1:{buffered_listen}",
+            queued_gateway=f"127.0.0.1:{queued_listen}",
+            queued_epp_metrics=f"127.0.0.1:{queued_metrics}",
             admin=f"127.0.0.1:{admin}",
             epp=f"127.0.0.1:{epp}",
             epp_metrics=f"127.0.0.1:{epp_metrics}",
@@ -475,3 +524,37 @@ def test_a_buffered_body_gateway_without_response_phases_is_answered_in_its_orde
     while (left := stack.in_flight()) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert left == 0
+
+
+def test_a_request_on_a_saturated_endpoint_waits_and_is_admitted_when_the_one_ahead_ends(
+    stack: EppStack,
+) -> None:
+    target = sorted(stack.addresses.values())[0]
+    hint = {"x-subset-hint": target}
+
+    def chat(max_tokens: int, tenant: str) -> Reply:
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": max_tokens}
+        headers = {**hint, "x-gateway-inference-fairness-id": tenant}
+        return http_request(stack.queued_gateway, "POST", "/v1/chat/completions", body, headers)
+
+    def in_flight() -> float:
+        samples = stack.metrics(stack.queued_epp_metrics)
+        return sum(v for k, v in samples.items() if k.startswith("inferlb_epp_in_flight{"))
+
+    with ThreadPoolExecutor(1) as pool:
+        slow = pool.submit(chat, 4000, "a")  # decodes for a few hundred ms on the simulated GPU
+        deadline = time.monotonic() + 10
+        while in_flight() < 1:
+            assert time.monotonic() < deadline, (
+                f"the first request never went in flight: {slow.result() if slow.done() else 'pending'}"
+            )
+            time.sleep(0.01)
+        # the endpoint's backlog is 1 = --queue-depth: this one waits until the first ends
+        second = chat(4, "b")
+        first = slow.result(30)
+    assert first.status == 200 and second.status == 200, (first, second)
+    assert first.headers["x-test-picked-header"] == second.headers["x-test-picked-header"] == target
+    samples = stack.metrics(stack.queued_epp_metrics)
+    assert samples['inferlb_epp_queue_wait_seconds_count{outcome="admitted"}'] == 1
+    assert samples['inferlb_epp_requests_total{outcome="routed"}'] == 2
+    assert in_flight() == 0

@@ -44,9 +44,9 @@ class Running:
         return int(reply.status)
 
 
-@pytest.fixture
-async def running() -> AsyncIterator[Running]:
-    text = ["vllm:num_requests_waiting 0\nvllm:num_requests_running 1\nvllm:kv_cache_usage_perc 0.25\n"]
+async def serve_model_metrics(text: list[str]) -> tuple[web.AppRunner, str]:
+    """A model server's ``/metrics`` on a free loopback port, answering ``text[0]`` (500 for ``fail``) as it
+    is at each scrape. Returns the runner (``cleanup()`` stops it) and its ``ip:port``."""
 
     async def metrics(request: web.Request) -> web.Response:
         if text[0] == "fail":
@@ -59,8 +59,13 @@ async def running() -> AsyncIterator[Running]:
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
-    port = runner.addresses[0][1]
-    address = f"127.0.0.1:{port}"
+    return runner, f"127.0.0.1:{runner.addresses[0][1]}"
+
+
+@pytest.fixture
+async def running() -> AsyncIterator[Running]:
+    text = ["vllm:num_requests_waiting 0\nvllm:num_requests_running 1\nvllm:kv_cache_usage_perc 0.25\n"]
+    runner, address = await serve_model_metrics(text)
     pool = Pool([PoolEndpoint(address=address)], stale_after_s=0.3)
     epp_metrics = EppMetrics(pool.addresses, pool.in_flight)
     picker = EndpointPicker(pool, epp_metrics)

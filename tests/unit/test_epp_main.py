@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from epp.__main__ import _parser, main, pool_endpoints
+from epp.__main__ import _parser, main, pool_endpoints, queue_settings
 from epp.pool import PoolEndpoint, PoolError
 from tests.conftest import make_config_doc, write_config
 
@@ -64,3 +64,31 @@ def test_main_exits_2_and_logs_the_field(caplog: pytest.LogCaptureFixture) -> No
         assert main(["--endpoint", "10.0.0.1:80", "--kv-usage", "1.5"]) == 2
         assert main(["--endpoint", "10.0.0.1:80", "--listen", "nowhere"]) == 2
     assert "kv_usage" in caplog.text and "--listen" in caplog.text
+
+
+def test_queue_flags_build_the_fair_queue_and_bad_ones_exit_2(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    args = _parser().parse_args(
+        [
+            *("--endpoint", "10.0.0.1:80", "--max-queued", "16", "--max-wait", "2.5"),
+            *("--objective", "premium=100", "--objective", "batch=-10"),
+        ]
+    )
+    settings = queue_settings(args)
+    assert (settings.max_queued, settings.max_wait_s) == (16, 2.5)
+    assert settings.objectives == {"premium": 100, "batch": -10}
+    assert settings.default_max_tokens == 256
+    doc: dict[str, Any] = make_config_doc()
+    doc["models"][0]["default_max_tokens"] = 77
+    path = write_config(tmp_path / "c.yaml", doc)
+    model = doc["models"][0]["name"]
+    assert (
+        queue_settings(_parser().parse_args(["--config", str(path), "--model", model])).default_max_tokens
+        == 77
+    )
+    assert queue_settings(_parser().parse_args(["--endpoint", "10.0.0.1:80"])).max_queued == 0
+    with caplog.at_level(logging.ERROR, logger="epp"):
+        assert main(["--endpoint", "10.0.0.1:80", "--objective", "premium"]) == 2
+        assert main(["--endpoint", "10.0.0.1:80", "--max-queued", "4", "--max-wait", "0"]) == 2
+    assert "--objective" in caplog.text and "--max-wait" in caplog.text

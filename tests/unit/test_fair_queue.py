@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -182,3 +184,26 @@ def test_backlogged_tenants_stay_within_the_sfq_bound(heavy: list[int], light: l
         served[entry.tenant] += entry.cost_tokens
         send(entry.tenant)
         assert abs(served["h"] - served["l"]) <= max(heavy) + max(light)
+
+
+@settings(max_examples=100, deadline=None)
+@given(ops=st.lists(_op, max_size=60))
+def test_peek_names_what_pop_serves_next_and_leaves_it(ops: list[tuple[object, ...]]) -> None:
+    q = FairQueue(max_queued=30, max_wait_s=3)
+    now = 0.0
+    for n, op in enumerate(ops):
+        now += 0.25
+        if op[0] == "push":
+            _, tenant, band, cost = op
+            with contextlib.suppress(QueueFull):
+                q.push(str(n), tenant=str(tenant), band=int(band), cost_tokens=int(cost), now=now)  # type: ignore[call-overload]
+        elif op[0] == "pop":
+            size = len(q)
+            head = q.peek()
+            assert len(q) == size
+            assert q.pop() == head
+        elif op[0] == "expire":
+            q.expire(now + float(op[1]))  # type: ignore[arg-type]
+        else:
+            q.remove(str(op[1]))
+    assert (q.peek() is None) == (len(q) == 0)

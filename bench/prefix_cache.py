@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import math
 import time
 from pathlib import Path
 
@@ -84,19 +85,30 @@ async def gpusim_cold_warm(config: Config, pairs: int) -> tuple[list[float], lis
 # -- fleetsim: placement vs the ideal ------------------------------------------------------------------------
 
 
-def ideal_hits(rows: list[TraceRow]) -> tuple[int, int]:
-    """(hit tokens, query tokens) of one never-evicting cache that sees every row, by vLLM's counting."""
+def ideal_hits(
+    rows: list[TraceRow],
+    *,
+    start_s: float = 0.0,
+    end_s: float = math.inf,
+    block_tokens: int = MOONCAKE_BLOCK_TOKENS,
+) -> tuple[int, int]:
+    """(hit tokens, query tokens) of one never-evicting cache that sees every row, by vLLM's counting (the
+    longest run of leading blocks seen before, at most ``prompt - 1`` tokens), counted over the rows that
+    arrive in ``[start_s, end_s)`` (rows must be sorted by arrival; earlier ones still fill the cache)."""
     seen: set[int] = set()
     hits = queries = 0
     for r in rows:
-        most = (r.prompt_tokens - 1) // MOONCAKE_BLOCK_TOKENS
-        n = 0
-        for h in r.block_hashes[:most]:
-            if h not in seen:
-                break
-            n += 1
-        hits += n * MOONCAKE_BLOCK_TOKENS
-        queries += r.prompt_tokens
+        if r.offset_s >= end_s:
+            break
+        if r.offset_s >= start_s:
+            most = (r.prompt_tokens - 1) // block_tokens
+            n = 0
+            for h in r.block_hashes[:most]:
+                if h not in seen:
+                    break
+                n += 1
+            hits += n * block_tokens
+            queries += r.prompt_tokens
         seen.update(r.block_hashes)
     return hits, queries
 

@@ -12,12 +12,14 @@
   in-process store; the Redis store is an adapter (:mod:`inferlb.adapters.quota_redis`).
 - :mod:`inferlb.policy.settlement`: the exactly-once rule that settles reservations from access-log entries
   (ext_authz mode's metering).
-- :mod:`inferlb.policy.picker`: the endpoint picker's scoring (prefix match, load, KV usage, the load guard).
+- :mod:`inferlb.policy.picker`: the endpoint picker's scoring (prefix match, request and token load, KV
+  usage, the load guard, length-class eligibility).
 - :mod:`inferlb.policy.fair_queue`: per-model waiting under saturation (strict bands, start-time fair
   queueing by tokens within one, bounded waits).
 - :mod:`inferlb.policy.endpoint_book`: a request-path process's view of the picking models' endpoints
   (the xDS server's state, its own in-flight counts per endpoint) as the picker's inputs.
 - :mod:`inferlb.policy.kv_index`: the precise prefix index, rebuilt from the model servers' KV events.
+- :mod:`inferlb.policy.prefix_index`: the approximate prefix index, learnt from the picker's own picks.
 
 May import: :mod:`inferlb.errors`, :mod:`inferlb.config`, :mod:`inferlb.request`, prometheus_client's text
 parser; no server, client, Redis, NVML or simulator.

@@ -5,7 +5,10 @@ runs a trace's requests through ``N`` simulated model servers (one continuous-ba
 injected by the caller: ``simulation.gpusim.engine.BatchEngine`` satisfies
 :class:`simulation.fleetsim.seams.ServingEngine`; the package does not import gpusim) with one of six
 balancers that reproduce what Envoy does, without Envoy (``round_robin``, ``least_request``,
-``static_weights``, ``telemetry_weights``, ``length_aware``, ``tiered``).
+``static_weights``, ``telemetry_weights``, ``length_aware``, ``tiered``), or one of three prefix-aware
+placements (``ring_hash``: Envoy's ring hash with bounded load on the prefix; ``approximate`` and
+``precise``: the endpoint picker :func:`inferlb.policy.picker.pick` over an approximate prefix index learnt
+from its own picks, or over the engines' real prefix caches, what perfect KV events would give).
 
 Modules (each imports only those above it, and the core):
 
@@ -17,7 +20,8 @@ Modules (each imports only those above it, and the core):
 - :mod:`simulation.fleetsim.scenario`: the policies and :class:`~simulation.fleetsim.scenario.Scenario`, the
   definition of one run (bounds, telemetry, fault, placement options).
 - :mod:`simulation.fleetsim.balancers`: Envoy's load balancers (EDF scheduler, round robin, least request,
-  tiered and length-aware placement) and :func:`~simulation.fleetsim.balancers.make_balancer`.
+  tiered and length-aware placement, ring hash) and the endpoint picker's placement, and
+  :func:`~simulation.fleetsim.balancers.make_balancer`.
 - :mod:`simulation.fleetsim.signals`: the telemetry one simulated GPU shows the weight policy (its
   model server's metrics and its NVML view).
 - :mod:`simulation.fleetsim.results`: the figures of a run

@@ -52,13 +52,21 @@
 
 from __future__ import annotations
 
+import bisect
+import hashlib
 import heapq
+import math
 import random
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from itertools import pairwise
 from typing import Protocol, overload
 
+import msgspec
+
 from inferlb.policy.length_aware import tier_capacity_shares
+from inferlb.policy.picker import EndpointState, PickerWeights, PrefixIndex, pick
+from inferlb.policy.prefix_index import ApproximatePrefixIndex
+from inferlb.traces import TraceRow
 from simulation.fleetsim.scenario import Scenario
 from simulation.fleetsim.workload import FleetGpu
 
@@ -432,6 +440,8 @@ def make_balancer(
     long_output_threshold: int = 0,
     saturation_active: Sequence[int] | None = None,
     tier_thresholds: Sequence[int] = (),
+    caches: Sequence[CachedPrefixes | None] = (),
+    cache_blocks: Sequence[int] = (),
 ) -> Balancer:
     """The balancer of ``scenario.policy`` over ``gpus``, with its initial weights (equal, or the static
     capacity weights for the weighted policies: the telemetry policies start from the profile weights,
@@ -446,14 +456,45 @@ def make_balancer(
     :func:`inferlb.policy.length_aware.tier_capacity_shares` (the fastest tier, the two fastest, ...), with
     ``tier_thresholds`` (one per set, longest first).
 
+    For ``ring_hash``: a :class:`RingHashBalancer` over the GPUs' ``relative_capacity``, keyed on the first
+    ``scenario.affinity_blocks`` block ids, bounded by ``scenario.hash_balance_factor``. For
+    ``approximate`` and ``precise``: a :class:`PickerBalancer` with ``scenario.picker_weights`` and
+    ``scenario.block_tokens``, over an :class:`inferlb.policy.prefix_index.ApproximatePrefixIndex` whose
+    per-GPU capacity is ``cache_blocks`` (each engine's cache in blocks; default: unbounded), or over the
+    engines' own ``caches`` (:class:`EngineCacheIndex`; ``precise_speculative``: with the pending picks,
+    :class:`SpeculativeCacheIndex`).
+
     Raises:
         ValueError: for ``length_aware``, no GPU in the fast set; for ``tiered``, not one threshold per
-            tier set.
+            tier set; for ``precise``, not one cache per GPU.
     """
     n = len(gpus)
     bounds = saturation_active if saturation_active is not None else [16] * n
     if scenario.policy == "round_robin":
         return RoundRobinBalancer(n, rng=rng)
+    if scenario.policy == "ring_hash":
+        return RingHashBalancer(
+            [g.relative_capacity for g in gpus],
+            key_blocks=scenario.affinity_blocks,
+            balance=scenario.hash_balance_factor / 100.0,
+        )
+    if scenario.policy in ("approximate", "precise", "precise_speculative"):
+        index: PrefixIndex
+        if scenario.policy != "approximate":
+            held = [c for c in caches if c is not None]
+            if len(held) != n:
+                raise ValueError(f"the {scenario.policy} policy needs every engine's prefix cache")
+            index = EngineCacheIndex(held) if scenario.policy == "precise" else SpeculativeCacheIndex(held)
+        else:
+            caps = {str(g): max(1, b) for g, b in enumerate(cache_blocks)}
+            index = ApproximatePrefixIndex(capacity_blocks=1 << 40, max_entries=1 << 40, capacities=caps)
+        return PickerBalancer(
+            [g.relative_capacity for g in gpus],
+            index=index,
+            weights=scenario.picker_weights,
+            block_tokens=scenario.block_tokens,
+            salt=str(scenario.seed).encode(),
+        )
     if scenario.policy in ("tiered", "length_aware"):
         if scenario.policy == "tiered":
             tiers = tier_capacity_shares([g.relative_capacity for g in gpus])
@@ -482,3 +523,334 @@ def make_balancer(
     if scenario.policy in ("static_weights", "telemetry_weights"):
         lr.set_weights([g.static_weight for g in gpus], [0] * n)
     return lr
+
+
+# -- prefix-aware placement ----------------------------------------------------------------------------------
+
+
+class RequestBalancer(Protocol):
+    """A balancer that reads the request (its prompt's block ids and lengths) and follows what happens to it:
+    the gateway's view. The loop calls :meth:`pick_request` instead of ``pick``, then :meth:`first_token`
+    and :meth:`finished` as the request streams (the gateway sees both)."""
+
+    def pick_request(self, active: Sequence[int], request: int, row: TraceRow) -> int:
+        """The host for arrival ``request`` (its trace row ``row``)."""
+        ...
+
+    def first_token(self, host: int, request: int) -> None:
+        """Arrival ``request``'s first token left ``host`` (its prefill is done)."""
+        ...
+
+    def finished(self, host: int, request: int) -> None:
+        """Arrival ``request`` ended on ``host`` (done, or refused)."""
+        ...
+
+
+def _blake64(data: bytes) -> int:
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "big")
+
+
+class RingHashBalancer:
+    """Envoy ``RING_HASH`` with bounded load, keyed on the request's prefix: the ring of
+    ``source/extensions/load_balancing_policies/ring_hash/ring_hash_lb.cc`` and the bounded-load walk of
+    ``hash_balance_factor`` (Envoy docs "Ring hash": "each host is hashed onto the ring ... proportional to
+    its weight"; ``ConsistentHashingLbConfig.hash_balance_factor``).
+
+    The ring: host ``h`` gets ``round(scale * weight_h / W)`` points (at least one) with ``scale =
+    min(ceil(min_share * minimum_ring_size) / min_share, maximum_ring_size)``, ``min_share`` the least
+    normalised weight, as Envoy sizes it (``minimum_ring_size`` 1024 by default, Envoy's); a point is a
+    64-bit hash of ``"{host}_{i}"`` (BLAKE2b here, xxHash64 in Envoy: a different but equally uniform
+    placement). A request's key is the hash of its first ``key_blocks`` block ids (the DES stand-in for the
+    gateway's prefix key, :mod:`inferlb.policy.affinity`: the conversation's opening); it goes to the first
+    point clockwise from it whose host is not overloaded: ``active_h + 1 > ceil(balance * (A + 1) *
+    weight_h / W)`` with ``A`` the hosts' active requests (the bounded load of Mirrokni et al., as Envoy's
+    ``BoundedLoadHashingLoadBalancer``). A request without block ids hashes on its arrival index.
+
+    Raises:
+        ValueError: no hosts, a non-positive weight, ``key_blocks < 1``, ``balance < 1`` or a ring size
+            below 1.
+    """
+
+    def __init__(
+        self,
+        weights: Sequence[float],
+        *,
+        key_blocks: int,
+        balance: float = 1.5,
+        minimum_ring_size: int = 1024,
+        maximum_ring_size: int = 8 * 1024 * 1024,
+    ) -> None:
+        if not weights or any(not w > 0 for w in weights):
+            raise ValueError("ring hash needs at least one host, every weight > 0")
+        if key_blocks < 1:
+            raise ValueError(f"key_blocks must be >= 1, got {key_blocks}")
+        if not balance >= 1.0:
+            raise ValueError(f"hash_balance_factor must be >= 100 (balance >= 1), got {balance}")
+        if minimum_ring_size < 1 or maximum_ring_size < minimum_ring_size:
+            raise ValueError("ring sizes must be >= 1, the maximum at least the minimum")
+        total = sum(weights)
+        shares = [w / total for w in weights]
+        least = min(shares)
+        scale = min(math.ceil(least * minimum_ring_size) / least, maximum_ring_size)
+        points: list[tuple[int, int]] = []
+        for h, s in enumerate(shares):
+            for i in range(max(1, round(scale * s))):
+                points.append((_blake64(f"{h}_{i}".encode()), h))
+        points.sort()
+        self._hashes = [p for p, _ in points]
+        self._hosts = [h for _, h in points]
+        self._weights = [float(w) for w in weights]
+        self._total = total
+        self._balance = balance
+        self.key_blocks = key_blocks
+        self.spills = 0  # requests sent past their key's first host by the bound
+
+    @property
+    def ring_size(self) -> int:
+        """Points on the ring."""
+        return len(self._hashes)
+
+    def set_weights(self, weights: Sequence[int], active: Sequence[int]) -> None:
+        """EDS weights are not followed (the ring is built once from the capacity weights)."""
+
+    def pick(self, active: Sequence[int]) -> int:
+        """Without a request, the key is unknown: the ring's first point (callers use :meth:`pick_key`)."""
+        return self.pick_key(active, 0)
+
+    def pick_key(self, active: Sequence[int], key: int) -> int:
+        """The first host clockwise from ``key`` (64-bit) within the bounded load."""
+        n = len(self._hashes)
+        start = bisect.bisect_left(self._hashes, key) % n
+        total_active = sum(active) + 1
+        factor = self._balance * total_active / self._total
+        w = self._weights
+        first = self._hosts[start]
+        for j in range(n):
+            h = self._hosts[(start + j) % n]
+            if active[h] + 1 <= math.ceil(factor * w[h]):
+                if h != first:
+                    self.spills += 1
+                return h
+        return first
+
+    def pick_request(self, active: Sequence[int], request: int, row: TraceRow) -> int:
+        """The host of ``row``'s prefix key (see the class doc)."""
+        ids = row.block_hashes[: self.key_blocks]
+        data = b"".join(i.to_bytes(8, "big", signed=True) for i in ids) if ids else f"r{request}".encode()
+        return self.pick_key(active, _blake64(data))
+
+    def first_token(self, host: int, request: int) -> None:
+        """Not followed."""
+
+    def finished(self, host: int, request: int) -> None:
+        """Not followed."""
+
+
+class CachedPrefixes(Protocol):
+    """What the ``precise`` balancer reads of one engine's prefix cache
+    (:class:`simulation.kvcache.PrefixCache` satisfies it)."""
+
+    def is_cached(self, block_hash: int) -> bool: ...
+
+
+class EngineCacheIndex:
+    """A :class:`inferlb.policy.picker.PrefixIndex` that reads the engines' prefix caches themselves: the
+    exact state a gateway would rebuild from perfect KV events (vLLM's ``BlockStored`` / ``BlockRemoved``
+    with no delay nor loss). A block is cached from the moment its engine *schedules* the request that
+    computes it (:meth:`simulation.kvcache.PrefixCache.allocate`), as vLLM emits ``BlockStored``, so a
+    request still queued is not yet visible. Hosts are named by their index as a string."""
+
+    def __init__(self, caches: Sequence[CachedPrefixes]) -> None:
+        self._is_cached = [c.is_cached for c in caches]  # bound once: a lookup per host per request
+
+    def matched_blocks(self, keys: Sequence[int], addresses: Collection[str]) -> Mapping[str, int]:
+        """Host -> leading ``keys`` its cache holds now (hosts holding none left out)."""
+        out: dict[str, int] = {}
+        if not keys:
+            return out
+        k0 = keys[0]
+        n = len(keys)
+        for g, is_cached in enumerate(self._is_cached):
+            if is_cached(k0):
+                m = 1
+                while m < n and is_cached(keys[m]):
+                    m += 1
+                out[str(g)] = m
+        return out
+
+    def record_pick(self, address: str, keys: Sequence[int]) -> None:
+        """Nothing to learn: the caches themselves are read."""
+
+
+class SpeculativeCacheIndex(EngineCacheIndex):
+    """:class:`EngineCacheIndex` plus the picks whose blocks the engines have not cached yet: a request sent
+    and not yet scheduled counts as held by its host (llm-d's precise prefix-cache scorer does the same,
+    "speculative" entries added at pick time until the KV events confirm them). Without it, a follow-up
+    that arrives while its conversation's previous turn still waits in the engine's queue sees nothing
+    cached and is placed by load alone. An entry lasts until the request's first token (by then its
+    engine has scheduled it and its cache holds the blocks) or its end."""
+
+    def __init__(self, caches: Sequence[CachedPrefixes]) -> None:
+        super().__init__(caches)
+        self._pending: dict[int, tuple[str, tuple[int, ...]]] = {}  # request -> (host, keys)
+        self._holders: dict[int, dict[str, int]] = {}  # key -> host -> pending requests holding it
+
+    def add(self, request: int, address: str, keys: Sequence[int]) -> None:
+        """Request ``request`` with ``keys`` was sent to ``address``."""
+        ks = tuple(keys)
+        self._pending[request] = (address, ks)
+        for k in ks:
+            by = self._holders.setdefault(k, {})
+            by[address] = by.get(address, 0) + 1
+
+    def settle(self, request: int) -> None:
+        """Request ``request`` was scheduled (its first token) or ended: its entries go."""
+        got = self._pending.pop(request, None)
+        if got is None:
+            return
+        address, ks = got
+        for k in ks:
+            by = self._holders[k]
+            if by[address] == 1:
+                del by[address]
+                if not by:
+                    del self._holders[k]
+            else:
+                by[address] -= 1
+
+    def matched_blocks(self, keys: Sequence[int], addresses: Collection[str]) -> Mapping[str, int]:
+        """The caches' matches, raised to the pending picks' where those are longer."""
+        out = dict(super().matched_blocks(keys, addresses))
+        if not keys:
+            return out
+        first = self._holders.get(keys[0])
+        if not first:
+            return out
+        for a in first:
+            m = 1
+            while m < len(keys) and a in self._holders.get(keys[m], ()):
+                m += 1
+            if m > out.get(a, 0):
+                out[a] = m
+        return out
+
+
+class PickerBalancer:
+    """The endpoint picker (:func:`inferlb.policy.picker.pick`) as the DES balancer: ``approximate`` with an
+    :class:`inferlb.policy.prefix_index.ApproximatePrefixIndex` fed by its own picks, ``precise`` with an
+    :class:`EngineCacheIndex` over the engines' caches, or any other index.
+
+    The state it passes per host is the gateway's own: ``in_flight`` (its active requests),
+    ``prefill_tokens`` (the prompt tokens it expected each request in flight to prefill, ``prompt_tokens -
+    block_tokens * matched`` at its pick, until its first token) and ``decode_tokens`` (the completion tokens
+    of the requests in flight, the trace's standing in for ``max_tokens``, until they end); ``weight`` the
+    GPU's ``relative_capacity``. The model servers' queue and KV usage (scraped in the live stack) are not
+    modelled (0). A request's block keys are its trace block ids, cut to what a lookup may hit
+    (``(prompt_tokens - 1) // block_tokens``, vLLM's rule); the first pick of the list is the host.
+
+    Raises:
+        ValueError: a non-positive capacity or ``block_tokens < 1``.
+    """
+
+    def __init__(
+        self,
+        capacities: Sequence[float],
+        *,
+        index: PrefixIndex,
+        weights: PickerWeights,
+        block_tokens: int,
+        salt: bytes = b"",
+    ) -> None:
+        if any(not c > 0 for c in capacities):
+            raise ValueError("capacities must be > 0")
+        if block_tokens < 1:
+            raise ValueError(f"block_tokens must be >= 1, got {block_tokens}")
+        self._n = len(capacities)
+        self._index = index
+        self._weights = weights
+        self._block_tokens = block_tokens
+        self._salt = salt
+        self._names = [str(g) for g in range(self._n)]
+        self._all = frozenset(self._names)
+        self._states = [
+            EndpointState(address=self._names[g], weight=float(c)) for g, c in enumerate(capacities)
+        ]
+        self._prefill = [0.0] * self._n
+        self._decode = [0.0] * self._n
+        self._pending_prefill: dict[int, float] = {}
+        self._pending_decode: dict[int, float] = {}
+        self._picks = 0
+        #: requests whose pick saw at least one block held somewhere, and the blocks it expected to hit
+        self.matched_requests = 0
+        self.expected_hit_blocks = 0
+
+    def set_weights(self, weights: Sequence[int], active: Sequence[int]) -> None:
+        """EDS weights are not read (the picker weighs by ``relative_capacity``)."""
+
+    def pick(self, active: Sequence[int]) -> int:
+        """A request of no known prompt: by load alone."""
+        self._sync(active)
+        return int(pick(self._states, weights=self._weights, salt=self._salt)[0])
+
+    def _sync(self, active: Sequence[int]) -> None:
+        states = self._states
+        for g in range(self._n):
+            s = states[g]
+            if s.in_flight != active[g]:
+                states[g] = msgspec.structs.replace(s, in_flight=active[g])
+
+    def _set(self, g: int) -> None:
+        self._states[g] = msgspec.structs.replace(
+            self._states[g], prefill_tokens=self._prefill[g], decode_tokens=self._decode[g]
+        )
+
+    def pick_request(self, active: Sequence[int], request: int, row: TraceRow) -> int:
+        """The picker's first choice for ``row`` (see the class doc)."""
+        self._sync(active)
+        bt = self._block_tokens
+        keys = row.block_hashes[: max(0, row.prompt_tokens - 1) // bt]
+        matched = self._index.matched_blocks(keys, self._all) if keys else {}
+        self._picks += 1
+        chosen = pick(
+            self._states,
+            prompt_blocks=len(keys),
+            matched_blocks=matched,
+            weights=self._weights,
+            salt=self._salt,
+            prompt_tokens=row.prompt_tokens,
+            block_tokens=bt,
+            candidate_seed=self._picks,
+        )[0]
+        g = int(chosen)
+        m = min(matched.get(chosen, 0), len(keys))
+        if matched:
+            self.matched_requests += 1
+        self.expected_hit_blocks += m
+        if keys:
+            self._index.record_pick(chosen, keys)
+            if isinstance(self._index, SpeculativeCacheIndex):
+                self._index.add(request, chosen, keys)
+        miss = float(max(row.prompt_tokens - bt * m, 0))
+        self._pending_prefill[request] = miss
+        self._pending_decode[request] = float(row.output_tokens)
+        self._prefill[g] += miss
+        self._decode[g] += row.output_tokens
+        self._set(g)
+        return g
+
+    def first_token(self, host: int, request: int) -> None:
+        """Its prefill is done: its prompt tokens leave the host's ``prefill_tokens``."""
+        if isinstance(self._index, SpeculativeCacheIndex):
+            self._index.settle(request)
+        miss = self._pending_prefill.pop(request, None)
+        if miss is not None:
+            self._prefill[host] = max(0.0, self._prefill[host] - miss)
+            self._set(host)
+
+    def finished(self, host: int, request: int) -> None:
+        """It ended: its completion tokens leave ``decode_tokens`` (and its prefill, if never done)."""
+        self.first_token(host, request)
+        d = self._pending_decode.pop(request, None)
+        if d is not None:
+            self._decode[host] = max(0.0, self._decode[host] - d)
+            self._set(host)

@@ -28,7 +28,7 @@ from inferlb.policy.length_aware import (
 )
 from inferlb.policy.weights import WeightParams, WeightState, fleet_reference_rate, step, target_weight
 from inferlb.traces import TraceRow, percentile
-from simulation.fleetsim.balancers import TieredBalancer, make_balancer
+from simulation.fleetsim.balancers import PickerBalancer, RingHashBalancer, TieredBalancer, make_balancer
 from simulation.fleetsim.results import FleetRunResult, TrafficShift, traffic_shift
 from simulation.fleetsim.scenario import TELEMETRY_POLICIES, Scenario
 from simulation.fleetsim.seams import (
@@ -122,6 +122,8 @@ class _FleetRun:
         self.n = n
         rng = random.Random(scenario.seed)
         self.engines = [make_engine(g) for g in gpus]
+        # the engines' prefix caches, for the policies that read or size by them (None: an engine has none)
+        caches = [getattr(e, "prefix_cache", None) for e in self.engines]
         self.threshold = self._long_output_threshold()
         self.tiers = self._tier_thresholds()
         self.balancer = make_balancer(
@@ -131,6 +133,12 @@ class _FleetRun:
             long_output_threshold=self.threshold or 0,
             saturation_active=[e.model.max_batch for e in self.engines],
             tier_thresholds=self.tiers,
+            caches=caches,
+            cache_blocks=[0 if c is None else int(c.num_blocks) for c in caches],
+        )
+        # the balancer when it reads each request and follows its stream (ring_hash, the picker), else None
+        self.by_request = (
+            self.balancer if isinstance(self.balancer, (RingHashBalancer, PickerBalancer)) else None
         )
         # the balancer when it places by length (length_aware, tiered), else None
         self.by_length = self.balancer if isinstance(self.balancer, TieredBalancer) else None
@@ -274,9 +282,13 @@ class _FleetRun:
                 assert isinstance(ev, FinishedLike)
                 self.done_at[int(ev.request_id)] = ev.at
                 self.active[g] -= 1
+                if self.by_request is not None:
+                    self.by_request.finished(g, int(ev.request_id))
             elif k == _FIRST:
                 assert isinstance(ev, FirstTokenLike)
                 self.first_at[int(ev.request_id)] = ev.at
+                if self.by_request is not None:
+                    self.by_request.first_token(g, int(ev.request_id))
 
     def _reschedule(self, g: int) -> None:
         """Queue GPU ``g``'s next engine transition, unless the one queued is still it."""
@@ -296,7 +308,12 @@ class _FleetRun:
         r = self.rows[ai]
         active = self.active
         by_length = self.by_length
-        g = self.balancer.pick(active) if by_length is None else by_length.pick_for(active, r.output_tokens)
+        if self.by_request is not None:
+            g = self.by_request.pick_request(active, ai, r)
+        elif by_length is None:
+            g = self.balancer.pick(active)
+        else:
+            g = by_length.pick_for(active, r.output_tokens)
         rid = str(ai)
         self.arrival_gpu[ai] = g
         eng = self.engines[g]
@@ -315,6 +332,8 @@ class _FleetRun:
             active[g] += 1
         else:
             self.refused[ai] = True
+            if self.by_request is not None:
+                self.by_request.finished(g, ai)
         self._handle(g, eng.advance(t))
         self._reschedule(g)
 
@@ -468,6 +487,8 @@ class _FleetRun:
             e2e_p99_s=percentile(e2e, 99),
             ttft_p50_s=percentile(ttft, 50),
             ttft_p99_s=percentile(ttft, 99),
+            ttft_p90_s=percentile(ttft, 90),
+            mean_in_flight=self._mean_in_flight(),
             throughput_tokens_per_s=tokens / window,
             busy_percent=busy,
             busy_spread_pts=max(busy) - min(busy),
@@ -493,6 +514,21 @@ class _FleetRun:
             prefix_cache_queries=sum(end_mark[g][3] - start_mark[g][3] for g in range(n)),
             prefix_cache_hits=sum(end_mark[g][4] - start_mark[g][4] for g in range(n)),
         )
+
+    def _mean_in_flight(self) -> tuple[float, ...]:
+        """Per GPU, its time-averaged active requests over the window (each request counts from its
+        arrival to its end, or the end of the run)."""
+        warmup, duration = self.scenario.warmup_s, self.scenario.duration_s
+        window = duration - warmup
+        held = [0.0] * self.n
+        for i, r in enumerate(self.rows):
+            if self.refused[i]:
+                continue
+            end = self.done_at[i] if not math.isnan(self.done_at[i]) else self.now
+            lo, hi = max(r.offset_s, warmup), min(end, duration)
+            if hi > lo:
+                held[self.arrival_gpu[i]] += hi - lo
+        return tuple(h / window for h in held)
 
     def _latencies(self) -> tuple[list[float], list[float], int]:
         """End-to-end latencies and TTFTs of the measured requests that finished, and the measured count."""
@@ -530,7 +566,7 @@ class _FleetRun:
             model = self.engines[g].model
             b = model.max_batch
             decoded = max(0, end_mark[g][1] - start_mark[g][1] - first_tokens[g])
-            prefilled = end_mark[g][2] - start_mark[g][2] - (end_mark[g][4] - start_mark[g][4])
+            prefilled = max(0, end_mark[g][2] - start_mark[g][2] - (end_mark[g][4] - start_mark[g][4]))
             work_s.append(model.prefill_seconds(prefilled) + decoded * model.decode_step_seconds(b) / b)
         return tuple(100.0 * w / window for w in work_s)
 

@@ -83,6 +83,9 @@ class FleetRunResult:
         prefix_cache_queries / prefix_cache_hits: prompt tokens the GPUs' prefix caches looked up, and found,
             in the window (tokens, summed over GPUs; 0 when the engines have no cache or the trace no block
             ids). :attr:`prefix_cache_hit_rate` is their ratio.
+        ttft_p90_s: time to first token, 90th percentile (s), as ``ttft_p99_s``.
+        mean_in_flight: per GPU, its active requests averaged over the window (requests; a request counts
+            from its arrival to its end).
     """
 
     policy: Policy
@@ -120,6 +123,8 @@ class FleetRunResult:
     live_classes: bool = False
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
+    ttft_p90_s: float = math.nan
+    mean_in_flight: tuple[float, ...] = ()
 
     @property
     def prefix_cache_hit_rate(self) -> float:

@@ -7,21 +7,22 @@ The balancer of each policy is described in :mod:`simulation.fleetsim.balancers`
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, get_args
 
 from inferlb.policy.length_aware import DEFAULT_TIER_WORK_FRACTION
+from inferlb.policy.picker import DEFAULT_WEIGHTS, PickerWeights
+from inferlb.traces import MOONCAKE_BLOCK_TOKENS
 
-Policy = Literal[
+WeightPolicy = Literal[
     "round_robin", "least_request", "static_weights", "telemetry_weights", "length_aware", "tiered"
 ]
-POLICIES: tuple[Policy, ...] = (
-    "round_robin",
-    "least_request",
-    "static_weights",
-    "telemetry_weights",
-    "length_aware",
-    "tiered",
-)
+PrefixPolicy = Literal["ring_hash", "approximate", "precise", "precise_speculative"]
+Policy = Literal[WeightPolicy, PrefixPolicy]
+#: The weight and length policies (the fleet benchmark's set).
+POLICIES: tuple[Policy, ...] = get_args(WeightPolicy)
+#: The prefix-affinity policies: Envoy's ring hash on the prefix, and the endpoint picker over an
+#: approximate or a precise prefix index (the latter with or without the pending picks).
+PREFIX_POLICIES: tuple[Policy, ...] = get_args(PrefixPolicy)
 #: The policies whose weights follow the telemetry (:func:`inferlb.policy.weights.step`).
 TELEMETRY_POLICIES: frozenset[Policy] = frozenset({"telemetry_weights", "length_aware", "tiered"})
 
@@ -66,6 +67,10 @@ class Scenario:
             :func:`inferlb.policy.length_aware.hold_performance`; the sets by
             :func:`inferlb.policy.length_aware.live_class_sets` over each set's minimum capacity; applied with
             the weights, ``push_delay_s`` later); False: fixed by GPU class.
+        affinity_blocks: for ``ring_hash``: the request's leading block ids its hash key covers (>= 1).
+        hash_balance_factor: for ``ring_hash``: Envoy's bounded load (%; >= 100).
+        picker_weights: for ``approximate`` and ``precise``: the endpoint picker's weights.
+        block_tokens: for ``approximate`` and ``precise``: tokens per block id of the trace (Mooncake: 512).
 
     Raises:
         ValueError: a non-positive duration, period or factor, a negative delay, a warm-up not before the
@@ -91,10 +96,16 @@ class Scenario:
     tier_work_fraction: float = DEFAULT_TIER_WORK_FRACTION
     spill: bool = True
     live_classes: bool = False
+    affinity_blocks: int = 2
+    hash_balance_factor: int = 150
+    picker_weights: PickerWeights = DEFAULT_WEIGHTS
+    block_tokens: int = MOONCAKE_BLOCK_TOKENS
 
     def __post_init__(self) -> None:
-        if self.policy not in POLICIES:
-            raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
+        if self.policy not in POLICIES + PREFIX_POLICIES:
+            raise ValueError(f"policy must be one of {POLICIES + PREFIX_POLICIES}, got {self.policy!r}")
+        if self.affinity_blocks < 1 or self.hash_balance_factor < 100 or self.block_tokens < 1:
+            raise ValueError("affinity_blocks and block_tokens must be >= 1, hash_balance_factor >= 100")
         if not (self.duration_s > 0 and self.telemetry_period_s > 0 and self.throttle_factor > 0):
             raise ValueError("duration_s, telemetry_period_s and throttle_factor must be > 0")
         if not 0 <= self.warmup_s < self.duration_s:

@@ -20,6 +20,7 @@ above which ``length_aware`` calls a request long (a nearest-rank percentile of 
 from __future__ import annotations
 
 import math
+import random
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
@@ -203,3 +204,80 @@ def tiered_thresholds(
         (r.output_tokens, request_service_seconds(model, r.prompt_tokens, r.output_tokens)) for r in rows
     ]
     return tier_thresholds(shares, samples, fraction=fraction)
+
+
+@dataclass(frozen=True, kw_only=True)
+class SharedPrefixSpec:
+    """A shared-prefix workload as llm-d's prefix-cache benchmark runs it (inference-perf's
+    ``shared_prefix`` data: ``num_groups``, ``num_prompts_per_group``, ``system_prompt_len``,
+    ``question_len``, ``output_len``): ``groups`` system prompts, each shared by ``users`` prompts that append
+    their own question; every request sends one of the ``groups * users`` prompts, drawn uniformly, so a
+    prompt recurs and hits in full where it was computed before.
+
+    Attributes:
+        groups: distinct system prompts (>= 1).
+        users: prompts per group, each with its own question (>= 1).
+        system_tokens: tokens of each system prompt (>= 1).
+        question_tokens: tokens of each question (>= 1).
+        output_tokens: completion tokens of each request (>= 1).
+        block_tokens: tokens per block id (the engines' cache block size; >= 1).
+    """
+
+    groups: int
+    users: int = 5
+    system_tokens: int = 6000
+    question_tokens: int = 1200
+    output_tokens: int = 1000
+    block_tokens: int = 512
+
+    def __post_init__(self) -> None:
+        if min(self.groups, self.users, self.system_tokens, self.question_tokens, self.output_tokens) < 1:
+            raise ValueError("groups, users and every token count must be >= 1")
+        if self.block_tokens < 1:
+            raise ValueError(f"block_tokens must be >= 1, got {self.block_tokens}")
+
+    @property
+    def prompt_tokens(self) -> int:
+        """Tokens of every prompt: system prompt plus question."""
+        return self.system_tokens + self.question_tokens
+
+    def prompt_blocks(self, group: int, user: int) -> tuple[int, ...]:
+        """The chained block ids of prompt ``(group, user)``: its full blocks, those wholly inside the system
+        prompt named by the group alone (shared by its users), the rest by the group and the user."""
+        bs = self.block_tokens
+        shared = self.system_tokens // bs
+        total = self.prompt_tokens // bs
+        prompt = group * self.users + user
+        stride = total + 1
+        return tuple(
+            (group * stride + i) if i < shared else (COPY_HASH_STRIDE + prompt * stride + i)
+            for i in range(total)
+        )
+
+
+def shared_prefix_rows(
+    spec: SharedPrefixSpec, *, rate_rps: float, duration_s: float, seed: int
+) -> list[TraceRow]:
+    """Poisson arrivals at ``rate_rps`` for ``duration_s`` seconds, each one of ``spec``'s prompts drawn
+    uniformly (``random.Random(seed)``: deterministic).
+
+    Raises:
+        ValueError: a non-positive or non-finite rate or duration.
+    """
+    if not (rate_rps > 0 and duration_s > 0 and math.isfinite(rate_rps) and math.isfinite(duration_s)):
+        raise ValueError(f"rate_rps and duration_s must be finite and > 0, got {rate_rps}, {duration_s}")
+    rng = random.Random(seed)
+    out: list[TraceRow] = []
+    t = rng.expovariate(rate_rps)
+    while t < duration_s:
+        g, u = rng.randrange(spec.groups), rng.randrange(spec.users)
+        out.append(
+            TraceRow(
+                offset_s=t,
+                prompt_tokens=spec.prompt_tokens,
+                output_tokens=spec.output_tokens,
+                block_hashes=spec.prompt_blocks(g, u),
+            )
+        )
+        t += rng.expovariate(rate_rps)
+    return out

@@ -5,10 +5,11 @@ from __future__ import annotations
 import math
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from inferlb.policy.picker import EndpointState, NoEligibleEndpoint, PickerWeights, pick
+from inferlb.policy.prefix_index import ApproximatePrefixIndex
 
 
 def _fleet(n: int, **kw: object) -> list[EndpointState]:
@@ -90,3 +91,123 @@ def test_picks_are_eligible_bounded_and_deterministic(
 
     if any(within(e) for e in healthy.values()):
         assert within(healthy[picked[0]])
+
+
+def test_length_class_hosts_confine_the_pick() -> None:
+    fleet = _fleet(4)
+    fast = {"127.0.0.1:8002", "127.0.0.1:8003"}
+    picked = pick(fleet, prompt_blocks=4, matched_blocks={"127.0.0.1:8000": 4}, class_hosts=fast)
+    assert set(picked) <= fast
+    assert pick(fleet, class_hosts=fast, subset={"127.0.0.1:8003", "127.0.0.1:8000"}) == ("127.0.0.1:8003",)
+    with pytest.raises(NoEligibleEndpoint, match="length class"):
+        pick(fleet, class_hosts={"127.0.0.1:9999"})
+    with pytest.raises(NoEligibleEndpoint, match="subset and length class"):
+        pick(fleet, subset={"127.0.0.1:8000"}, class_hosts=fast)
+
+
+def test_queued_prefill_tokens_weigh_against_an_endpoint() -> None:
+    a, b = "127.0.0.1:8000", "127.0.0.1:8001"
+    fleet = [EndpointState(address=a, prefill_tokens=40_000.0), EndpointState(address=b)]
+    assert pick(fleet, prompt_tokens=4096)[0] == b
+    # a full prefix hit outweighs a short queue: the hit saves the whole prompt's prefill
+    fleet = [EndpointState(address=a, prefill_tokens=2_000.0), EndpointState(address=b)]
+    assert pick(fleet, prompt_blocks=16, matched_blocks={a: 16}, prompt_tokens=8192, block_tokens=512)[0] == a
+    # ... a queue many prompts long does not
+    fleet = [EndpointState(address=a, prefill_tokens=200_000.0), EndpointState(address=b)]
+    assert pick(fleet, prompt_blocks=16, matched_blocks={a: 16}, prompt_tokens=8192, block_tokens=512)[0] == b
+    with pytest.raises(ValueError, match="block_tokens"):
+        pick(fleet, block_tokens=0)
+
+
+def test_decode_tokens_weigh_when_weighted() -> None:
+    a, b = "127.0.0.1:8000", "127.0.0.1:8001"
+    fleet = [
+        EndpointState(address=a, decode_tokens=5_000.0, in_flight=1),
+        EndpointState(address=b, in_flight=1),
+    ]
+    w = PickerWeights(decode=1.0)
+    assert pick(fleet, weights=w, salt=b"x")[0] == b
+    assert pick(list(reversed(fleet)), weights=w, salt=b"y")[0] == b
+
+
+_weights = st.sampled_from([1.0, 1.7, 3.4])
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    weights=st.lists(_weights, min_size=1, max_size=10),
+    ops=st.lists(st.integers(-1, 30), min_size=1, max_size=120),
+    load_factor=st.sampled_from([1.05, 1.25, 1.5, 2.0]),
+    candidates=st.sampled_from([0, 1, 2]),
+)
+@example(weights=[1.0, 1.0], ops=[-1] * 10, load_factor=1.25, candidates=0)
+def test_a_hot_prefix_never_drives_a_host_past_the_bound(
+    weights: list[float], ops: list[int], load_factor: float, candidates: int
+) -> None:
+    """Every request carries the same hot prefix, learnt by an approximate index from the picks (so the
+    hosts that cached it pull hardest); completions come in between. No pick ever takes its host above
+    ``load_factor`` x its weighted share of the fleet's requests + 1."""
+    addresses = [f"127.0.0.1:{8000 + i}" for i in range(len(weights))]
+    in_flight = dict.fromkeys(addresses, 0)
+    index = ApproximatePrefixIndex(capacity_blocks=64)
+    hot = list(range(32))
+    pw = PickerWeights(load_factor=load_factor, candidates=candidates)
+    total_weight = sum(weights)
+    for step, op in enumerate(ops):
+        if op >= 0:  # a completion on the op-th busy host, if any
+            busy = [a for a in addresses if in_flight[a]]
+            if busy:
+                in_flight[busy[op % len(busy)]] -= 1
+            continue
+        fleet = [
+            EndpointState(address=a, weight=w, in_flight=in_flight[a])
+            for a, w in zip(addresses, weights, strict=True)
+        ]
+        matched = index.matched_blocks(hot, set(addresses))
+        chosen = pick(fleet, prompt_blocks=32, matched_blocks=matched, weights=pw, prompt_tokens=16384,
+                      block_tokens=512, candidate_seed=step)[0]  # fmt: skip
+        index.record_pick(chosen, hot)
+        in_flight[chosen] += 1
+        total = sum(in_flight.values())
+        w = weights[addresses.index(chosen)]
+        assert in_flight[chosen] <= load_factor * total * w / total_weight + 1
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    fleet=st.lists(_state, min_size=1, max_size=12, unique_by=lambda e: e.address), salt=st.binary(max_size=8)
+)
+def test_a_new_prefix_goes_to_the_least_loaded(fleet: list[EndpointState], salt: bytes) -> None:
+    """No endpoint holds the prompt and only request load is weighed: the first choice is a least-loaded
+    endpoint within the bound (per unit of capacity)."""
+    weights = PickerWeights(kv=0.0, tokens=0.0)
+    try:
+        first = pick(fleet, prompt_blocks=8, matched_blocks={}, weights=weights, salt=salt)[0]
+    except NoEligibleEndpoint:
+        return
+    healthy = [e for e in fleet if e.healthy]
+    work = sum(e.in_flight + e.waiting for e in healthy) + 1
+    total = sum(e.weight for e in healthy)
+    within = [
+        e
+        for e in healthy
+        if e.in_flight + e.waiting + 1 <= math.ceil(weights.load_factor * work / total * e.weight)
+    ]
+    chosen = next(e for e in healthy if e.address == first)
+    assert (chosen.in_flight + chosen.waiting) / chosen.weight == min(
+        (e.in_flight + e.waiting) / e.weight for e in within
+    )
+
+
+def test_sampled_candidates_keep_the_holders_and_are_deterministic() -> None:
+    fleet = [EndpointState(address=f"10.0.{i // 256}.{i % 256}:8000", in_flight=i % 3) for i in range(300)]
+    holder = fleet[123].address
+    w = PickerWeights(candidates=4)
+    picked = pick(fleet, prompt_blocks=10, matched_blocks={holder: 10}, weights=w, candidate_seed=5)
+    assert picked[0] == holder
+    assert len(picked) == 3
+    assert pick(fleet, prompt_blocks=10, weights=w, candidate_seed=9) == pick(
+        list(fleet), prompt_blocks=10, weights=w, candidate_seed=9
+    )
+    with pytest.raises(ValueError, match="candidates"):
+        PickerWeights(candidates=-1)

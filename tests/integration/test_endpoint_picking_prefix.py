@@ -2,7 +2,8 @@
 ``precise`` the picking state subscribes to each healthy endpoint's KV events (a real gpusim publishing over
 ZMQ on an ``ipc://`` socket), so the check lists first the endpoint whose cache holds the prompt, even when
 load alone would pick another; an endpoint that turns unhealthy or leaves is unsubscribed and dropped from
-the index; the subscribers' counters are on the process's metrics. In mode ``approximate`` the second turn
+the index; the subscribers' counters are on the process's metrics; the fleet API registers an endpoint's
+``kv_events`` and ``GET /v1/picking`` carries them. In mode ``approximate`` the second turn
 of a conversation goes where the first went, learnt from the process's own pick."""
 
 from __future__ import annotations
@@ -15,20 +16,25 @@ from typing import Any
 
 import aiohttp
 import pytest
+import yaml
 from prometheus_client import generate_latest
 
 from ext_authz.check import CheckAnswer, CheckRequest, CheckService
 from ext_proc.picking import picker_weights
 from ext_proc.state import ExtProcState
 from inferlb.config.schema import parse_config
+from inferlb.ops.stack import free_ports
 from inferlb.policy.endpoint_book import BookedEndpoint, BookedState
 from inferlb.policy.kv_index import PreciseKvIndex
 from inferlb.policy.picker import pick
 from inferlb.request import headers as h
 from simulation.gpusim.kv_events import KvEventsConfig
 from simulation.gpusim.server import SimulatedEndpoint
+from xds_server.collector import TelemetryCollector
+from xds_server.server import XdsServer
 
 KEY = "sk-gold-0001"
+TOKEN = "picking-token-0123456789"
 MODEL = "llama"
 CLUSTER = "llama--v1"
 A, B, C = "10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000"
@@ -183,3 +189,44 @@ async def test_approximate_sends_the_second_turn_where_the_first_went(busy_after
     picking.book.update(_state("", {}, unhealthy=frozenset({gone})), time.monotonic())
     picking.sync(config.models)
     assert index.blocks_of(gone) == 0  # type: ignore[attr-defined]
+
+
+async def test_the_fleet_api_registers_kv_events_and_the_picking_state_carries_them(tmp_path: Path) -> None:
+    ports = free_ports(4)
+    doc = {
+        "xds": {"listen": f"127.0.0.1:{ports[0]}", "api_listen": f"127.0.0.1:{ports[1]}"},
+        "models": [{"name": MODEL, "endpoint_picking": {"mode": "precise"}}, {"name": "other"}],
+        "endpoints": [{"name": "a", "address": A, "model": MODEL, "gpu": "H100",
+                       "kv_events": "tcp://10.0.0.1:5557"}],
+    }  # fmt: skip
+    path = tmp_path / "inferlb.yaml"
+    path.write_text(yaml.safe_dump(doc), encoding="utf-8")
+    collector = TelemetryCollector()
+    server = XdsServer(path, api_token=TOKEN, api_routes=collector.routes())
+    await server.start()
+    await collector.start(server)
+    api = f"http://127.0.0.1:{ports[1]}"
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    kv = {"endpoint": "tcp://10.0.0.2:5557", "replay_endpoint": "tcp://10.0.0.2:5558", "topic": ""}
+    try:
+        async with aiohttp.ClientSession(headers=auth) as http:
+            spec = {"name": "b", "address": B, "model": MODEL, "gpu": "H100", "kv_events": kv}
+            async with http.post(f"{api}/v1/endpoints", json=spec) as resp:
+                assert resp.status == 201, await resp.text()
+            # KV events on a model that does not pick precisely: refused, naming the field
+            bad = {"name": "c", "address": C, "model": "other", "gpu": "H100", "kv_events": kv["endpoint"]}
+            async with http.post(f"{api}/v1/endpoints", json=bad) as resp:
+                text = await resp.text()
+                assert resp.status == 400 and "kv_events" in text, text
+            async with http.get(f"{api}/v1/picking") as resp:
+                assert resp.status == 200
+                rows = {r["name"]: r for r in (await resp.json())["clusters"][CLUSTER]}
+        assert rows["a"]["kv_events"] == {
+            "endpoint": "tcp://10.0.0.1:5557",
+            "replay_endpoint": None,
+            "topic": "",
+        }
+        assert rows["b"]["kv_events"] == kv
+    finally:
+        await collector.stop()
+        await server.stop(0)

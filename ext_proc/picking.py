@@ -396,6 +396,8 @@ class EndpointStatePoller:
                 try:
                     if any(m.endpoint_picking.enabled for m in cfg.models):
                         await self.poll_once(http, cfg)
+                    else:
+                        self.state.sync(cfg.models)  # picking turned off: close any subscriber
                     age = self.state.book.age_s(self._clock())
                     self._metrics.endpoint_state_age.set(-1 if age is None else age)
                 except Exception:  # the loop must outlive anything one period throws

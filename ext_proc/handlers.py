@@ -37,7 +37,7 @@ from types import MappingProxyType
 import msgspec
 
 from inferlb.config.checks import SHARED_TOKENIZERS
-from inferlb.config.schema import Config, ModelConfig, TenantConfig
+from inferlb.config.schema import Config, EndpointPicking, ModelConfig, TenantConfig
 from inferlb.errors import RequestError
 from inferlb.policy.affinity import HASH_LB_POLICIES, NO_KEYS, affinity_keys
 from inferlb.policy.length_aware import length_class
@@ -51,6 +51,7 @@ from inferlb.policy.routing import (
 )
 from inferlb.policy.shedding import low_priority_limit, sheds
 from inferlb.request import headers as h
+from inferlb.request.blocks import prompt_block_keys
 from inferlb.request.parsing import INFERENCE_PATHS, EndpointKind, InferenceRequest, echo, parse_request
 from inferlb.request.rewrite import BodySplice, rewrite_request
 from inferlb.request.tokens import (
@@ -140,6 +141,9 @@ class PreparedRequest(msgspec.Struct, frozen=True, kw_only=True):
     upstream_splices: tuple[BodySplice, ...] | None = None
     #: the gateway added ``include_usage`` to ``upstream_body``: the usage chunk is hidden from the client.
     usage_event_added: bool = False
+    #: the prompt's block keys for the endpoint picker's prefix index (:func:`picking_block_keys`); empty
+    #: unless the model picks in mode ``approximate`` or ``precise``.
+    block_keys: tuple[int, ...] = ()
 
 
 class ContinueRequest(msgspec.Struct, frozen=True, kw_only=True):
@@ -392,6 +396,15 @@ def _method_not_allowed(method: str, path: str, allowed: str) -> ImmediateReply:
     return msgspec.structs.replace(reply, headers=(*reply.headers, ("allow", allowed)))
 
 
+def picking_block_keys(picking: EndpointPicking, request: InferenceRequest) -> tuple[int, ...]:
+    """The prompt block keys a model's endpoint picking matches
+    (:func:`inferlb.request.blocks.prompt_block_keys` at ``picking.block_size``) in modes ``approximate``
+    and ``precise``; none in the others (no index to match). One XXH3 call per block not memoized."""
+    if picking.mode not in ("approximate", "precise"):
+        return ()
+    return prompt_block_keys(request, block_size=picking.block_size)
+
+
 def prepare_body(
     gateway: Gateway,
     pending: PendingRequest,
@@ -488,6 +501,7 @@ def prepare_body(
         upstream_body=None if rewritten is None else rewritten.body,
         upstream_splices=None if rewritten is None else rewritten.splices,
         usage_event_added=rewritten is not None and rewritten.include_usage_added,
+        block_keys=picking_block_keys(model.endpoint_picking, request),
     )
 
 

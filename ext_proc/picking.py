@@ -52,33 +52,54 @@ list yet, a picking model's request goes without the header: Envoy's fallback ba
 healthy), the request is refused 503 ``no_eligible_endpoint`` in OpenAI's JSON (the EPP protocol's answer;
 ext_authz sends it as 403 + ``x-inferlb-status: 503``, restored by the local-reply mapper).
 
-Prefix indexes: ``approximate`` and ``precise`` pick from a :class:`~inferlb.policy.picker.PrefixIndex`
-fed with the request's prompt block keys; :func:`prefix_source` is the one place that binds a mode to its
-index and key function, and until those exist it binds every mode to
-:class:`~inferlb.policy.picker.NoPrefixIndex` and no keys, so ``approximate`` and ``precise`` pick by
-load alone for now.
+Prefix indexes (:func:`prefix_source` binds each mode to its index; the keys are
+:func:`inferlb.request.blocks.prompt_block_keys` with the model's ``block_size``, computed where the body is
+parsed, so a big body's keys are made in its worker thread too):
+
+- ``load``: no index, no keys (load and KV usage only).
+- ``approximate``: one :class:`~inferlb.policy.prefix_index.ApproximatePrefixIndex` per model per process,
+  learnt from this process's own picks (each pick records its keys on its first host). Replicas learn
+  separately: each believes only what it sent, so with ``R`` replicas behind a balancer that spreads a
+  conversation's turns over them, a turn reaches the replica that placed the one before with probability
+  about ``1/R`` and otherwise is placed by load alone (a miss, then learnt there too); and each replica
+  holds its own copy of the beliefs (``R`` x the memory). A client that keeps its connection (HTTP/2, or
+  keep-alive to one Envoy with one request-path process) keeps its turns on one replica. The index of an
+  endpoint that leaves the cluster or turns unhealthy is forgotten.
+- ``precise``: one :class:`~inferlb.policy.kv_index.PreciseKvIndex` per model per process, fed by one
+  :class:`~inferlb.adapters.kv_events.KvEventSubscriber` per endpoint with ``kv_events`` (the address the
+  endpoint publishes on, carried in ``GET /v1/picking``): every replica subscribes to every publisher (ZMQ
+  PUB fans out; a replica costs the servers one more connection and the same events again), and each
+  holds the whole fleet's cache state (the index's module doc gives ~10 MB per endpoint of 30,000 blocks).
+  Subscribers start and stop at each poll: an endpoint that leaves, turns unhealthy or changes its
+  ``kv_events`` has its subscriber closed and its entries dropped (a healthy one again starts afresh, its
+  first batch read as a gap and replayed or rebuilt); an endpoint without ``kv_events`` matches nothing.
+  The subscribers' counters are ``inferlb_kv_events_*_total{endpoint}`` on the process's ``/metrics``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import secrets
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Final
 
 import aiohttp
 import msgspec
 
-from ext_proc.handlers import ImmediateReply, PreparedRequest, refusal
+from ext_proc.handlers import ImmediateReply, PreparedRequest, picking_block_keys, refusal
 from ext_proc.metrics import ExtProcMetrics
+from inferlb.adapters.kv_events import KvEventsCollector, KvEventSubscriber
 from inferlb.config.schema import Config, EndpointPicking, ModelConfig
 from inferlb.errors import RequestError
-from inferlb.policy.endpoint_book import EndpointBook, parse_picking_state
+from inferlb.policy.endpoint_book import BookedEndpoint, EndpointBook, parse_picking_state
+from inferlb.policy.kv_index import PreciseKvIndex
 from inferlb.policy.picker import NoEligibleEndpoint, NoPrefixIndex, PickerWeights, PrefixIndex, pick
+from inferlb.policy.prefix_index import ApproximatePrefixIndex
 from inferlb.request.parsing import InferenceRequest
 
 log = logging.getLogger("ext_proc.picking")
@@ -87,6 +108,11 @@ log = logging.getLogger("ext_proc.picking")
 NO_ELIGIBLE_DETAILS: Final = "inferlb_no_eligible_endpoint"
 #: Longest wait for one ``GET /v1/picking`` (s); a slower answer counts as a failed poll.
 POLL_TIMEOUT_S: Final = 2.0
+#: Prompt tokens the approximate index believes one endpoint's prefix cache holds at most: about what an
+#: 80 GB GPU running an 8B model caches (Llama-3-8B's KV cache is 128 KiB per token: 32 layers x 8 KV
+#: heads x 128 dims x 2 (K, V) x 2 bytes, so ~64 GB of free memory hold ~500k tokens). A bound, not a
+#: measurement: a smaller cache only means the index believes some blocks held that were evicted.
+APPROXIMATE_CAPACITY_TOKENS: Final = 1 << 19
 
 
 def no_keys(request: InferenceRequest) -> tuple[int, ...]:
@@ -103,12 +129,19 @@ class PrefixSource(msgspec.Struct, frozen=True, kw_only=True):
 
 
 def prefix_source(picking: EndpointPicking) -> PrefixSource:
-    """The prefix index and block-key function of a model's ``endpoint_picking`` mode: the one function the
-    ``approximate`` (:class:`inferlb.policy.prefix_index.ApproximatePrefixIndex`) and ``precise``
-    (:class:`inferlb.policy.kv_index.PreciseKvIndex`, keys from
-    :func:`inferlb.request.blocks.prompt_block_keys` with ``picking.block_size``) indexes bind to. Until they
-    are built, every mode gets :class:`~inferlb.policy.picker.NoPrefixIndex` and no keys: picking by load
-    and KV usage alone."""
+    """The prefix index and block-key function of a model's ``endpoint_picking`` mode (the module doc says
+    what each costs): ``off`` and ``load`` get :class:`~inferlb.policy.picker.NoPrefixIndex` and no keys;
+    ``approximate`` a fresh :class:`~inferlb.policy.prefix_index.ApproximatePrefixIndex` of
+    :data:`APPROXIMATE_CAPACITY_TOKENS` per endpoint; ``precise`` a fresh
+    :class:`~inferlb.policy.kv_index.PreciseKvIndex` (empty until the subscribers feed it). Both key a
+    request with :func:`inferlb.request.blocks.prompt_block_keys` at ``picking.block_size``
+    (:func:`ext_proc.handlers.picking_block_keys`)."""
+    keys = functools.partial(picking_block_keys, picking)
+    if picking.mode == "approximate":
+        capacity = max(1, APPROXIMATE_CAPACITY_TOKENS // picking.block_size)
+        return PrefixSource(index=ApproximatePrefixIndex(capacity_blocks=capacity), keys=keys)
+    if picking.mode == "precise":
+        return PrefixSource(index=PreciseKvIndex(block_size=picking.block_size), keys=keys)
     return PrefixSource(index=NoPrefixIndex(), keys=no_keys)
 
 
@@ -133,18 +166,36 @@ class Picked(msgspec.Struct, frozen=True, kw_only=True):
         return ",".join(self.hosts)
 
 
+class _Subscription(msgspec.Struct, kw_only=True):
+    """One running KV-event subscriber: what it was started for and its task."""
+
+    source: tuple[str, str | None, str]  # (endpoint, replay_endpoint, topic)
+    index: PreciseKvIndex
+    subscriber: KvEventSubscriber
+    task: asyncio.Task[None]
+
+
 class PickingState:
     """One process's endpoint picking: the :class:`~inferlb.policy.endpoint_book.EndpointBook` the poller
-    fills, the tie-break salt, and each model's prefix source (kept while its mode stays).
+    fills, the tie-break salt, each model's prefix source (kept while its ``endpoint_picking`` stays), and
+    the precise models' KV-event subscribers (:meth:`sync`).
 
     Args:
         salt: the picker's tie-break salt; default 16 random bytes, so replicas differ.
+
+    Attributes:
+        kv_events: the subscribers' counters for the process's ``/metrics`` (register it once).
     """
 
     def __init__(self, *, salt: bytes | None = None) -> None:
         self.book = EndpointBook()
         self.salt = salt if salt is not None else secrets.token_bytes(16)
         self._sources: dict[str, tuple[EndpointPicking, PrefixSource]] = {}
+        #: (model, address) -> its subscriber
+        self._subs: dict[tuple[str, str], _Subscription] = {}
+        #: model -> the healthy addresses its approximate index last knew
+        self._learnt: dict[str, frozenset[str]] = {}
+        self.kv_events = KvEventsCollector()
 
     def source(self, model: ModelConfig) -> PrefixSource:
         """``model``'s prefix source, built once per ``endpoint_picking`` setting."""
@@ -153,6 +204,87 @@ class PickingState:
             held = (model.endpoint_picking, prefix_source(model.endpoint_picking))
             self._sources[model.name] = held
         return held[1]
+
+    def sync(self, models: Iterable[ModelConfig]) -> None:
+        """Bring the prefix indexes in line with the book's state (after each poll; in the event loop):
+        start a subscriber for each healthy endpoint with ``kv_events`` of a ``precise`` model, close
+        those of endpoints that left, turned unhealthy or changed ``kv_events`` (their entries dropped),
+        and forget in an ``approximate`` index the endpoints that left or turned unhealthy."""
+        state = self.book.state
+        if state is None:
+            return
+        wanted: dict[tuple[str, str], tuple[BookedEndpoint, PreciseKvIndex]] = {}
+        for model in models:
+            mode = model.endpoint_picking.mode
+            if mode not in ("approximate", "precise"):
+                continue
+            index = self.source(model).index
+            rows = [r for v in model.versions for r in state.clusters.get(model.cluster_name(v.name), ())]
+            healthy = frozenset(r.address for r in rows if r.healthy)
+            if isinstance(index, ApproximatePrefixIndex):
+                for gone in self._learnt.get(model.name, frozenset()) - healthy:
+                    index.forget(gone)
+                self._learnt[model.name] = healthy
+            elif isinstance(index, PreciseKvIndex):
+                for r in rows:
+                    if r.healthy and r.kv_events is not None:
+                        wanted[(model.name, r.address)] = (r, index)
+        for key, sub in list(self._subs.items()):
+            want = wanted.get(key)
+            if want is None or want[1] is not sub.index or _source_of(want[0]) != sub.source:
+                self._stop(key)
+        for key, (row, index) in wanted.items():
+            if key not in self._subs:
+                self._start(key, row, index)
+        self.kv_events.subscribers = [s.subscriber for s in self._subs.values()]
+
+    def _start(self, key: tuple[str, str], row: BookedEndpoint, index: PreciseKvIndex) -> None:
+        assert row.kv_events is not None
+        sub = KvEventSubscriber(
+            address=row.address,
+            endpoint=row.kv_events,
+            index=index,
+            replay_endpoint=row.kv_events_replay,
+            topic=row.kv_events_topic,
+        )
+        try:
+            sub.open()
+        except Exception as exc:  # a bad address must not stop the poller; retried at the next poll
+            log.warning("kv events of %s from %s: cannot subscribe (%s)", row.address, row.kv_events, exc)
+            return
+        task = asyncio.create_task(self._run(sub), name=f"kv-events {row.address}")
+        self._subs[key] = _Subscription(source=_source_of(row), index=index, subscriber=sub, task=task)
+        log.info("kv events of %s: subscribed to %s", row.address, row.kv_events)
+
+    @staticmethod
+    async def _run(sub: KvEventSubscriber) -> None:
+        try:
+            await sub.run()
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # the subscriber survives any message; a socket error ends it, logged
+            log.exception("kv events of %s: subscriber stopped; entries dropped", sub.address)
+            sub.index.clear(sub.address)
+
+    def _stop(self, key: tuple[str, str]) -> None:
+        sub = self._subs.pop(key)
+        sub.task.cancel()
+        sub.subscriber.close()
+        sub.index.remove_endpoint(sub.subscriber.address)
+        log.info("kv events of %s: unsubscribed, entries dropped", sub.subscriber.address)
+
+    async def aclose(self) -> None:
+        """Stop every subscriber (at shutdown)."""
+        tasks = [s.task for s in self._subs.values()]
+        for key in list(self._subs):
+            self._stop(key)
+        await asyncio.gather(*tasks, return_exceptions=True)
+        self.kv_events.subscribers = []
+
+
+def _source_of(row: BookedEndpoint) -> tuple[str, str | None, str]:
+    assert row.kv_events is not None
+    return (row.kv_events, row.kv_events_replay, row.kv_events_topic)
 
 
 def no_eligible_endpoint(model: str, why: str) -> ImmediateReply:
@@ -190,7 +322,7 @@ def choose(
         metrics.endpoint_picks.labels(model.name, "no_state").inc()
         return None
     source = state.source(model)
-    keys = source.keys(prepared.request)
+    keys = prepared.block_keys
     matched = source.index.matched_blocks(keys, [s.address for s in states]) if keys else None
     try:
         hosts = pick(
@@ -199,6 +331,9 @@ def choose(
             matched_blocks=matched,
             weights=picker_weights(picking),
             salt=state.salt,
+            # with a prefix index, a miss is priced in prompt tokens to prefill (the picker's token term)
+            prompt_tokens=prepared.prompt_tokens if keys else 0,
+            block_tokens=picking.block_size,
         )
     except NoEligibleEndpoint as exc:
         metrics.endpoint_picks.labels(model.name, "no_eligible").inc()
@@ -246,12 +381,13 @@ class EndpointStatePoller:
         self._task = asyncio.create_task(self._loop(), name="endpoint-state")
 
     async def stop(self) -> None:
-        """Stop polling."""
+        """Stop polling (and the KV-event subscribers)."""
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
             self._task = None
+        await self.state.aclose()
 
     async def _loop(self) -> None:
         async with aiohttp.ClientSession() as http:
@@ -260,6 +396,8 @@ class EndpointStatePoller:
                 try:
                     if any(m.endpoint_picking.enabled for m in cfg.models):
                         await self.poll_once(http, cfg)
+                    else:
+                        self.state.sync(cfg.models)  # picking turned off: close any subscriber
                     age = self.state.book.age_s(self._clock())
                     self._metrics.endpoint_state_age.set(-1 if age is None else age)
                 except Exception:  # the loop must outlive anything one period throws
@@ -291,6 +429,7 @@ class EndpointStatePoller:
                 self._failing = True
             return False
         self.state.book.update(parsed, self._clock())
+        self.state.sync(cfg.models)
         self._metrics.endpoint_state_polls.labels("ok").inc()
         if self._failing:
             log.info("endpoint state from %s is back", url)

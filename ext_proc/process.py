@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
 import os
 import signal
@@ -278,6 +279,9 @@ async def serve_metrics(state: ExtProcState, at: HostPort, log: logging.Logger) 
     """Serve ``state``'s metrics on ``http://at/metrics`` (port 0: a free one), logged as ``<service> metrics
     on HOST:PORT`` with the quota backend; None (logged, the quota store closed) when ``at`` cannot be
     bound."""
+    # the KV-event subscribers' counters (precise endpoint picking), read at each scrape
+    with contextlib.suppress(ValueError):  # registered already (a second serve in one process)
+        state.metrics.registry.register(state.picking.kv_events)
     try:
         server, port = start_metrics_server(at, state.metrics)
     except OSError as exc:

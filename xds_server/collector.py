@@ -771,7 +771,8 @@ class TelemetryCollector:
         endpoint ``{"address": "ip:port" as EDS sends it (IPv6 in brackets), "key", "name", "weight": the
         served weight, "healthy": false while draining or failing its probe, "draining", "waiting",
         "running", "kv_usage": from the last good scrape (null before one), "telemetry_age_ms": that
-        scrape's age (null before one)}``.
+        scrape's age (null before one), "kv_events": the endpoint's ``kv_events`` (``{"endpoint",
+        "replay_endpoint", "topic"}``, null when it has none)}``.
         """
         srv = self._server
         assert srv is not None
@@ -804,6 +805,7 @@ class TelemetryCollector:
                     "running": None if m is None else m.running_requests,
                     "kv_usage": None if m is None else m.kv_cache_usage,
                     "telemetry_age_ms": None if sample is None else round((now - sample.at) * 1000),
+                    "kv_events": None if e.kv_events is None else e.kv_events.model_dump(),
                 }
             )
         return {"clusters": clusters, "stale_after_ms": cfg.weights.stale_after_ms}

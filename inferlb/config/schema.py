@@ -933,6 +933,46 @@ def cluster_name(model: str, version: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]", "_", f"{model}--{version}")
 
 
+_ZMQ_ENDPOINT = re.compile(r"^(tcp://(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+):(\d{1,5})|ipc:///?[^\s]+)$")
+
+
+def _zmq_endpoint(value: str, field: str) -> str:
+    m = _ZMQ_ENDPOINT.match(value)
+    if m is None or (m[3] is not None and not 1 <= int(m[3]) <= 65535):
+        raise ValueError(
+            f"{field}: expected 'tcp://host:port' (the model server's publisher, connected to; not a "
+            f"wildcard such as tcp://*:5557) or 'ipc:///path', got {value!r}"
+        )
+    return value
+
+
+class KvEventsSource(_Frozen):
+    """Where a model server publishes its KV events (vLLM's ``--kv-events-config``), as the request path
+    connects to them: ``endpoint`` is the PUB socket (vLLM's ``endpoint``, which the server binds as
+    ``tcp://*:5557`` by default: here the address it is reached at, ``tcp://10.0.0.7:5557``), and
+    ``replay_endpoint`` its optional ROUTER socket for replaying missed batches (vLLM's
+    ``replay_endpoint``). A bare string is ``endpoint`` alone."""
+
+    endpoint: str
+    replay_endpoint: str | None = None
+    #: vLLM's ``topic``: the prefix subscribed to ("" is every topic).
+    topic: Annotated[str, Field(max_length=256)] = ""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _bare(cls, value: Any) -> Any:
+        return {"endpoint": value} if isinstance(value, str) else value
+
+    @model_validator(mode="after")
+    def _check(self) -> Self:
+        _zmq_endpoint(self.endpoint, "endpoint")
+        if self.replay_endpoint is not None:
+            _zmq_endpoint(self.replay_endpoint, "replay_endpoint")
+            if self.replay_endpoint == self.endpoint:
+                raise ValueError("replay_endpoint: must differ from endpoint")
+        return self
+
+
 class EndpointConfig(_Frozen):
     """One model server (one GPU or one tensor-parallel group) serving one model version."""
 
@@ -952,6 +992,9 @@ class EndpointConfig(_Frozen):
     gpu_node: Annotated[str, Field(min_length=1, max_length=253)] | None = None
     gpu_index: Annotated[int, Field(strict=True, ge=0, le=1023)] | None = None
     gpu_uuid: Annotated[str, Field(min_length=1, max_length=128)] | None = None
+    #: Where this server publishes its KV events (:class:`KvEventsSource`), for a model whose
+    #: ``endpoint_picking.mode`` is ``precise`` only: the request path rebuilds its prefix cache from them.
+    kv_events: KvEventsSource | None = None
 
     @property
     def display_name(self) -> str:
@@ -1036,6 +1079,7 @@ class Config(_Frozen):
                     problems.append(f"models: name or alias {n!r} is used by both {seen[n]!r} and {m.name!r}")
                 seen[n] = m.name
         by_name = {m.name: m for m in self.models}
+        kv_sockets: dict[str, str] = {}
         for i, e in enumerate(self.endpoints):
             where = f"endpoints[{i}]"
             model = by_name.get(e.model)
@@ -1048,6 +1092,18 @@ class Config(_Frozen):
                 )
             elif e.version is None and len(model.versions) > 1:
                 problems.append(f"{where}.version: model {e.model!r} has several versions; name one")
+            if e.kv_events is not None and model is not None and model.endpoint_picking.mode != "precise":
+                problems.append(
+                    f"{where}.kv_events: model {e.model!r} has endpoint_picking.mode "
+                    f"{model.endpoint_picking.mode}, and KV events feed only mode precise (set it, or drop "
+                    "kv_events)"
+                )
+            if e.kv_events is not None:
+                for sock in (e.kv_events.endpoint, e.kv_events.replay_endpoint):
+                    if sock is not None and sock in kv_sockets:
+                        problems.append(f"{where}.kv_events: {sock} is already used by {kv_sockets[sock]}")
+                    elif sock is not None:
+                        kv_sockets[sock] = f"{where}.kv_events"
             if e.gpu not in self.gpu_profiles:
                 problems.append(
                     f"{where}.gpu: unknown GPU type {e.gpu!r} (known: {sorted(self.gpu_profiles)})"

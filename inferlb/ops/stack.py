@@ -56,6 +56,31 @@ SERVICE_MODULES = {
 STATE_FILE_NAME = "xds-fleet-state.json"
 
 
+def gpusim_kv_events_args(cfg: Config) -> list[str]:
+    """gpusim's ``--kv-events-config NAME=JSON`` for each simulated endpoint with ``kv_events``: vLLM's
+    ``KVEventsConfig`` publishing on the endpoint's port. A ``tcp://`` endpoint is bound as ``tcp://*:PORT``
+    (vLLM binds only a wildcard endpoint and connects to any other; its default is ``tcp://*:5557``), an
+    ``ipc://`` one as written; the replay endpoint likewise."""
+
+    def bound(endpoint: str) -> str:
+        return f"tcp://*:{endpoint.rpartition(':')[2]}" if endpoint.startswith("tcp://") else endpoint
+
+    out: list[str] = []
+    for e in cfg.endpoints:
+        if not e.simulated or e.kv_events is None:
+            continue
+        kv: dict[str, object] = {
+            "enable_kv_cache_events": True,
+            "publisher": "zmq",
+            "endpoint": bound(e.kv_events.endpoint),
+            "topic": e.kv_events.topic,
+        }
+        if e.kv_events.replay_endpoint is not None:
+            kv["replay_endpoint"] = bound(e.kv_events.replay_endpoint)
+        out += ["--kv-events-config", f"{e.display_name}={json.dumps(kv)}"]
+    return out
+
+
 class StackError(InferlbError):
     """The stack could not be started: a child exited or a readiness deadline passed.
 
@@ -370,7 +395,7 @@ class Stack:
             sim_count = sum(1 for e in cfg.endpoints if e.simulated)
             sim = None
             if sim_count:
-                sim = self._python_child("gpusim", SERVICE_MODULES["gpusim"])
+                sim = self._python_child("gpusim", SERVICE_MODULES["gpusim"], *gpusim_kv_events_args(cfg))
                 sim.start(env)
                 self.children.append(sim)
                 say(f"starting {sim_count} simulated GPU servers")

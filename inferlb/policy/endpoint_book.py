@@ -36,6 +36,9 @@ class BookedEndpoint(msgspec.Struct, frozen=True, kw_only=True):
         waiting: requests in the model server's queue (None: never scraped).
         kv_usage: KV-cache usage 0..1 (None: never scraped, or not exported).
         telemetry_age_ms: age of that scrape when the server answered (ms; None: never scraped).
+        kv_events: the ZMQ endpoint its KV events are published on (None: it publishes none).
+        kv_events_replay: its replay endpoint (None: no replay).
+        kv_events_topic: the topic prefix subscribed to.
     """
 
     address: str
@@ -44,6 +47,9 @@ class BookedEndpoint(msgspec.Struct, frozen=True, kw_only=True):
     waiting: float | None = None
     kv_usage: float | None = None
     telemetry_age_ms: float | None = None
+    kv_events: str | None = None
+    kv_events_replay: str | None = None
+    kv_events_topic: str = ""
 
 
 class BookedState(msgspec.Struct, frozen=True, kw_only=True):
@@ -87,6 +93,14 @@ def parse_picking_state(doc: Any) -> BookedState:
                 raise ValueError(f"{where}.weight: expected > 0, got {weight:g}")
             if not isinstance(row.get("healthy"), bool):
                 raise ValueError(f"{where}.healthy: expected true or false")
+            kv = row.get("kv_events")
+            if kv is not None and not (
+                isinstance(kv, dict)
+                and isinstance(kv.get("endpoint"), str)
+                and isinstance(kv.get("replay_endpoint"), str | None)
+                and isinstance(kv.get("topic", ""), str)
+            ):
+                raise ValueError(f"{where}.kv_events: expected null or {{endpoint, replay_endpoint, topic}}")
             out.append(
                 BookedEndpoint(
                     address=row["address"],
@@ -95,6 +109,9 @@ def parse_picking_state(doc: Any) -> BookedState:
                     waiting=_number(row.get("waiting"), f"{where}.waiting"),
                     kv_usage=_number(row.get("kv_usage"), f"{where}.kv_usage"),
                     telemetry_age_ms=_number(row.get("telemetry_age_ms"), f"{where}.telemetry_age_ms"),
+                    kv_events=None if kv is None else kv["endpoint"],
+                    kv_events_replay=None if kv is None else kv.get("replay_endpoint"),
+                    kv_events_topic="" if kv is None else kv.get("topic", ""),
                 )
             )
         clusters[str(name)] = tuple(out)
@@ -124,13 +141,16 @@ class EndpointBook:
 
     Attributes:
         received_at: the monotonic time (s) the current state arrived, None before any.
+        state: the state served now, None before any (its endpoints' ``kv_events`` are what the precise
+            index subscribes to).
     """
 
-    __slots__ = ("_in_flight", "_rows", "received_at")
+    __slots__ = ("_in_flight", "_rows", "received_at", "state")
 
     def __init__(self, state: BookedState | None = None, *, received_at: float = 0.0) -> None:
         self._rows: dict[str, tuple[_Row, ...]] | None = None
         self.received_at: float | None = None
+        self.state: BookedState | None = None
         self._in_flight: dict[str, int] = {}
         if state is not None:
             self.update(state, received_at)
@@ -156,6 +176,7 @@ class EndpointBook:
             rows[cluster] = tuple(out)
         self._rows = rows
         self.received_at = now
+        self.state = state
 
     def age_s(self, now: float) -> float | None:
         """Seconds since the current state arrived (None before any)."""

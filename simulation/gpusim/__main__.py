@@ -14,7 +14,7 @@ import asyncio
 import logging
 import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from inferlb.config.schema import Config, EndpointConfig, default_config_path, load_config
 from inferlb.errors import ConfigError
@@ -40,13 +40,20 @@ def select_endpoints(config: Config, only: Sequence[str] | None) -> list[Endpoin
 
 
 async def serve(
-    config: Config, endpoints: Sequence[EndpointConfig], kv_events: KvEventsConfig | None = None
+    config: Config,
+    endpoints: Sequence[EndpointConfig],
+    kv_events: KvEventsConfig | None = None,
+    per_endpoint: Mapping[str, KvEventsConfig] | None = None,
 ) -> int:
     """Start one :class:`SimulatedEndpoint` per endpoint, wait for SIGINT/SIGTERM, stop them all. With
-    ``kv_events``, the ``i``-th endpoint publishes on :meth:`KvEventsConfig.for_endpoint` ``(i)``."""
+    ``kv_events``, the ``i``-th endpoint publishes on :meth:`KvEventsConfig.for_endpoint` ``(i)``; an
+    endpoint named (by display name) in ``per_endpoint`` publishes on its own config instead."""
+    own = per_endpoint or {}
     servers = [
         SimulatedEndpoint(
-            config=config, endpoint=e, kv_events=None if kv_events is None else kv_events.for_endpoint(i)
+            config=config,
+            endpoint=e,
+            kv_events=own.get(e.display_name, None if kv_events is None else kv_events.for_endpoint(i)),
         )
         for i, e in enumerate(endpoints)
     ]
@@ -95,7 +102,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="publish KV events as vLLM does, e.g. "
         '\'{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:5557"}\' '
         '(the i-th endpoint on port + i); "replay_endpoint": "tcp://*:5558" adds vLLM\'s replay socket '
-        '(the last "buffer_steps" batches)',
+        '(the last "buffer_steps" batches); NAME=JSON (repeatable) sets one endpoint\'s own config',
+        action="append",
     )
     args = parser.parse_args(argv)
     logging.basicConfig(
@@ -104,20 +112,46 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         config = load_config(args.config)
         endpoints = select_endpoints(config, args.only)
-        kv_events = None if args.kv_events_config is None else parse_kv_events_config(args.kv_events_config)
+        kv_events, per_endpoint = _kv_events_args(args.kv_events_config or [])
+        unknown = sorted(set(per_endpoint) - {e.display_name for e in endpoints})
+        if unknown:
+            raise ValueError(f"--kv-events-config: no simulated endpoint named {unknown}")
     except ConfigError as exc:
         print(exc, file=sys.stderr)
         return 2
     except ValueError as exc:
         print(f"gpusim: {exc}", file=sys.stderr)
         return 2
-    if kv_events is not None and kv_events.publishes and not config.simulation.prefix_caching:
+    publishes = any(k.publishes for k in (kv_events, *per_endpoint.values()) if k is not None)
+    if publishes and not config.simulation.prefix_caching:
         print("gpusim: --kv-events-config needs simulation.prefix_caching (it is false)", file=sys.stderr)
         return 2
     if not endpoints:
         print(f"gpusim: no simulated endpoints in {args.config}", file=sys.stderr)
         return 2
-    return asyncio.run(serve(config, endpoints, kv_events))
+    return asyncio.run(serve(config, endpoints, kv_events, per_endpoint))
+
+
+def _kv_events_args(values: Sequence[str]) -> tuple[KvEventsConfig | None, dict[str, KvEventsConfig]]:
+    """The ``--kv-events-config`` values: at most one bare JSON (every endpoint, port + i) and any number of
+    ``NAME=JSON`` (that endpoint's own).
+
+    Raises:
+        ValueError: two bare values, a name given twice, or a JSON :func:`parse_kv_events_config` refuses.
+    """
+    shared: KvEventsConfig | None = None
+    own: dict[str, KvEventsConfig] = {}
+    for v in values:
+        if v.lstrip().startswith("{"):
+            if shared is not None:
+                raise ValueError("--kv-events-config: one JSON for all endpoints at most (NAME=JSON for one)")
+            shared = parse_kv_events_config(v)
+            continue
+        name, eq, text = v.partition("=")
+        if not eq or name in own:
+            raise ValueError(f"--kv-events-config: expected JSON or NAME=JSON once per name, got {v[:80]!r}")
+        own[name] = parse_kv_events_config(text)
+    return shared, own
 
 
 if __name__ == "__main__":

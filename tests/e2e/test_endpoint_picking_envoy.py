@@ -5,8 +5,11 @@ does not. What is checked: Envoy ACKs qwen's ``override_host`` cluster; the requ
 serves (the upstream's recorded ``x-gateway-destination-endpoint`` names the serving endpoint first) and
 a client's own header changes nothing; a picked endpoint that fails (503s), or that is dead (registered
 through the fleet API, nothing listening), is retried on the next listed one and then left out of the
-picks; a burst spreads over every endpoint. Which GPU served is gpusim's
-``x-inferlb-endpoint``.
+picks; a burst spreads over every endpoint. A third model, mistral, picks in mode ``precise`` from its
+three gpusims' KV events (``endpoints[].kv_events``, which ``inferlb up`` hands gpusim as its
+``--kv-events-config``): several conversations spread over its endpoints and every turn of each lands on
+the endpoint holding its prefix, and gpusim's own ``vllm:prefix_cache_hits_total`` grows, by at least what
+the same conversations get from qwen's ``load`` mode. Which GPU served is gpusim's ``x-inferlb-endpoint``.
 """
 
 from __future__ import annotations
@@ -32,6 +35,8 @@ pytestmark = pytest.mark.e2e
 QWEN = "qwen2.5-7b-instruct"
 LLAMA = "llama-3.1-8b-instruct"
 CLUSTER = f"{QWEN}--v1"
+PRECISE = "mistral-7b-instruct"
+PRECISE_CLUSTER = f"{PRECISE}--v1"
 TOKEN = "inferlb-local-demo-token"
 
 
@@ -45,6 +50,26 @@ def picking_stack(tmp_path_factory: pytest.TempPathFactory, request_path: str) -
     qwen["cluster"] = {"health_check": {"unhealthy_threshold": 4}}
     doc["telemetry"] = {"scrape_interval_ms": 200, "scrape_timeout_ms": 500}
     doc["ext_proc"]["endpoint_state_poll_ms"] = 100
+    # ext_authz mode leaves a pick's in-flight count at the access log's flush: a conversation's next turn
+    # sent within it sees its endpoint still busy with the turn before (and the load guard moves it on)
+    doc["ext_proc"]["meter_flush_interval_ms"] = 200
+    # mistral picks from its servers' KV events: three gpusims publishing on loopback, with replay
+    doc["models"].append({"name": PRECISE, "endpoint_picking": {"mode": "precise"}})
+    ports = free_ports(9)
+    for i, gpu in enumerate(("H100", "V100", "V100")):
+        doc["endpoints"].append(
+            {
+                "name": f"mistral-{gpu.lower()}-{i}",
+                "address": f"127.0.0.1:{ports[3 * i]}",
+                "model": PRECISE,
+                "gpu": gpu,
+                "simulated": True,
+                "kv_events": {
+                    "endpoint": f"tcp://127.0.0.1:{ports[3 * i + 1]}",
+                    "replay_endpoint": f"tcp://127.0.0.1:{ports[3 * i + 2]}",
+                },
+            }
+        )
     with started_stack(tmp_path_factory.mktemp("picking"), doc) as rs:
         yield rs
 
@@ -113,7 +138,7 @@ def test_envoy_acks_the_override_host_cluster(picking_stack: RunningStack) -> No
     assert clusters[f"{LLAMA}--v1"]["lb_policy"] == "LEAST_REQUEST"
     state = _wait_for_state(rs, healthy=3)
     assert sorted(r["name"] for r in state["clusters"][CLUSTER]) == sorted(_qwen_names(rs))
-    assert set(state["clusters"]) == {CLUSTER}
+    assert set(state["clusters"]) == {CLUSTER, PRECISE_CLUSTER}
 
 
 def test_the_pick_serves_and_a_client_cannot_choose(picking_stack: RunningStack) -> None:
@@ -242,3 +267,93 @@ def test_load_picking_spreads_a_burst(picking_stack: RunningStack) -> None:
     # weights (H100 34, V100 10 each) the V100s' fair share is 10/54 each, ~5 of 30
     assert set(served) == set(_qwen_names(rs)), served
     assert min(served.values()) >= 2, served
+
+
+# -- precise mode: the servers' KV events --------------------------------------------------------------------
+
+
+def _names(rs: RunningStack, model: str) -> list[str]:
+    return [e.display_name for e in rs.config.endpoints if e.model == model]
+
+
+def _prefix_hits(rs: RunningStack, model: str) -> int:
+    """gpusim's own ``vllm:prefix_cache_hits_total`` (tokens) over ``model``'s endpoints."""
+    total = 0
+    for name in _names(rs, model):
+        text = http_request(_address(rs, name), "GET", "/metrics").body.decode()
+        total += sum(
+            int(float(line.rsplit(" ", 1)[1]))
+            for line in text.splitlines()
+            if line.startswith("vllm:prefix_cache_hits_total")
+        )
+    return total
+
+
+def _subscribed(rs: RunningStack, timeout_s: float = 10.0) -> None:
+    """Wait until the request path has a KV-event subscriber per mistral endpoint (its /metrics says)."""
+    addresses = {_address(rs, n) for n in _names(rs, PRECISE)}
+    deadline = time.monotonic() + timeout_s
+    while True:
+        text = http_request(str(rs.config.ext_proc.metrics_listen), "GET", "/metrics").body.decode()
+        seen = {a for a in addresses if f'inferlb_kv_events_batches_total{{endpoint="{a}"}}' in text}
+        if seen == addresses:
+            return
+        assert time.monotonic() < deadline, f"subscribed to {seen} of {addresses}"
+        time.sleep(0.1)
+
+
+def _conversations(rs: RunningStack, model: str, count: int, turns: int) -> list[list[str]]:
+    """``count`` conversations of ``turns`` turns each on ``model``; the endpoints that served each turn.
+    The first turns go at once (the in-flight counts spread them), the later ones one at a time, each
+    resending the whole conversation as a chat client does."""
+    url = f"http://{rs.gateway}/v1/chat/completions"
+    auth = {"Authorization": "Bearer sk-demo-a"}
+    history: list[list[dict[str, str]]] = [
+        [{"role": "user", "content": f"Conversation {i}. " + "Tell me about prefix caches, please. " * 30}]
+        for i in range(count)
+    ]
+
+    async def turn(http: aiohttp.ClientSession, i: int) -> str:
+        body = {"model": model, "messages": history[i], "max_tokens": 100}
+        async with http.post(url, json=body, headers=auth) as r:
+            doc = await r.json()
+            assert r.status == 200, doc
+            history[i].append({"role": "assistant", "content": doc["choices"][0]["message"]["content"]})
+            history[i].append({"role": "user", "content": f"And then, {len(history[i])}?"})
+            return r.headers.get("x-inferlb-endpoint", "?")
+
+    async def run() -> list[list[str]]:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as http:
+            served = [[name] for name in await asyncio.gather(*(turn(http, i) for i in range(count)))]
+            for _ in range(turns - 1):
+                # past the access log's flush (ext_authz mode): the turns before have left their counts
+                await asyncio.sleep(0.3)
+                for i in range(count):
+                    served[i].append(await turn(http, i))
+            return served
+
+    return asyncio.run(run())
+
+
+def test_precise_picking_keeps_each_conversation_where_its_prefix_is_cached(
+    picking_stack: RunningStack,
+) -> None:
+    rs = picking_stack
+    state = _picking(rs)
+    rows = state["clusters"][PRECISE_CLUSTER]
+    assert len(rows) == 3 and all(r["kv_events"]["endpoint"].startswith("tcp://127.0.0.1:") for r in rows)
+    _subscribed(rs)
+    count, turns = 6, 4
+    before = _prefix_hits(rs, PRECISE), _prefix_hits(rs, QWEN)
+    precise = _conversations(rs, PRECISE, count, turns)
+    load = _conversations(rs, QWEN, count, turns)
+    hits = _prefix_hits(rs, PRECISE) - before[0], _prefix_hits(rs, QWEN) - before[1]
+    stay = [len(set(s)) == 1 for s in precise]
+    print(
+        f"precise: {precise}\nload: {load}\nprefix cache hits (tokens): precise {hits[0]}, load {hits[1]}; "
+        f"conversations on one endpoint: precise {sum(stay)}/{count}, "
+        f"load {sum(len(set(s)) == 1 for s in load)}/{count}"
+    )
+    assert all(stay), precise
+    assert len({s[0] for s in precise}) >= 2, precise  # different conversations spread
+    assert hits[0] > 0 and hits[0] >= hits[1], hits

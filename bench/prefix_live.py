@@ -336,6 +336,8 @@ class Cell:
     in_flight_mean: list[float] = field(default_factory=list)
     in_flight_peak: int = 0
     errors: dict[str, int] = field(default_factory=dict)
+    #: the first answer's body of each HTTP error status (up to 300 characters)
+    error_bodies: dict[str, str] = field(default_factory=dict)
 
     @property
     def hit_rate(self) -> float:
@@ -359,7 +361,7 @@ async def one_request(
             if resp.status != 200:
                 key = f"HTTP {resp.status}"
                 cell.errors[key] = cell.errors.get(key, 0) + 1
-                await resp.read()
+                cell.error_bodies.setdefault(key, (await resp.text())[:300])
                 return
             async for line in resp.content:
                 if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
@@ -588,6 +590,8 @@ async def bench(args: argparse.Namespace, console: Console) -> list[Cell]:
                         http, gw, urls, cell, reqs, drain_s=args.drain, sample_s=args.sample_ms / 1e3
                     )
                     cells.append(cell)
+                    for k, body in cell.error_bodies.items():
+                        console.print(f"    first {k} answer: {body!r}", highlight=False)
                     console.print(
                         f"  round {rnd + 1} {w} {load:.0%} {gw.name}: {len(cell.ttft)}/{cell.sent} ok, "
                         "TTFT p50 "
@@ -615,6 +619,7 @@ def merge(cells: list[Cell]) -> list[Cell]:
         m = out.get(k)
         if m is None:
             out[k] = Cell(**{**c.__dict__, "ttft": list(c.ttft), "e2e": list(c.e2e), "errors": dict(c.errors),
+                             "error_bodies": dict(c.error_bodies),
                              "in_flight_mean": list(c.in_flight_mean)})  # fmt: skip
             continue
         m.sent += c.sent
@@ -659,7 +664,7 @@ def main() -> None:
     )
     ap.add_argument(
         "--peers",
-        nargs="+",
+        nargs="*",
         default=["sglang-cache_aware", "sglang-round_robin", "vllm-round_robin", "vllm-cache_aware"],
     )
     ap.add_argument("--sample-ms", type=float, default=500.0)

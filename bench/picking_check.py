@@ -1,16 +1,19 @@
 """What endpoint picking adds to one ext_authz check, in-process (no sockets, no Envoy).
 
-Run: ``.venv/bin/python bench/picking_check.py [--checks 2000] [--rounds 5] [--sizes 3,64,512]``. Prints one
-table; not a test.
+Run: ``.venv/bin/python bench/picking_check.py [--checks 2000] [--rounds 5] [--sizes 3,64,512]
+[--modes load,approximate,precise]``. Prints one table; not a test.
 
 Set-up: one model, one tenant with quota limits (every check is admitted, reserved and metered), a 3 KB
 chat body repeated (the token count is cached after the first, so the check's own work is the floor the
 pick adds to). Cells: picking ``off`` against ``load`` with an endpoint state of N endpoints in the model's
 cluster (:class:`inferlb.policy.endpoint_book.EndpointBook`, as the poller fills it; every endpoint healthy,
 a queue of 0-3 drawn once). Each check's pick is left again right after it (as its settlement would), so
-the book's in-flight counts stay at what the telemetry says. Each cell runs ``--checks`` checks once per
-round, the cells shuffled anew every round; a figure is the median over the rounds of the process CPU time
-per check (``time.process_time``).
+the book's in-flight counts stay at what the telemetry says. ``approximate`` adds the prompt's block keys
+(the same conversation every check: after the first, the memo's) and its index's match and record (the
+index learns the prompt at its first pick, so every later check matches it in full on that endpoint);
+``precise`` adds the keys and a match in an index that holds nothing (no subscriber runs here). Each cell
+runs ``--checks`` checks once per round, the cells shuffled anew every round; a figure is the median over
+the rounds of the process CPU time per check (``time.process_time``).
 """
 
 from __future__ import annotations
@@ -91,9 +94,10 @@ def main() -> None:
     p.add_argument("--checks", type=int, default=2000)
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--sizes", default="3,64,512")
+    p.add_argument("--modes", default="load", help="picking modes to run beside off, comma-separated")
     args = p.parse_args()
     sizes = [int(s) for s in args.sizes.split(",")]
-    cells = [("off", 0)] + [("load", n) for n in sizes]
+    cells = [("off", 0)] + [(m, n) for m in args.modes.split(",") for n in sizes]
     services = {c: service(*c) for c in cells}
     for c in cells:  # warm the token cache and the code paths
         run_cell(services[c], 50)

@@ -11,7 +11,8 @@ Shape (see README "Config reference" and ``examples/local.yaml``)::
                   cluster: {lb_policy, ..., length_aware: {long_output_tokens, fast_min_relative_capacity,
                                  tiers: [{above_output_tokens, min_relative_capacity}]}},
                   endpoint_picking: {mode: off|load|approximate|precise, weights: {...}, block_size}}]
-    endpoints:  [{address, model, version, gpu, region, zone, simulated}]
+    endpoints:  [{address, model, version, gpu, region, zone, simulated,
+                  kv_events: {endpoint, replay_endpoint, topic}}]   # kv_events: precise picking only
     tenants:    [{name, api_keys, priority, requests_per_minute, tokens_per_minute,
                   max_concurrent_requests, daily_token_budget}]
     allow_empty: [models | endpoints | tenants]   # sections a run-time change may empty on purpose

@@ -398,6 +398,8 @@ class SimulatedEndpoint:
         app.router.add_post("/v1/embeddings", self._embeddings)
         app.router.add_get("/v1/models", self._models)
         app.router.add_get("/health", self._health)
+        app.router.add_get("/get_model_info", self._get_model_info)
+        app.router.add_get("/get_server_info", self._get_server_info)
         app.router.add_get("/metrics", self._metrics)
         app.router.add_post("/sim/fault", self._post_fault)
         app.router.add_get("/sim/fault", self._get_fault)
@@ -501,6 +503,26 @@ class SimulatedEndpoint:
             for name in self._served_names
         ]
         return web.json_response({"object": "list", "data": data})
+
+    async def _get_model_info(self, _request: web.Request) -> web.Response:
+        """SGLang's ``GET /get_model_info`` (what sglang-router asks a worker it adds): the served model as
+        ``model_path`` and ``tokenizer_path``, a generation model."""
+        return web.json_response(
+            {"model_path": self.model.name, "tokenizer_path": self.model.name, "is_generation": True}
+        )
+
+    async def _get_server_info(self, _request: web.Request) -> web.Response:
+        """SGLang's ``GET /get_server_info``, the fields a router reads: the served model, the KV cache's
+        capacity (``max_total_num_tokens``, tokens) and the batch limit (``max_running_requests``)."""
+        return web.json_response(
+            {
+                "model_path": self.model.name,
+                "served_model_name": self.model.name,
+                "max_total_num_tokens": self.timing.kv_budget_tokens,
+                "max_running_requests": self.timing.max_batch,
+                "version": "inferlb-gpusim",
+            }
+        )
 
     async def _metrics(self, _request: web.Request) -> web.Response:
         if self.fault.telemetry_muted:

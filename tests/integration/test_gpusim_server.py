@@ -323,6 +323,22 @@ async def test_models_and_health(v100: tuple[SimulatedEndpoint, str], http: aioh
         assert await resp.json() == {"status": "ok"}
 
 
+async def test_sglang_worker_probes_name_the_model_and_its_limits(
+    v100: tuple[SimulatedEndpoint, str], http: aiohttp.ClientSession
+) -> None:
+    server, url = v100
+    async with http.get(f"{url}/get_model_info") as resp:
+        assert resp.status == 200
+        info = await resp.json()
+    assert info == {"model_path": MODEL, "tokenizer_path": MODEL, "is_generation": True}
+    async with http.get(f"{url}/get_server_info") as resp:
+        assert resp.status == 200
+        doc = await resp.json()
+    assert doc["model_path"] == doc["served_model_name"] == MODEL
+    assert doc["max_total_num_tokens"] == server.timing.kv_budget_tokens > 0
+    assert doc["max_running_requests"] == server.timing.max_batch > 0
+
+
 async def test_metrics_use_vllm_names_and_count_what_happened(
     v100: tuple[SimulatedEndpoint, str], http: aiohttp.ClientSession
 ) -> None:

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
+import time
 from collections import Counter
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -100,7 +102,17 @@ class Fleet:
         replay = self.publisher.replay_address
         self.publisher.close()
         self.cache = PrefixCache(num_blocks=self.cache.num_blocks, block_size=BS, record_events=True)
-        self.publisher, self.replay_task = publisher_for(self.sub.endpoint, 100, replay=replay)
+        # ZMQ closes a socket in its I/O thread, so the old sockets' ports may still be bound for a moment
+        # after close() returns: bind again for up to 5 s, as a restarted server would find them freed.
+        deadline = time.monotonic() + 5.0
+        while True:
+            try:
+                self.publisher, self.replay_task = publisher_for(self.sub.endpoint, 100, replay=replay)
+                return
+            except zmq.ZMQError as exc:
+                if exc.errno != errno.EADDRINUSE or time.monotonic() > deadline:
+                    raise
+            await asyncio.sleep(0.05)
 
 
 def publisher_for(

@@ -98,8 +98,9 @@ from inferlb.config.schema import Config, EndpointPicking, ModelConfig
 from inferlb.errors import RequestError
 from inferlb.policy.endpoint_book import BookedEndpoint, EndpointBook, parse_picking_state
 from inferlb.policy.kv_index import PreciseKvIndex
-from inferlb.policy.picker import NoEligibleEndpoint, NoPrefixIndex, PickerWeights, PrefixIndex, pick
+from inferlb.policy.picker import NoEligibleEndpoint, PickerWeights, PrefixIndex, pick
 from inferlb.policy.prefix_index import ApproximatePrefixIndex
+from inferlb.policy.prefix_indexes import KEYED_MODES, make_prefix_index
 from inferlb.request.parsing import InferenceRequest
 
 log = logging.getLogger("ext_proc.picking")
@@ -108,11 +109,6 @@ log = logging.getLogger("ext_proc.picking")
 NO_ELIGIBLE_DETAILS: Final = "inferlb_no_eligible_endpoint"
 #: Longest wait for one ``GET /v1/picking`` (s); a slower answer counts as a failed poll.
 POLL_TIMEOUT_S: Final = 2.0
-#: Prompt tokens the approximate index believes one endpoint's prefix cache holds at most: about what an
-#: 80 GB GPU running an 8B model caches (Llama-3-8B's KV cache is 128 KiB per token: 32 layers x 8 KV
-#: heads x 128 dims x 2 (K, V) x 2 bytes, so ~64 GB of free memory hold ~500k tokens). A bound, not a
-#: measurement: a smaller cache only means the index believes some blocks held that were evicted.
-APPROXIMATE_CAPACITY_TOKENS: Final = 1 << 19
 
 
 def no_keys(request: InferenceRequest) -> tuple[int, ...]:
@@ -130,19 +126,17 @@ class PrefixSource(msgspec.Struct, frozen=True, kw_only=True):
 
 def prefix_source(picking: EndpointPicking) -> PrefixSource:
     """The prefix index and block-key function of a model's ``endpoint_picking`` mode (the module doc says
-    what each costs): ``off`` and ``load`` get :class:`~inferlb.policy.picker.NoPrefixIndex` and no keys;
-    ``approximate`` a fresh :class:`~inferlb.policy.prefix_index.ApproximatePrefixIndex` of
-    :data:`APPROXIMATE_CAPACITY_TOKENS` per endpoint; ``precise`` a fresh
-    :class:`~inferlb.policy.kv_index.PreciseKvIndex` (empty until the subscribers feed it). Both key a
+    what each costs): :func:`inferlb.policy.prefix_indexes.make_prefix_index` (``off`` and ``load``:
+    :class:`~inferlb.policy.picker.NoPrefixIndex` and no keys; ``approximate`` an
+    :class:`~inferlb.policy.prefix_index.ApproximatePrefixIndex` of
+    :data:`~inferlb.policy.prefix_indexes.APPROXIMATE_CAPACITY_TOKENS` per endpoint; ``precise`` a
+    :class:`~inferlb.policy.kv_index.PreciseKvIndex`, empty until the subscribers feed it). Both key a
     request with :func:`inferlb.request.blocks.prompt_block_keys` at ``picking.block_size``
     (:func:`ext_proc.handlers.picking_block_keys`)."""
-    keys = functools.partial(picking_block_keys, picking)
-    if picking.mode == "approximate":
-        capacity = max(1, APPROXIMATE_CAPACITY_TOKENS // picking.block_size)
-        return PrefixSource(index=ApproximatePrefixIndex(capacity_blocks=capacity), keys=keys)
-    if picking.mode == "precise":
-        return PrefixSource(index=PreciseKvIndex(block_size=picking.block_size), keys=keys)
-    return PrefixSource(index=NoPrefixIndex(), keys=no_keys)
+    index = make_prefix_index(picking.mode, block_size=picking.block_size)
+    if picking.mode in KEYED_MODES:
+        return PrefixSource(index=index, keys=functools.partial(picking_block_keys, picking))
+    return PrefixSource(index=index, keys=no_keys)
 
 
 def picker_weights(picking: EndpointPicking) -> PickerWeights:

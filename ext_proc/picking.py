@@ -98,6 +98,7 @@ from inferlb.config.schema import Config, EndpointPicking, ModelConfig
 from inferlb.errors import RequestError
 from inferlb.policy.endpoint_book import BookedEndpoint, EndpointBook, parse_picking_state
 from inferlb.policy.kv_index import PreciseKvIndex
+from inferlb.policy.length_aware import SHORT, length_class
 from inferlb.policy.picker import NoEligibleEndpoint, PickerWeights, PrefixIndex, pick
 from inferlb.policy.prefix_index import ApproximatePrefixIndex
 from inferlb.policy.prefix_indexes import KEYED_MODES, make_prefix_index
@@ -296,6 +297,22 @@ def no_eligible_endpoint(model: str, why: str) -> ImmediateReply:
     )
 
 
+def class_hosts(state: PickingState, prepared: PreparedRequest, cluster: str) -> frozenset[str] | None:
+    """The hosts of ``cluster`` that may serve ``prepared``'s length class, for a length-aware model
+    (:mod:`inferlb.policy.length_aware`: the class of its whole output cap, as its
+    ``x-inferlb-length-class`` header names it), from the book's ``length_classes``; None (every host)
+    for a model that is not length-aware and for a short request. A confined class no host may serve now
+    (no fast GPU in the cluster) is None too: Envoy's subsets fall back to every endpoint then
+    (``ANY_ENDPOINT``), and so does the pick."""
+    policy = prepared.model.cluster.length_aware
+    if policy is None:
+        return None
+    name = length_class(prepared.request.output_token_cap(prepared.model.default_max_tokens), policy)
+    if name == SHORT:
+        return None
+    return state.book.class_hosts(cluster, name) or None
+
+
 def choose(
     state: PickingState, prepared: PreparedRequest, cluster: str, metrics: ExtProcMetrics, *, now: float
 ) -> Picked | ImmediateReply | None:
@@ -317,6 +334,7 @@ def choose(
         return None
     source = state.source(model)
     keys = prepared.block_keys
+    hosts_of_class = class_hosts(state, prepared, cluster)
     matched = source.index.matched_blocks(keys, [s.address for s in states]) if keys else None
     try:
         hosts = pick(
@@ -328,6 +346,7 @@ def choose(
             # with a prefix index, a miss is priced in prompt tokens to prefill (the picker's token term)
             prompt_tokens=prepared.prompt_tokens if keys else 0,
             block_tokens=picking.block_size,
+            class_hosts=hosts_of_class,
         )
     except NoEligibleEndpoint as exc:
         metrics.endpoint_picks.labels(model.name, "no_eligible").inc()

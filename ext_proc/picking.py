@@ -52,6 +52,11 @@ list yet, a picking model's request goes without the header: Envoy's fallback ba
 healthy), the request is refused 503 ``no_eligible_endpoint`` in OpenAI's JSON (the EPP protocol's answer;
 ext_authz sends it as 403 + ``x-inferlb-status: 503``, restored by the local-reply mapper).
 
+Length classes: for a model with ``cluster.length_aware`` a request of a confined class is picked among the
+hosts the state lists for that class (:func:`class_hosts`, from each row's ``length_classes``: the xDS
+server's live sets, else the GPU profile's), a short one among all. Its clusters carry no subset config
+(Envoy refuses one beside ``override_host``), so the fallback balances over every endpoint.
+
 Prefix indexes (:func:`prefix_source` binds each mode to its index; the keys are
 :func:`inferlb.request.blocks.prompt_block_keys` with the model's ``block_size``, computed where the body is
 parsed, so a big body's keys are made in its worker thread too):

@@ -38,8 +38,8 @@ from inferlb.policy.picker import (
 
 #: Fleets of at least this many endpoints are picked over columns by the request path
 #: (:class:`inferlb.policy.endpoint_book.EndpointBook`); smaller ones by the Python loop, cheaper there
-#: (``bench/picker_scoring.py``: columns cost about the same as the loop near 32 endpoints).
-COLUMNAR_MIN_ENDPOINTS: Final = 32
+#: (``bench/picker_scoring.py``: the columns' ~40 us per pick is about the loop's near 50 endpoints).
+COLUMNAR_MIN_ENDPOINTS: Final = 48
 
 _F = npt.NDArray[np.float64]
 _I = npt.NDArray[np.int64]
@@ -113,6 +113,10 @@ class FleetColumns:
         if self._ok[i]:
             self._in_flight_ok += delta
         self._in_flight[i] += delta
+
+    def in_flight(self, address: str) -> int:
+        """Row ``address``'s ``in_flight`` (requests). Raises KeyError: no such row."""
+        return int(self._in_flight[self.index[address]])
 
     def set_row(self, state: EndpointState) -> None:
         """Row ``state.address`` is now ``state`` (every field). Raises KeyError: no such row."""

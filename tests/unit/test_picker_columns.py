@@ -10,7 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from inferlb.policy.columnar import FleetColumns
+from inferlb.policy.columnar import COLUMNAR_MIN_ENDPOINTS, FleetColumns
+from inferlb.policy.endpoint_book import BookedEndpoint, BookedState, EndpointBook
 from inferlb.policy.picker import EndpointState, NoEligibleEndpoint, PickerWeights, pick
 
 # few distinct values, so that equal scores (the salted tie order) and loads at the guard's bound are common
@@ -130,3 +131,47 @@ def test_the_columns_keep_pick_errors() -> None:
         columns.pick(block_tokens=0)
     with pytest.raises(ValueError, match="appears twice"):
         FleetColumns([*fleet, fleet[0]])
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=st.data())
+def test_the_books_columns_pick_as_its_states(data: st.DataObject) -> None:
+    n = data.draw(st.integers(COLUMNAR_MIN_ENDPOINTS, COLUMNAR_MIN_ENDPOINTS + 30))
+    ages = st.none() | st.sampled_from([0.0, 50.0, 400.0, 900.0])
+    state = BookedState(
+        clusters={
+            "c": tuple(
+                BookedEndpoint(
+                    address=f"127.0.0.1:{8000 + i}",
+                    weight=data.draw(st.sampled_from([1.0, 1.7, 3.4])),
+                    healthy=data.draw(st.sampled_from([True, True, False])),
+                    waiting=data.draw(st.none() | _LOADS),
+                    kv_usage=data.draw(st.none() | _KV),
+                    telemetry_age_ms=data.draw(ages),
+                )
+                for i in range(n)
+            ),
+            "small": (BookedEndpoint(address="127.0.0.1:8000", weight=1.0, healthy=True),),
+        },
+        stale_after_ms=1000.0,
+    )
+    book = EndpointBook()
+    addresses = [f"127.0.0.1:{8000 + i}" for i in range(n)]
+    now = 100.0
+    for _ in range(data.draw(st.integers(1, 3))):
+        for a in data.draw(st.lists(st.sampled_from(addresses), max_size=20)):
+            book.enter(a)  # before the state too: counts carry over
+        book.update(state, now)
+        assert book.columns("small", now) is None and book.columns("other", now) is None
+        for _ in range(data.draw(st.integers(1, 6))):
+            now += data.draw(st.sampled_from([0.0, 0.1, 0.3, 0.7, -0.5]))  # telemetry turns stale (or back)
+            op = data.draw(st.sampled_from(["enter", "leave", "none"]))
+            if op != "none":
+                held = sorted(book.in_flight())
+                a = data.draw(st.sampled_from(held if op == "leave" and held else addresses))
+                book.enter(a) if op == "enter" else book.leave(a)
+            kw = data.draw(_request(addresses))
+            columns, states = book.columns("c", now), book.states("c", now)
+            assert columns is not None and states is not None
+            assert [columns.in_flight(s.address) for s in states] == [s.in_flight for s in states]
+            assert _outcome(columns.pick, **kw) == _outcome(pick, states, **kw)

@@ -317,7 +317,7 @@ def choose(
     picking = model.endpoint_picking
     if not picking.enabled:
         return None
-    # a large cluster is scored over the book's columns (the same picks as pick(), a tenth of the CPU)
+    # a large cluster is scored over the book's columns (pick()'s picks, an eighth of its CPU at 1,000)
     columns = state.book.columns(cluster, now)
     states = None if columns is not None else state.book.states(cluster, now)
     score: Callable[..., tuple[str, ...]]

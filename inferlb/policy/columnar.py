@@ -2,7 +2,7 @@
 fleets, at a fraction of its CPU.
 
 :func:`~inferlb.policy.picker.pick` walks one :class:`~inferlb.policy.picker.EndpointState` per endpoint in
-Python: about 1 ms per pick at 1,000 endpoints. :class:`FleetColumns` keeps the same state as numpy arrays
+Python: 0.5-1 ms per pick at 1,000 endpoints. :class:`FleetColumns` keeps the same state as numpy arrays
 (one per field, one row per endpoint), updated in place as the caller learns of changes (a request entered
 or left, a new scrape), and :meth:`FleetColumns.pick` scores every row at once. Its answer is exactly
 :func:`~inferlb.policy.picker.pick`'s for the same state and arguments: the same eligibility (healthy,
@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable, Collection, Mapping, Sequence
-from typing import Final
+from typing import Final, TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -38,12 +38,13 @@ from inferlb.policy.picker import (
 
 #: Fleets of at least this many endpoints are picked over columns by the request path
 #: (:class:`inferlb.policy.endpoint_book.EndpointBook`); smaller ones by the Python loop, cheaper there
-#: (``bench/picker_scoring.py``: the columns' ~40 us per pick is about the loop's near 50 endpoints).
-COLUMNAR_MIN_ENDPOINTS: Final = 48
+#: (``bench/picker_scoring.py``: the columns' ~40 us per pick is the loop's between 48 and 64 endpoints).
+COLUMNAR_MIN_ENDPOINTS: Final = 56
 
 _F = npt.NDArray[np.float64]
 _I = npt.NDArray[np.int64]
 _B = npt.NDArray[np.bool_]
+_T = TypeVar("_T", bound=np.generic)
 
 
 class FleetColumns:
@@ -230,11 +231,16 @@ class FleetColumns:
             rows = self._candidates(rows, matched, k, candidate_seed)
         w_kv = weights.kv
 
-        w = self._weight[rows]
-        outstanding = self._in_flight[rows] + self._waiting[rows]
+        every = len(rows) == len(self.addresses)  # rows in order, none left out: the columns as they are
+
+        def take(col: npt.NDArray[_T]) -> npt.NDArray[_T]:
+            return col if every else col[rows]
+
+        w = take(self._weight)
+        outstanding = take(self._in_flight) + take(self._waiting)
         over = outstanding + 1.0 > np.ceil(share_bound * w)
         # the score, term by term in pick()'s order (the same rounding)
-        score = -f_load * outstanding - w_kv * w * np.clip(self._kv[rows], 0.0, 1.0)
+        score = -f_load * outstanding - w_kv * w * np.clip(take(self._kv), 0.0, 1.0)
         if f_prefix or f_tokens:
             zero = min(prompt_blocks, 0)  # pick()'s clip of a match of 0
             full = np.full(len(self.addresses), zero, dtype=np.int64)
@@ -243,31 +249,32 @@ class FleetColumns:
                 r = index.get(address)
                 if r is not None:
                     full[r] = 0 if blocks < 0 else prompt_blocks if blocks > prompt_blocks else blocks
-            m = full[rows]
+            m = take(full)
             score = score + f_prefix * w * m
             if f_tokens:
                 miss = prompt - block_tokens * m
-                score = score - f_tokens * (self._prefill[rows] + np.maximum(miss, 0))
+                score = score - f_tokens * (take(self._prefill) + np.maximum(miss, 0))
         if f_decode:
-            score = score - f_decode * self._decode[rows]
-        ties = self._tie_column(salt)[rows]
+            score = score - f_decode * take(self._decode)
+        ties = self._tie_column(salt)
         n = weights.max_hosts
         within = ~over
-        best = self._first((-score / w)[within], ties[within], rows[within], n)
+        best = self._first((-score / w)[within], rows[within], n, ties)
         if len(best) < n:
-            best += self._first(((outstanding + 1.0) / w)[over], ties[over], rows[over], n - len(best))
+            best += self._first(((outstanding + 1.0) / w)[over], rows[over], n - len(best), ties)
         return tuple(best)
 
-    def _first(self, keys: _F, ties: npt.NDArray[np.uint64], rows: _I, n: int) -> list[str]:
-        """The addresses of the ``n`` smallest keys, ties by the tie hash, then by position (as
-        :func:`~inferlb.policy.picker.pick`'s ``(key, hash, position)`` sort)."""
+    def _first(self, keys: _F, rows: _I, n: int, ties: npt.NDArray[np.uint64]) -> list[str]:
+        """The addresses of ``rows`` with the ``n`` smallest ``keys``, ties by the tie hash (``ties``, per
+        row), then by position (as :func:`~inferlb.policy.picker.pick`'s ``(key, hash, position)``
+        sort)."""
         if not len(keys):
             return []
         if len(keys) > n:
             cut = keys.min() if n == 1 else np.partition(keys, n - 1)[n - 1]
             few = np.flatnonzero(keys <= cut)
-            keys, ties, rows = keys[few], ties[few], rows[few]
-        order = np.lexsort((ties, keys))[:n]  # stable: equal keys and hashes keep their positions
+            keys, rows = keys[few], rows[few]
+        order = np.lexsort((ties[rows], keys))[:n]  # stable: equal keys and hashes keep their positions
         addresses = self.addresses
         return [addresses[r] for r in rows[order].tolist()]
 

@@ -9,8 +9,8 @@ endpoint (entered at the pick, left at the request's end). :meth:`EndpointBook.s
 the :class:`~inferlb.policy.picker.EndpointState` values :func:`~inferlb.policy.picker.pick` scores; for a
 cluster of :data:`~inferlb.policy.columnar.COLUMNAR_MIN_ENDPOINTS` endpoints or more it also keeps them as
 :class:`~inferlb.policy.columnar.FleetColumns` (:meth:`EndpointBook.columns`), built once per received
-state and changed in place as requests enter and leave and as telemetry goes stale (the same picks, at a
-tenth of the CPU for 1,000 endpoints).
+state and changed in place as requests enter and leave and as telemetry goes stale (the same picks, at
+an eighth of the CPU at 1,000 endpoints).
 
 Staleness: the book keeps serving the last state it was given, however old (an xDS server that is down
 must not stop picking), but queue and KV usage older than ``stale_after_ms`` (the server's

@@ -12,14 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from inferlb.policy.fair_wait import FairWaiters, QueueFull, Waiter
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
+from tests.unit.test_epp_exchange import Clock
 
 
 def _make(

@@ -29,6 +29,11 @@ picked, and a ``default`` or ``low`` tenant's request enters the in-flight count
 settled, which every way a stream ends does exactly once (a quota refusal or a cancelled admission leaves at
 once).
 
+Endpoint picking with ``endpoint_picking.queue``: a request whose endpoints are all saturated waits in its
+model's fair queue (:class:`~ext_proc.picking.PickQueue`) before quota admission, holding back its body's
+answer (Envoy's ``message_timeout`` bounds it: ``max_wait_ms`` is at most half of it); the stream's end
+takes it out of the queue.
+
 Envoy resets the stream after the last message it needs; grpc aio turns that into a cancellation of this
 coroutine, which is normal and not logged. After the answer Envoy needs last (the response's end, or an
 immediate response) the stream neither reads nor ends: it waits for that reset (:data:`RESET_WAIT_S`), so
@@ -55,7 +60,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 from envoy.type.v3 import http_status_pb2
 
 from ext_proc import handlers
-from ext_proc.picking import choose
+from ext_proc.picking import PickWaiter, choose, wait_for_pick
 from ext_proc.state import OFFLOAD_BODY_BYTES, ExtProcState
 from inferlb.config.schema import GatewayConfig
 from inferlb.policy.quota import Admitted, Refused
@@ -644,6 +649,14 @@ class ExternalProcessor(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc
             state.in_flight.enter(cluster)
             held = cluster
         picked = choose(state.picking, prepared, cluster, state.metrics, now=time.monotonic())
+        if isinstance(picked, PickWaiter):
+            # every endpoint saturated: wait in the model's fair queue (the stream's end cancels the wait)
+            try:
+                picked = await wait_for_pick(picked)
+            except BaseException:
+                if held is not None:
+                    state.in_flight.leave(held)
+                raise
         if isinstance(picked, handlers.ImmediateReply):
             if held is not None:
                 state.in_flight.leave(held)
@@ -656,13 +669,13 @@ class ExternalProcessor(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc
             if held is not None:
                 state.in_flight.leave(held)
             if picked is not None:
-                state.picking.book.leave(picked.held)
+                state.picking.leave(picked.held)
             raise
         if isinstance(decision, Refused):
             if held is not None:
                 state.in_flight.leave(held)
             if picked is not None:
-                state.picking.book.leave(picked.held)
+                state.picking.leave(picked.held)
             reply = handlers.quota_refusal(decision)
             state.metrics.quota_rejections.labels(tenant, decision.limit.value).inc()
             self._count_reply(reply, tenant=tenant, model=prepared.model.name)
@@ -763,7 +776,7 @@ class ExternalProcessor(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc
             self.state.in_flight.leave(ex.in_flight)
             ex.in_flight = None
         if ex.picked is not None:
-            self.state.picking.book.leave(ex.picked)
+            self.state.picking.leave(ex.picked)
             ex.picked = None
         used = admitted.tokens if usage is None else usage.total_tokens
         metrics = self.state.metrics

@@ -825,6 +825,31 @@ class PickerWeightsConfig(_Frozen):
     max_hosts: Annotated[int, Field(strict=True, ge=1, le=16)] = 3
 
 
+class PickingQueue(_Frozen):
+    """Fair waiting when every eligible endpoint of a picking model is saturated
+    (:mod:`ext_proc.queueing`): instead of the immediate 503/429, the request waits in the model's fair
+    queue (priority band first, then tenants fairly by tokens, :mod:`inferlb.policy.fair_queue`) until an
+    endpoint has room or ``max_wait_ms`` passed (then 429 ``queue_timeout`` with ``retry-after``).
+
+    An endpoint is **saturated** when this process's in-flight count on it (the picker's own count: picks
+    entered, left at the request's end) reached ``max_in_flight``; the bound is per request-path process.
+    """
+
+    #: Requests waiting per model at most (one more: 429 ``queue_full``); 0 (the default): no queue, no
+    #: saturation check (the picker always picks).
+    max_queued: Annotated[int, Field(strict=True, ge=0, le=100_000)] = 0
+    #: Longest wait in the queue (ms); must stay within half of ``ext_proc.message_timeout_ms`` (Envoy
+    #: waits that long for the answer the queue holds back).
+    max_wait_ms: Annotated[int, Field(strict=True, ge=1, le=30_000)] = 2_000
+    #: Requests in flight from this process on one endpoint at which it is saturated.
+    max_in_flight: Annotated[int, Field(strict=True, ge=1, le=100_000)] = 32
+
+    @property
+    def enabled(self) -> bool:
+        """True when requests may wait (``max_queued`` > 0)."""
+        return self.max_queued > 0
+
+
 class EndpointPicking(_Frozen):
     """Endpoint picking for one model: the request path picks the endpoint of each request (cache- and
     load-aware, :mod:`inferlb.policy.picker`) and hands Envoy an ordered list of hosts, as the Gateway API
@@ -843,6 +868,8 @@ class EndpointPicking(_Frozen):
     #: Tokens per prompt block of the prefix indexes (vLLM's ``--block-size``, default 16); ``approximate``
     #: and ``precise`` only.
     block_size: Annotated[int, Field(strict=True, ge=1, le=1_024)] = 16
+    #: Fair waiting when every eligible endpoint is saturated (:class:`PickingQueue`); off by default.
+    queue: PickingQueue = PickingQueue()
 
     @property
     def enabled(self) -> bool:
@@ -1195,6 +1222,14 @@ class Config(_Frozen):
                 problems.append(
                     f"{field}: {m.endpoint_picking.mode} needs ext_proc.account_responses (the picker counts "
                     "each endpoint's requests in flight until their response ends)"
+                )
+            q = m.endpoint_picking.queue
+            if q.enabled and 2 * q.max_wait_ms > self.ext_proc.message_timeout_ms:
+                problems.append(
+                    f"models[{i}].endpoint_picking.queue.max_wait_ms: {q.max_wait_ms} ms is more than half "
+                    f"of ext_proc.message_timeout_ms ({self.ext_proc.message_timeout_ms} ms), which bounds "
+                    "how long Envoy waits for the answer a waiting request holds back (with room for the "
+                    "quota admission after it); lower it or raise message_timeout_ms"
                 )
         if problems:
             raise ValueError("; ".join(problems))

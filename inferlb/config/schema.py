@@ -1022,7 +1022,8 @@ class EndpointConfig(_Frozen):
 
     @property
     def display_name(self) -> str:
-        """The name used in tables and in the simulator's ``x-inferlb-endpoint`` response header."""
+        """The name used in tables and in the ``x-inferlb-endpoint`` response header (the gateway's, and
+        the simulator's own)."""
         return self.name or str(self.address)
 
 

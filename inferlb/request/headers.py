@@ -1,5 +1,5 @@
-"""HTTP header names shared by ext_proc (which sets them), the xDS routes (which match on them) and the
-simulated GPU servers (which report the serving endpoint).
+"""HTTP header names shared by ext_proc (which sets them), the xDS routes (which match on them, and add the
+served-by response headers) and the simulated GPU servers.
 
 Every ``x-inferlb-*`` header a client sends is removed by ext_proc before routing, so only ext_proc can
 set them.

@@ -152,6 +152,27 @@ class Priority(StrEnum):
     LOW = "low"
 
 
+class AccessLogConfig(_Frozen):
+    """``gateway.access_log``: one JSON line per request from Envoy's own access logger
+    (``envoy.access_loggers.stdout`` or ``envoy.access_loggers.file`` with ``log_format.json_format``; the
+    fields are :data:`xds_server.resources.listener.ACCESS_LOG_FIELDS`, README "Access log")."""
+
+    #: ``stdout`` (Envoy's standard output: ``inferlb up`` writes it to Envoy's log file) or an absolute
+    #: file path Envoy appends to (reopened on ``/reopen_logs``).
+    path: Annotated[str, Field(min_length=1, max_length=4096)] = "stdout"
+    #: Only ``json`` (one object per line).
+    format: Literal["json"] = "json"
+
+    @field_validator("path")
+    @classmethod
+    def _stdout_or_absolute(cls, value: str) -> str:
+        if value != "stdout" and not value.startswith("/"):
+            raise ValueError(f"expected 'stdout' or an absolute file path, got {value!r}")
+        if "\0" in value:
+            raise ValueError("a file path holds no NUL byte")
+        return value
+
+
 class GatewayConfig(_Frozen):
     """The Envoy side: the listener clients call and the admin interface."""
 
@@ -222,6 +243,8 @@ class GatewayConfig(_Frozen):
     #: zone) at priority 0.
     region: str = "local"
     zone: str = "a"
+    #: One JSON access-log line per request (:class:`AccessLogConfig`); none by default.
+    access_log: AccessLogConfig | None = None
 
     @model_validator(mode="after")
     def _check_downstream_idle_outlives_an_attempt(self) -> Self:
@@ -1026,7 +1049,8 @@ class EndpointConfig(_Frozen):
 
     @property
     def display_name(self) -> str:
-        """The name used in tables and in the simulator's ``x-inferlb-endpoint`` response header."""
+        """The name used in tables and in the ``x-inferlb-endpoint`` response header (the gateway's, and
+        the simulator's own)."""
         return self.name or str(self.address)
 
 

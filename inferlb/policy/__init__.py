@@ -17,6 +17,8 @@
 - :mod:`inferlb.policy.prefix_index`: the approximate prefix index, learnt from the picker's own picks.
 - :mod:`inferlb.policy.fair_queue`: per-model waiting under saturation (strict bands, start-time fair
   queueing by tokens within one, bounded waits).
+- :mod:`inferlb.policy.fair_wait`: waiting in that queue on an event loop (futures, expiry timers, a client
+  gone), shared by the EPP's flow control and the request path's endpoint picking.
 - :mod:`inferlb.policy.endpoint_book`: a request-path process's view of the picking models' endpoints
   (the xDS server's state, its own in-flight counts per endpoint) as the picker's inputs.
 - :mod:`inferlb.policy.kv_index`: the precise prefix index, rebuilt from the model servers' KV events.

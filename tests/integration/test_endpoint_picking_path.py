@@ -7,6 +7,7 @@ endpoint's in-flight count until the request's settlement; no eligible endpoint 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from collections.abc import AsyncIterator
@@ -81,8 +82,18 @@ def _authz_request(spoof: str | None = None) -> CheckRequest:
 
 @pytest.fixture
 async def authz() -> AsyncIterator[tuple[CheckService, als_pb2_grpc.AccessLogServiceStub]]:
+    async with checking(_config("ext_authz")) as out:
+        yield out
+
+
+@contextlib.asynccontextmanager
+async def checking(
+    doc: dict[str, Any],
+) -> AsyncIterator[tuple[CheckService, als_pb2_grpc.AccessLogServiceStub]]:
+    """An ext_authz check service over ``doc`` with its meter fed by a real access-log gRPC server, and a
+    stub to send it entries."""
     clock = Clock()
-    state = ExtProcState(parse_config(_config("ext_authz")), clock=clock)
+    state = ExtProcState(parse_config(doc), clock=clock)
     meter = Meter(state, clock=clock)
     server, port = await serve_access_log("127.0.0.1", 0, meter.on_entries)
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")

@@ -85,7 +85,7 @@ import json
 import logging
 import secrets
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Final
 
@@ -97,6 +97,7 @@ from ext_proc.metrics import ExtProcMetrics
 from inferlb.adapters.kv_events import KvEventsCollector, KvEventSubscriber
 from inferlb.config.schema import Config, EndpointPicking, ModelConfig, PickingQueue, Priority
 from inferlb.errors import RequestError
+from inferlb.policy.columnar import FleetColumns
 from inferlb.policy.endpoint_book import BookedEndpoint, EndpointBook, parse_picking_state
 from inferlb.policy.fair_queue import BAND_DEFAULT, BAND_HIGH, BAND_LOW
 from inferlb.policy.fair_wait import FairWaiters, QueueFull, Waiter
@@ -515,6 +516,11 @@ def choose(
     picking = model.endpoint_picking
     if not picking.enabled:
         return None
+    # a large cluster is scored over the book's columns (pick()'s picks, an eighth of its CPU at 1,000)
+    columns = state.book.columns(cluster, now)
+    queue = state.queue(model)
+    if columns is not None and queue is None:
+        return _pick(state, prepared, columns, metrics)
     states = state.book.states(cluster, now)
     if states is None:
         metrics.endpoint_picks.labels(model.name, "no_state").inc()
@@ -533,25 +539,33 @@ def choose(
             state.dispatch(now)
             return waiter
         if room:
+            if columns is not None:  # the same eligible endpoints, over the columns
+                return _pick(state, prepared, columns, metrics, subset={s.address for s in room})
             states = room
-    return _pick(state, prepared, states, metrics)
+    return _pick(state, prepared, columns if columns is not None else states, metrics)
 
 
 def _pick(
     state: PickingState,
     prepared: PreparedRequest,
-    states: list[EndpointState],
+    fleet: list[EndpointState] | FleetColumns,
     metrics: ExtProcMetrics | None = None,
+    subset: set[str] | None = None,
 ) -> Picked | ImmediateReply:
     model = prepared.model
     picking = model.endpoint_picking
     metrics = metrics if metrics is not None else state.metrics
+    score: Callable[..., tuple[str, ...]]
+    addresses: Sequence[str]
+    if isinstance(fleet, FleetColumns):
+        addresses, score = fleet.addresses, functools.partial(fleet.pick, subset=subset)
+    else:
+        addresses, score = [s.address for s in fleet], functools.partial(pick, fleet, subset=subset)
     source = state.source(model)
     keys = prepared.block_keys
-    matched = source.index.matched_blocks(keys, [s.address for s in states]) if keys else None
+    matched = source.index.matched_blocks(keys, addresses) if keys else None
     try:
-        hosts = pick(
-            states,
+        hosts = score(
             prompt_blocks=len(keys),
             matched_blocks=matched,
             weights=picker_weights(picking),
@@ -563,7 +577,7 @@ def _pick(
     except NoEligibleEndpoint as exc:
         if metrics is not None:
             metrics.endpoint_picks.labels(model.name, "no_eligible").inc()
-        why = str(exc) if states else "no endpoint is registered"
+        why = str(exc) if addresses else "no endpoint is registered"
         return no_eligible_endpoint(model.name, why)
     if keys:
         source.index.record_pick(hosts[0], keys)

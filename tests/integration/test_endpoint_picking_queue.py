@@ -21,10 +21,13 @@ from hypothesis import strategies as st
 from ext_authz.check import CheckAnswer, CheckRequest, CheckService
 from ext_authz.meter import Meter
 from ext_proc import handlers
+from ext_proc.picking import picker_weights
 from ext_proc.state import ExtProcState
 from inferlb.config.schema import parse_config
 from inferlb.errors import ConfigError
+from inferlb.policy.columnar import COLUMNAR_MIN_ENDPOINTS
 from inferlb.policy.endpoint_book import BookedEndpoint, BookedState
+from inferlb.policy.picker import pick
 from inferlb.request import headers as h
 from tests.conftest import make_config_doc
 from tests.integration.test_endpoint_picking_path import checking
@@ -246,3 +249,25 @@ async def test_ext_proc_waits_and_a_stream_that_ends_while_it_waits_leaves_the_q
         assert got[h.DESTINATION_ENDPOINT] == A
         first.cancel()
         third.cancel()
+
+
+async def test_a_large_cluster_with_a_queue_picks_over_its_columns_among_the_endpoints_with_room() -> None:
+    n = COLUMNAR_MIN_ENDPOINTS + 4
+    addresses = [f"10.1.0.{i}:8000" for i in range(n)]
+    async with checking(_doc()) as (service, _):
+        book = service.state.picking.book
+        book.update(_book_state(*addresses), time.monotonic())
+        assert book.columns(CLUSTER, time.monotonic()) is not None
+        picking = parse_config(_doc()).models[0].endpoint_picking
+        for _ in range(n):
+            states = book.states(CLUSTER, time.monotonic()) or []
+            room = [s for s in states if s.healthy and s.in_flight < 1]
+            expected = pick(room, weights=picker_weights(picking), salt=service.state.picking.salt,
+                            block_tokens=picking.block_size)  # fmt: skip
+            answer = _now(service, _request("heavy"))
+            assert tuple(dict(answer.headers)[h.DESTINATION_ENDPOINT].split(",")) == expected
+        # one request in flight on every endpoint (max_in_flight 1): the next waits
+        assert book.in_flight() == dict.fromkeys(addresses, 1)
+        waiting = _waits(service, _request("light"))
+        await asyncio.sleep(0.01)
+        assert not waiting.done()

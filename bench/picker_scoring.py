@@ -7,9 +7,13 @@ the ``k`` least loaded of ``2k`` drawn), the cells interleaved round by round so
 every cell alike, and reports the median microseconds per pick of ``--rounds`` rounds of ``--picks`` picks
 (``time.process_time``: CPU, not wall), for a prompt whose prefix four endpoints hold in part and for one
 no endpoint holds. It also reports how often each first choice is the exact one, and the mean rank of
-the choice in the exact order (a percentile of the eligible endpoints). A last row per fleet times a
-bench-only prototype of the same score over numpy columns the caller keeps (:class:`Columns`), the
-alternative to sampling for large fleets.
+the choice in the exact order (a percentile of the eligible endpoints). Further rows per fleet time:
+the product's columnar picker (:class:`inferlb.policy.columnar.FleetColumns`, the same picks as exact
+``pick``: "same as exact" counts whole host lists); the request path's use of it (an
+:class:`~inferlb.policy.endpoint_book.EndpointBook` holding the fleet's telemetry: ``columns()`` and
+``FleetColumns.pick``, or below ``COLUMNAR_MIN_ENDPOINTS`` ``states()`` and ``pick``, plus the pick's
+``enter`` and ``leave``; compared with ``pick`` over the book's ``states()``); and the earlier bench-only
+prototype over numpy columns (:class:`Columns`, first choice only).
 
 Usage: ``.venv/bin/python bench/picker_scoring.py [--sizes 8 100 1000] [--rounds 7] [--picks 300]``.
 """
@@ -20,13 +24,29 @@ import argparse
 import random
 import statistics
 import time
+from typing import TypedDict
 
 from rich.console import Console
 from rich.table import Table
 
+from inferlb.policy.columnar import FleetColumns
+from inferlb.policy.endpoint_book import BookedEndpoint, BookedState, EndpointBook
 from inferlb.policy.picker import EndpointState, PickerWeights, pick
 
 COLUMNAR = "columnar numpy (prototype)"
+PRODUCT = "FleetColumns (product)"
+BOOK = "EndpointBook path"
+
+
+class Args(TypedDict):
+    """The request's arguments of every pick here."""
+
+    prompt_blocks: int
+    prompt_tokens: int
+    block_tokens: int
+
+
+ARGS: Args = {"prompt_blocks": 32, "prompt_tokens": 16384, "block_tokens": 512}
 
 
 def fleet(n: int, seed: int) -> list[EndpointState]:
@@ -90,6 +110,29 @@ class Columns:
         return self.addresses[int(np.argmax(score))]
 
 
+def book_of(eps: list[EndpointState]) -> EndpointBook:
+    """A request path's book of ``eps`` (weights, health, queues and KV usage fresh; in-flight counts are
+    the book's own, none yet)."""
+    rows = tuple(
+        BookedEndpoint(address=e.address, weight=e.weight, healthy=e.healthy, waiting=e.waiting,
+                       kv_usage=e.kv_usage, telemetry_age_ms=0.0)
+        for e in eps
+    )  # fmt: skip
+    return EndpointBook(BookedState(clusters={"c": rows}, stale_after_ms=1e12), received_at=0.0)
+
+
+def book_pick(book: EndpointBook, m: dict[str, int]) -> tuple[str, ...]:
+    """One request through the book as ``ext_proc.picking.choose`` takes it: pick, enter, (end) leave."""
+    columns = book.columns("c", 1.0)
+    if columns is not None:
+        hosts = columns.pick(matched_blocks=m, **ARGS)
+    else:
+        hosts = pick(book.states("c", 1.0) or [], matched_blocks=m, **ARGS)
+    book.enter(hosts[0])
+    book.leave(hosts[0])
+    return hosts
+
+
 def exact_order(eps: list[EndpointState], matched: dict[str, int]) -> list[str]:
     """Every endpoint in exact pick order (``max_hosts`` = all)."""
     w = PickerWeights(max_hosts=len(eps))
@@ -121,9 +164,13 @@ def main() -> None:
     cells = [(n, p, name, w) for n in args.sizes for p in ("held", "new") for name, w in variants]
     times: dict[tuple[int, str, str], list[float]] = {(n, p, name): [] for n, p, name, _ in cells}
     columns = {n: Columns(fleets[n]) for n in args.sizes}
+    product = {n: FleetColumns(fleets[n]) for n in args.sizes}
+    books = {n: book_of(fleets[n]) for n in args.sizes}
     for n in args.sizes:
         for p in ("held", "new"):
             times[(n, p, COLUMNAR)] = []
+            times[(n, p, PRODUCT)] = []
+            times[(n, p, BOOK)] = []
     for r in range(args.rounds):
         for n, p in ((n, p) for n in args.sizes for p in ("held", "new")):
             cols, m = columns[n], prompts[n][p]
@@ -131,6 +178,16 @@ def main() -> None:
             for _ in range(args.picks):
                 cols.pick(m, 32, 16384, 512)
             times[(n, p, COLUMNAR)].append((time.process_time() - t0) / args.picks * 1e6)
+            fc = product[n]
+            t0 = time.process_time()
+            for _ in range(args.picks):
+                fc.pick(matched_blocks=m, **ARGS)
+            times[(n, p, PRODUCT)].append((time.process_time() - t0) / args.picks * 1e6)
+            book = books[n]
+            t0 = time.process_time()
+            for _ in range(args.picks):
+                book_pick(book, m)
+            times[(n, p, BOOK)].append((time.process_time() - t0) / args.picks * 1e6)
         for n, p, name, w in cells:
             eps, m = fleets[n], prompts[n][p]
             t0 = time.process_time()
@@ -164,6 +221,19 @@ def main() -> None:
             same = "100%" if rank == 0 else "0%"
             t.add_row(str(n), p, COLUMNAR, f"{statistics.median(xs):.1f}", f"{min(xs):.1f}", f"{max(xs):.1f}",
                       same, f"{100 * rank / max(1, len(order) - 1):.1f}%")  # fmt: skip
+            # the product rows: whole host lists against pick() over the same state
+            exact = pick(eps, matched_blocks=m, **ARGS)
+            for name, got, want in (
+                (PRODUCT, product[n].pick(matched_blocks=m, **ARGS), exact),
+                (
+                    BOOK,
+                    book_pick(books[n], m),
+                    pick(books[n].states("c", 1.0) or [], matched_blocks=m, **ARGS),
+                ),
+            ):
+                xs = times[(n, p, name)]
+                t.add_row(str(n), p, name, f"{statistics.median(xs):.1f}", f"{min(xs):.1f}", f"{max(xs):.1f}",
+                          "100%" if got == want else "0%", "0.0%" if got == want else "-")  # fmt: skip
     Console(width=140).print(t)
 
 

@@ -34,11 +34,9 @@ The state lives on the event loop (one owner, no locks); the decision what to ad
 from __future__ import annotations
 
 import asyncio
-import itertools
 import time
-from collections import Counter
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Final
 
 import msgspec
@@ -46,7 +44,8 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from inferlb.errors import RequestError
-from inferlb.policy.fair_queue import FairQueue, QueueFull
+from inferlb.policy.fair_queue import QueueFull
+from inferlb.policy.fair_wait import FairWaiters, Waiter
 from inferlb.request import headers as inferlb_headers
 from inferlb.request.tokens import (
     CountingBudgetExceededError,
@@ -176,35 +175,31 @@ def request_cost(request: InferenceRequest | None, *, default_max_tokens: int) -
     return max(1, prompt + request.output_token_cap(default_max_tokens))
 
 
-@dataclass(eq=False, slots=True)
-class Waiting:
-    """One request waiting for room; :attr:`outcome` resolves to its decision (or is cancelled when its stream
-    ends first).
+@dataclass(eq=False, slots=True, kw_only=True)
+class Waiting(Waiter["Routed | Refused"]):
+    """One request waiting for room (:class:`~inferlb.policy.fair_wait.Waiter`: its id, tenant, band
+    ``-priority``, cost, arrival, outcome); :attr:`outcome` resolves to its decision (or is cancelled when
+    its stream ends first).
 
     Attributes:
-        request_id: the queue's id for it.
         priority: its priority (higher first).
-        fairness_id: its tenant.
-        cost_tokens: its cost (tokens).
-        enqueued_at: monotonic seconds when it joined.
         subset: the gateway's subset hint, re-read at admission.
         request: the parsed request (None when not parsed), for the pick.
-        outcome: the decision, once made.
     """
 
-    request_id: str
     priority: int
-    fairness_id: str
-    cost_tokens: int
-    enqueued_at: float
     subset: tuple[str, ...] | None
     request: InferenceRequest | None
-    outcome: asyncio.Future[Routed | Refused]
-    timer: asyncio.TimerHandle | None = field(default=None, repr=False)
+
+    @property
+    def fairness_id(self) -> str:
+        """Its fairness id (the queue's tenant)."""
+        return self.tenant
 
 
 class FlowControl(Collector):
-    """The waiters of one pool over a :class:`~inferlb.policy.fair_queue.FairQueue` (bands ``-priority``).
+    """The waiters of one pool: :class:`~inferlb.policy.fair_wait.FairWaiters` over a
+    :class:`~inferlb.policy.fair_queue.FairQueue` (bands ``-priority``), counted in the EPP's metrics.
 
     Args:
         settings: bounds and objectives (``max_queued`` > 0).
@@ -227,16 +222,20 @@ class FlowControl(Collector):
             raise ValueError("flow control needs max_queued >= 1")
         self.settings = settings
         self.metrics = metrics
-        self.on_expired = on_expired
         self.clock = clock
-        self.queue = FairQueue(max_queued=settings.max_queued, max_wait_s=settings.max_wait_s)
-        self._waiters: dict[str, Waiting] = {}
-        self._per_priority: Counter[int] = Counter()
-        self._ids = itertools.count()
+        self._on_expired = on_expired
+        self.waiters: FairWaiters[Waiting, Routed | Refused] = FairWaiters(
+            max_queued=settings.max_queued,
+            max_wait_s=settings.max_wait_s,
+            on_expired=self._expired,
+            on_left=self._left,
+            clock=clock,
+        )
+        self.queue = self.waiters.queue
         metrics.registry.register(self)
 
     def __len__(self) -> int:
-        return len(self._waiters)
+        return len(self.waiters)
 
     def enqueue(
         self,
@@ -252,35 +251,23 @@ class FlowControl(Collector):
         Raises:
             QueueFull: ``max_queued`` requests wait already.
         """
-        loop = asyncio.get_running_loop()
-        request_id = str(next(self._ids))
-        now = self.clock()
-        self.queue.push(request_id, tenant=fairness_id, band=-priority, cost_tokens=cost_tokens, now=now)
         waiting = Waiting(
-            request_id=request_id,
-            priority=priority,
-            fairness_id=fairness_id,
+            request_id=self.waiters.new_id(),
+            tenant=fairness_id,
+            band=-priority,
             cost_tokens=cost_tokens,
-            enqueued_at=now,
+            enqueued_at=self.clock(),
+            outcome=asyncio.get_running_loop().create_future(),
+            priority=priority,
             subset=subset,
             request=request,
-            outcome=loop.create_future(),
         )
-        waiting.timer = loop.call_later(self.settings.max_wait_s, self.expire_due, waiting)
-        self._waiters[request_id] = waiting
-        self._per_priority[priority] += 1
-        return waiting
+        return self.waiters.enqueue(waiting)
 
     def head(self) -> Waiting | None:
         """The waiter the queue serves next (bands strictly, then fair within the band), left waiting; waiters
         whose stream went away in the meantime are dropped on the way."""
-        while (entry := self.queue.peek()) is not None:
-            waiting = self._waiters[entry.request_id]
-            if not waiting.outcome.cancelled():
-                return waiting
-            self.queue.remove(entry.request_id)
-            self._leave(waiting, "cancelled")
-        return None
+        return self.waiters.head()
 
     def take_head(self, decision: Routed | Refused, outcome: str) -> Waiting:
         """Answer the :meth:`head` waiter with ``decision`` (``outcome``: ``admitted`` or ``unavailable``).
@@ -288,54 +275,28 @@ class FlowControl(Collector):
         Raises:
             LookupError: nothing waits.
         """
-        entry = self.queue.pop()
-        if entry is None:
-            raise LookupError("no request waits")
-        waiting = self._waiters[entry.request_id]
-        self._leave(waiting, outcome)
-        waiting.outcome.set_result(decision)
-        return waiting
+        return self.waiters.take_head(decision, outcome)
 
     def abandon(self, waiting: Waiting) -> Routed | Refused | None:
         """``waiting``'s stream ended: out of the queue if it still waits. Returns the decision when one was
         made before (the caller releases what it holds), else None."""
-        if self._waiters.get(waiting.request_id) is waiting:
-            self.queue.remove(waiting.request_id)
-            self._leave(waiting, "cancelled")
-            waiting.outcome.cancel()
-            return None
-        if waiting.outcome.done() and not waiting.outcome.cancelled():
-            return waiting.outcome.result()
-        return None
+        return self.waiters.abandon(waiting)
 
     def expire_due(self, waiting: Waiting | None = None) -> None:
-        """Answer every waiter past ``max_wait_s`` with :attr:`on_expired` (``waiting``'s timer calls this; it
-        is armed again when the clock has not quite reached its deadline yet)."""
-        for entry in self.queue.expire(self.clock()):
-            expired = self._waiters[entry.request_id]
-            self._leave(expired, "expired")
-            if not expired.outcome.done():
-                self.metrics.queue_expired.inc()
-                expired.outcome.set_result(self.on_expired())
-        if waiting is not None and self._waiters.get(waiting.request_id) is waiting:
-            left = waiting.enqueued_at + self.settings.max_wait_s - self.clock()
-            waiting.timer = asyncio.get_running_loop().call_later(
-                max(left, 0.0) + 0.001, self.expire_due, waiting
-            )
+        """Answer every waiter past ``max_wait_s`` with the ``on_expired`` reply (``waiting``'s timer calls
+        this; it is armed again when the clock has not quite reached its deadline yet)."""
+        self.waiters.expire_due(waiting)
 
-    def _leave(self, waiting: Waiting, outcome: str) -> None:
-        del self._waiters[waiting.request_id]
-        if waiting.timer is not None:
-            waiting.timer.cancel()
-            waiting.timer = None
-        self._per_priority[waiting.priority] -= 1
-        if not self._per_priority[waiting.priority]:
-            del self._per_priority[waiting.priority]
-        self.metrics.queue_wait.labels(outcome).observe(max(0.0, self.clock() - waiting.enqueued_at))
+    def _expired(self, waiting: Waiting) -> Refused:
+        self.metrics.queue_expired.inc()
+        return self._on_expired()
+
+    def _left(self, waiting: Waiting, outcome: str, waited_s: float) -> None:
+        self.metrics.queue_wait.labels(outcome).observe(waited_s)
 
     def waiting(self) -> dict[int, int]:
         """Priority -> requests waiting (priorities with none left out)."""
-        return dict(self._per_priority)
+        return {-band: n for band, n in self.waiters.waiting().items()}
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
         """``inferlb_epp_queue_length{priority}``: the requests waiting now per priority (0 for the default
@@ -343,7 +304,7 @@ class FlowControl(Collector):
         family = GaugeMetricFamily(
             "inferlb_epp_queue_length", "Requests waiting for room, by priority", labels=("priority",)
         )
-        counts = {0: 0, **dict.fromkeys(self.settings.objectives.values(), 0), **self._per_priority}
+        counts = {0: 0, **dict.fromkeys(self.settings.objectives.values(), 0), **self.waiting()}
         for priority in sorted(counts, reverse=True):
             family.add_metric((str(priority),), float(counts[priority]))
         yield family

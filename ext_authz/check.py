@@ -42,7 +42,9 @@ before admission the picker orders the version's endpoints, the first entering t
 count of it (left at the settlement, as the shedding count); the 200 answer carries
 :data:`~inferlb.request.headers.DESTINATION_ENDPOINT` (in ``allowed_upstream_headers``), which Envoy's
 ``override_host`` policy reads. No eligible endpoint: 503 ``no_eligible_endpoint`` (as 403 +
-``x-inferlb-status``).
+``x-inferlb-status``). With the model's ``endpoint_picking.queue`` on, a request whose endpoints are all
+saturated waits in the model's fair queue (:class:`~ext_proc.picking.PickQueue`) before its quota
+admission, and is answered once picked, or 429 ``queue_timeout`` / ``queue_full`` with ``retry-after``.
 """
 
 from __future__ import annotations
@@ -57,7 +59,7 @@ import msgspec
 
 from ext_authz.meter import Meter
 from ext_proc import handlers
-from ext_proc.picking import Picked, choose
+from ext_proc.picking import Picked, PickWaiter, choose, wait_for_pick
 from ext_proc.state import OFFLOAD_BODY_BYTES, ExtProcState
 from inferlb.errors import RequestError
 from inferlb.policy.quota import Admitted, MemoryQuotaStore, Refused
@@ -243,6 +245,18 @@ class CheckService:
         if isinstance(picked, CheckAnswer):
             self._release(held)
             return picked
+        if isinstance(picked, PickWaiter):
+            return self._track(
+                self._check_after_wait(
+                    prepared,
+                    picked,
+                    body_length=len(request.body),
+                    version=version,
+                    held=held,
+                    arrived=arrived,
+                    started=started,
+                )
+            )
         try:
             decision = state.quotas.admit_now(first.pending.tenant.name, prepared.reserved_tokens)
             answer = self._admitted(prepared, decision, len(request.body), version, picked)
@@ -282,11 +296,81 @@ class CheckService:
             if isinstance(picked, CheckAnswer):
                 self._release(held)
                 return picked
+        except Exception:
+            log.exception("ext_authz check failed; answering 500")
+            return self._internal_error()
+        if isinstance(picked, PickWaiter):
+            return await self._check_after_wait(
+                prepared,
+                picked,
+                body_length=len(body),
+                version=version,
+                held=held,
+                arrived=arrived,
+                started=started,
+            )
+        return await self._admit_async(
+            prepared,
+            picked,
+            body_length=len(body),
+            version=version,
+            held=held,
+            arrived=arrived,
+            started=started,
+        )
+
+    async def _check_after_wait(
+        self,
+        prepared: handlers.PreparedRequest,
+        waiter: PickWaiter,
+        *,
+        body_length: int,
+        version: str,
+        held: str | None,
+        arrived: float,
+        started: float,
+    ) -> CheckAnswer:
+        """The check of a request that waits in its model's fair queue (:mod:`ext_proc.picking`): its pick
+        once made (or the queue's 429), then the quota admission as :meth:`_admit_async`."""
+        try:
+            decision = await wait_for_pick(waiter)
+        except BaseException:
+            self._release(held)
+            raise
+        if isinstance(decision, handlers.ImmediateReply):
+            self._release(held)
+            return self._refuse(decision, prepared.pending.tenant.name, prepared.model.name)
+        return await self._admit_async(
+            prepared,
+            decision,
+            body_length=body_length,
+            version=version,
+            held=held,
+            arrived=arrived,
+            started=started,
+        )
+
+    async def _admit_async(
+        self,
+        prepared: handlers.PreparedRequest,
+        picked: Picked | None,
+        *,
+        body_length: int,
+        version: str,
+        held: str | None,
+        arrived: float,
+        started: float,
+    ) -> CheckAnswer:
+        """Quota admission (awaited) and the answer of a request whose version and hosts are chosen."""
+        state = self.state
+        gateway = state.gateway
+        pending = prepared.pending
+        try:
             try:
                 decision = await state.quotas.admit(
                     pending.tenant.name, prepared.reserved_tokens, deadline=arrived + gateway.admit_budget_s
                 )
-                answer = self._admitted(prepared, decision, len(body), version, picked)
+                answer = self._admitted(prepared, decision, body_length, version, picked)
             except BaseException:
                 self._release(held, picked)
                 raise
@@ -362,10 +446,13 @@ class CheckService:
         state.in_flight.enter(cluster)
         return cluster
 
-    def _pick(self, prepared: handlers.PreparedRequest, version: str) -> Picked | CheckAnswer | None:
+    def _pick(
+        self, prepared: handlers.PreparedRequest, version: str
+    ) -> Picked | CheckAnswer | PickWaiter | None:
         """Endpoint picking (:func:`ext_proc.picking.choose`) for ``version``'s cluster: the hosts (their
         first entered in the process's count, left by the request's settlement), the 503 refusal when no
-        endpoint is eligible, or None (the model does not pick, or no state yet)."""
+        endpoint is eligible (or the 429 of a full queue), the waiter of a request that waits in its model's
+        fair queue, or None (the model does not pick, or no state yet)."""
         state = self.state
         out = choose(
             state.picking,
@@ -384,7 +471,7 @@ class CheckService:
         if held is not None:
             self.state.in_flight.leave(held)
         if picked is not None:
-            self.state.picking.book.leave(picked.held)
+            self.state.picking.leave(picked.held)
 
     def _refuse(self, reply: handlers.ImmediateReply, tenant: str, model: str) -> CheckAnswer:
         self.state.metrics.request_ended(tenant, model, str(reply.status))

@@ -159,7 +159,7 @@ class Meter:
             # the request's end (its entry, or the TTL standing for a lost one) leaves the in-flight count
             self.state.in_flight.leave(s.reserved.in_flight)
         if s.reserved.picked is not None:
-            self.state.picking.book.leave(s.reserved.picked)
+            self.state.picking.leave(s.reserved.picked)
         metrics = self.state.metrics
         admitted = s.reserved.admitted
         metrics.meter_settlements.labels(s.outcome.value).inc()

@@ -21,7 +21,10 @@ bounded by the config. A request refused before its tenant or model is known is 
   limit (:mod:`inferlb.policy.shedding`);
 - ``inferlb_endpoint_picks_total{model, outcome}``: endpoint picking's requests by outcome (``picked``;
   ``no_state``: no endpoint state yet, Envoy's fallback balanced it; ``no_eligible``: 503, no endpoint
-  healthy);
+  healthy; ``queued``: waited in the model's fair queue, ``endpoint_picking.queue``; ``queue_full``: 429);
+- ``inferlb_endpoint_queue_wait_seconds{model, outcome}``: time waited in a model's fair queue, by how the
+  wait ended (``admitted``, ``expired``: 429 ``queue_timeout``, ``cancelled``: the client went away,
+  ``no_state``);
 - ``inferlb_endpoint_state_polls_total{outcome}``: reads of the xDS server's ``GET /v1/picking`` (``ok``,
   ``failed``), and ``inferlb_endpoint_state_age_seconds``: the age of the state served (-1 before any);
 - ``inferlb_ext_proc_processing_seconds{phase}``: time to answer one ext_proc message.
@@ -33,6 +36,8 @@ from typing import Final
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+#: Histogram buckets of a wait in a model's fair queue (s): 1 ms to the longest ``max_wait_ms`` (30 s).
+QUEUE_WAIT_BUCKETS: Final = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0)
 #: Histogram buckets for one ext_proc message (s): 50 us to 1 s, finer where the hot path lives
 #: (the goal is <= 0.4 ms added at p50).
 PROCESSING_BUCKETS: Final = (
@@ -107,6 +112,13 @@ class ExtProcMetrics:
             "inferlb_endpoint_picks",
             "Requests of endpoint picking's models, by outcome",
             ("model", "outcome"),
+            registry=r,
+        )
+        self.endpoint_queue_waits = Histogram(
+            "inferlb_endpoint_queue_wait_seconds",
+            "Time waited in a model's fair queue for an endpoint with room, by outcome",
+            ("model", "outcome"),
+            buckets=QUEUE_WAIT_BUCKETS,
             registry=r,
         )
         self.endpoint_state_polls = Counter(

@@ -90,7 +90,8 @@ import json
 import logging
 import secrets
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from typing import Final
 
 import aiohttp
@@ -99,12 +100,21 @@ import msgspec
 from ext_proc.handlers import ImmediateReply, PreparedRequest, picking_block_keys, refusal
 from ext_proc.metrics import ExtProcMetrics
 from inferlb.adapters.kv_events import KvEventsCollector, KvEventSubscriber
-from inferlb.config.schema import Config, EndpointPicking, ModelConfig
+from inferlb.config.schema import Config, EndpointPicking, ModelConfig, PickingQueue, Priority
 from inferlb.errors import RequestError
+from inferlb.policy.columnar import FleetColumns
 from inferlb.policy.endpoint_book import BookedEndpoint, EndpointBook, parse_picking_state
+from inferlb.policy.fair_queue import BAND_DEFAULT, BAND_HIGH, BAND_LOW
+from inferlb.policy.fair_wait import FairWaiters, QueueFull, Waiter
 from inferlb.policy.kv_index import PreciseKvIndex
 from inferlb.policy.length_aware import SHORT, length_class
-from inferlb.policy.picker import NoEligibleEndpoint, PickerWeights, PrefixIndex, pick
+from inferlb.policy.picker import (
+    EndpointState,
+    NoEligibleEndpoint,
+    PickerWeights,
+    PrefixIndex,
+    pick,
+)
 from inferlb.policy.prefix_index import ApproximatePrefixIndex
 from inferlb.policy.prefix_indexes import KEYED_MODES, make_prefix_index
 from inferlb.request.parsing import InferenceRequest
@@ -115,6 +125,13 @@ log = logging.getLogger("ext_proc.picking")
 NO_ELIGIBLE_DETAILS: Final = "inferlb_no_eligible_endpoint"
 #: Longest wait for one ``GET /v1/picking`` (s); a slower answer counts as a failed poll.
 POLL_TIMEOUT_S: Final = 2.0
+#: Response code details of a request refused after waiting ``queue.max_wait_ms`` / at a full queue.
+QUEUE_TIMEOUT_DETAILS: Final = "inferlb_queue_timeout"
+QUEUE_FULL_DETAILS: Final = "inferlb_queue_full"
+#: ``retry-after`` of the queue's 429s (s): about the time a request in flight needs to free a slot.
+QUEUE_RETRY_AFTER_S: Final = 1
+#: A tenant's priority -> its band in the model's fair queue (served strictly in this order).
+PRIORITY_BANDS: Final = {Priority.HIGH: BAND_HIGH, Priority.DEFAULT: BAND_DEFAULT, Priority.LOW: BAND_LOW}
 
 
 def no_keys(request: InferenceRequest) -> tuple[int, ...]:
@@ -196,6 +213,48 @@ class PickingState:
         #: model -> the healthy addresses its approximate index last knew
         self._learnt: dict[str, frozenset[str]] = {}
         self.kv_events = KvEventsCollector()
+        #: model -> its fair queue and the settings it was built for (:func:`choose`)
+        self._queues: dict[str, tuple[PickingQueue, PickQueue]] = {}
+        #: queues of settings since replaced, kept until their waiters are answered
+        self._retired: list[PickQueue] = []
+        #: set by the adapter: where queue outcomes are counted
+        self.metrics: ExtProcMetrics | None = None
+
+    def queue(self, model: ModelConfig) -> PickQueue | None:
+        """``model``'s fair queue (built once per ``endpoint_picking.queue`` setting; one built for older
+        settings keeps its waiters until they are answered), or None when its queue is off."""
+        settings = model.endpoint_picking.queue
+        held = self._queues.get(model.name)
+        if held is not None and held[0] == settings:
+            return held[1]
+        if held is not None:
+            del self._queues[model.name]
+            if len(held[1]):
+                self._retired.append(held[1])
+        if not settings.enabled:
+            return None
+        queue = PickQueue(self, model.name, settings)
+        self._queues[model.name] = (settings, queue)
+        return queue
+
+    def leave(self, address: str) -> None:
+        """A request picked to ``address`` ended: leave its in-flight count and admit the waiters that now
+        have room (:meth:`dispatch`)."""
+        self.book.leave(address)
+        self.dispatch()
+
+    def dispatch(self, now: float | None = None) -> None:
+        """Admit waiting requests of every model's queue while their head has an endpoint with room (after
+        a request ends, after each poll, after each enqueue)."""
+        if not self._queues and not self._retired:
+            return
+        at = time.monotonic() if now is None else now
+        for _, queue in list(self._queues.values()):
+            queue.dispatch(at)
+        if self._retired:
+            for queue in self._retired:
+                queue.dispatch(at)
+            self._retired = [q for q in self._retired if len(q)]
 
     def source(self, model: ModelConfig) -> PrefixSource:
         """``model``'s prefix source, built once per ``endpoint_picking`` setting."""
@@ -318,32 +377,213 @@ def class_hosts(state: PickingState, prepared: PreparedRequest, cluster: str) ->
     return state.book.class_hosts(cluster, name) or None
 
 
+def saturated(endpoint: EndpointState, settings: PickingQueue) -> bool:
+    """True when this process's requests in flight on ``endpoint`` reached ``settings.max_in_flight``
+    (the endpoint takes no more picks while others wait)."""
+    return endpoint.in_flight >= settings.max_in_flight
+
+
+def queue_timeout(model: str, waited_ms: int) -> ImmediateReply:
+    """The 429 of a request that waited ``waited_ms`` in ``model``'s queue with no endpoint freeing up."""
+    return refusal(
+        RequestError(
+            429,
+            f"Every server of model {model} is saturated and the request waited {waited_ms} ms for one "
+            "to free up; retry later.",
+            type="rate_limit_error",
+            code="queue_timeout",
+            retry_after_s=QUEUE_RETRY_AFTER_S,
+        ),
+        QUEUE_TIMEOUT_DETAILS,
+    )
+
+
+def queue_full(model: str, max_queued: int) -> ImmediateReply:
+    """The 429 of a request that finds ``max_queued`` requests waiting for ``model`` already."""
+    return refusal(
+        RequestError(
+            429,
+            f"Every server of model {model} is saturated and {max_queued} requests already wait; "
+            "retry later.",
+            type="rate_limit_error",
+            code="queue_full",
+            retry_after_s=QUEUE_RETRY_AFTER_S,
+        ),
+        QUEUE_FULL_DETAILS,
+    )
+
+
+PickDecision = Picked | ImmediateReply | None
+
+
+@dataclass(eq=False, slots=True, kw_only=True)
+class PickWaiter(Waiter[PickDecision]):
+    """A request waiting in its model's queue for an endpoint with room; :attr:`outcome` resolves to what
+    :func:`choose` would have returned (await it with :func:`wait_for_pick`).
+
+    Attributes:
+        prepared: the request, for the pick.
+        cluster: its model version's cluster.
+        queue: the queue it waits in.
+    """
+
+    prepared: PreparedRequest
+    cluster: str
+    queue: PickQueue
+
+
+class PickQueue:
+    """One model's waiters (:class:`~inferlb.policy.fair_wait.FairWaiters`: bands by tenant priority, tenants
+    fair by reserved tokens), admitted by :meth:`dispatch` when their cluster has an endpoint with room.
+
+    The head is served first: a head whose cluster (its model version's) has no room holds back waiters of
+    the model's other versions until it is admitted or expires.
+    """
+
+    def __init__(self, state: PickingState, model: str, settings: PickingQueue) -> None:
+        self.state = state
+        self.model = model
+        self.settings = settings
+        self.waiters: FairWaiters[PickWaiter, PickDecision] = FairWaiters(
+            max_queued=settings.max_queued,
+            max_wait_s=settings.max_wait_ms / 1000,
+            on_expired=self._expired,
+            on_left=self._left,
+        )
+
+    def __len__(self) -> int:
+        return len(self.waiters)
+
+    def enqueue(self, prepared: PreparedRequest, cluster: str) -> PickWaiter:
+        """Queue ``prepared`` (band of its tenant's priority, cost its reserved tokens).
+
+        Raises:
+            QueueFull: ``max_queued`` requests wait already.
+        """
+        tenant = prepared.pending.tenant
+        waiter = PickWaiter(
+            request_id=self.waiters.new_id(),
+            tenant=tenant.name,
+            band=PRIORITY_BANDS[tenant.priority],
+            cost_tokens=max(1, prepared.reserved_tokens),
+            enqueued_at=self.waiters.clock(),
+            outcome=asyncio.get_running_loop().create_future(),
+            prepared=prepared,
+            cluster=cluster,
+            queue=self,
+        )
+        return self.waiters.enqueue(waiter)
+
+    def dispatch(self, now: float) -> None:
+        """Admit waiters in the queue's order while the head's cluster has an endpoint with room; a head
+        whose cluster lost its state (None: Envoy's fallback balances it) or every healthy endpoint (503)
+        is answered so too."""
+        while (head := self.waiters.head()) is not None:
+            states = self.state.book.states(head.cluster, now)
+            if states is None:
+                self.waiters.take_head(None, "no_state")
+                continue
+            healthy = [s for s in states if s.healthy]
+            room = [s for s in healthy if not saturated(s, self.settings)]
+            if healthy and not room:
+                return
+            self.waiters.take_head(_pick(self.state, head.prepared, head.cluster, room or states), "admitted")
+
+    def _expired(self, waiter: PickWaiter) -> PickDecision:
+        return queue_timeout(self.model, self.settings.max_wait_ms)
+
+    def _left(self, waiter: PickWaiter, outcome: str, waited_s: float) -> None:
+        metrics = self.state.metrics
+        if metrics is not None:
+            metrics.endpoint_queue_waits.labels(self.model, outcome).observe(waited_s)
+
+
+async def wait_for_pick(waiter: PickWaiter) -> PickDecision:
+    """``waiter``'s decision once its queue makes it. Cancelled (the client went away): it leaves the queue,
+    or, when its pick was made already, the pick's in-flight count is left."""
+    try:
+        return await asyncio.shield(waiter.outcome)
+    except asyncio.CancelledError:
+        decision = waiter.queue.waiters.abandon(waiter)
+        if isinstance(decision, Picked):
+            waiter.queue.state.leave(decision.held)
+        raise
+
+
 def choose(
     state: PickingState, prepared: PreparedRequest, cluster: str, metrics: ExtProcMetrics, *, now: float
-) -> Picked | ImmediateReply | None:
+) -> Picked | ImmediateReply | PickWaiter | None:
     """Pick the endpoints of one admitted-to-be request to ``cluster`` (its model version's) and enter the
     first in this process's in-flight count.
 
+    With the model's ``endpoint_picking.queue`` on, a request whose healthy endpoints are all
+    :func:`saturated`, or that finds others of its model waiting (no overtaking), waits in the model's
+    :class:`PickQueue` instead.
+
     Returns:
-        :class:`Picked` (the caller sets the header and leaves ``held`` at the request's end); None when the
-        model does not pick or there is no state for ``cluster`` yet (Envoy's fallback balances it); the
-        503 :func:`no_eligible_endpoint` when no endpoint is healthy.
+        :class:`Picked` (the caller sets the header and leaves ``held`` at the request's end, through
+        :meth:`PickingState.leave`); None when the model does not pick or there is no state for ``cluster``
+        yet (Envoy's fallback balances it); the 503 :func:`no_eligible_endpoint` when no endpoint is
+        healthy; a :class:`PickWaiter` whose outcome is one of those (or the 429 :func:`queue_timeout`),
+        or the 429 :func:`queue_full` when the queue is full.
     """
     model = prepared.model
     picking = model.endpoint_picking
     if not picking.enabled:
         return None
+    # a large cluster is scored over the book's columns (pick()'s picks, an eighth of its CPU at 1,000)
+    columns = state.book.columns(cluster, now)
+    queue = state.queue(model)
+    if columns is not None and queue is None:
+        return _pick(state, prepared, cluster, columns, metrics)
     states = state.book.states(cluster, now)
     if states is None:
         metrics.endpoint_picks.labels(model.name, "no_state").inc()
         return None
+    queue = state.queue(model)
+    if queue is not None:
+        healthy = [s for s in states if s.healthy]
+        room = [s for s in healthy if not saturated(s, queue.settings)]
+        if healthy and (not room or len(queue)):
+            try:
+                waiter = queue.enqueue(prepared, cluster)
+            except QueueFull:
+                metrics.endpoint_picks.labels(model.name, "queue_full").inc()
+                return queue_full(model.name, queue.settings.max_queued)
+            metrics.endpoint_picks.labels(model.name, "queued").inc()
+            state.dispatch(now)
+            return waiter
+        if room:
+            if columns is not None:  # the same eligible endpoints, over the columns
+                return _pick(state, prepared, cluster, columns, metrics, subset={s.address for s in room})
+            states = room
+    return _pick(state, prepared, cluster, columns if columns is not None else states, metrics)
+
+
+def _pick(
+    state: PickingState,
+    prepared: PreparedRequest,
+    cluster: str,
+    fleet: list[EndpointState] | FleetColumns,
+    metrics: ExtProcMetrics | None = None,
+    *,
+    subset: set[str] | None = None,
+) -> Picked | ImmediateReply:
+    model = prepared.model
+    picking = model.endpoint_picking
+    metrics = metrics if metrics is not None else state.metrics
+    score: Callable[..., tuple[str, ...]]
+    addresses: Sequence[str]
+    if isinstance(fleet, FleetColumns):
+        addresses, score = fleet.addresses, functools.partial(fleet.pick, subset=subset)
+    else:
+        addresses, score = [s.address for s in fleet], functools.partial(pick, fleet, subset=subset)
     source = state.source(model)
     keys = prepared.block_keys
+    matched = source.index.matched_blocks(keys, addresses) if keys else None
     hosts_of_class = class_hosts(state, prepared, cluster)
-    matched = source.index.matched_blocks(keys, [s.address for s in states]) if keys else None
     try:
-        hosts = pick(
-            states,
+        hosts = score(
             prompt_blocks=len(keys),
             matched_blocks=matched,
             weights=picker_weights(picking),
@@ -354,13 +594,15 @@ def choose(
             class_hosts=hosts_of_class,
         )
     except NoEligibleEndpoint as exc:
-        metrics.endpoint_picks.labels(model.name, "no_eligible").inc()
-        why = str(exc) if states else "no endpoint is registered"
+        if metrics is not None:
+            metrics.endpoint_picks.labels(model.name, "no_eligible").inc()
+        why = str(exc) if addresses else "no endpoint is registered"
         return no_eligible_endpoint(model.name, why)
     if keys:
         source.index.record_pick(hosts[0], keys)
     state.book.enter(hosts[0])
-    metrics.endpoint_picks.labels(model.name, "picked").inc()
+    if metrics is not None:
+        metrics.endpoint_picks.labels(model.name, "picked").inc()
     return Picked(hosts=hosts, held=hosts[0])
 
 
@@ -448,6 +690,7 @@ class EndpointStatePoller:
             return False
         self.state.book.update(parsed, self._clock())
         self.state.sync(cfg.models)
+        self.state.dispatch()  # endpoints may have come, or turned healthy
         self._metrics.endpoint_state_polls.labels("ok").inc()
         if self._failing:
             log.info("endpoint state from %s is back", url)

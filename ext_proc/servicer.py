@@ -29,6 +29,11 @@ picked, and a ``default`` or ``low`` tenant's request enters the in-flight count
 settled, which every way a stream ends does exactly once (a quota refusal or a cancelled admission leaves at
 once).
 
+Endpoint picking with ``endpoint_picking.queue``: a request whose endpoints are all saturated waits in its
+model's fair queue (:class:`~ext_proc.picking.PickQueue`) before quota admission, holding back its body's
+answer (Envoy's ``message_timeout`` bounds it: ``max_wait_ms`` is at most half of it); the stream's end
+takes it out of the queue.
+
 Envoy resets the stream after the last message it needs; grpc aio turns that into a cancellation of this
 coroutine, which is normal and not logged. After the answer Envoy needs last (the response's end, or an
 immediate response) the stream neither reads nor ends: it waits for that reset (:data:`RESET_WAIT_S`), so
@@ -55,13 +60,14 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 from envoy.type.v3 import http_status_pb2
 
 from ext_proc import handlers
-from ext_proc.picking import choose
+from ext_proc.picking import PickWaiter, choose, wait_for_pick
 from ext_proc.state import OFFLOAD_BODY_BYTES, ExtProcState
 from inferlb.config.schema import GatewayConfig
 from inferlb.policy.quota import Admitted, Refused
+from inferlb.policy.settlement import COMPLETION_TOKENS_KEY, PROMPT_TOKENS_KEY, USAGE_NAMESPACE
 from inferlb.policy.shedding import counted
 from inferlb.request import headers as h
-from inferlb.request.usage import ResponseMeter, Usage
+from inferlb.request.usage import ResponseMeter, Usage, UsageSource
 
 log = logging.getLogger("ext_proc")
 
@@ -293,6 +299,24 @@ def response_body_continue(chunk: bytes, out: bytes) -> ep.ProcessingResponse:
     common = ep.CommonResponse()
     common.body_mutation.CopyFrom(ep.BodyMutation(body=out))
     return ep.ProcessingResponse(response_body=ep.BodyResponse(response=common))
+
+
+def with_usage_metadata(reply: ep.ProcessingResponse, usage: Usage) -> ep.ProcessingResponse:
+    """A copy of ``reply`` carrying the answer's reported usage as dynamic metadata ``inferlb.meter`` /
+    ``prompt_tokens``, ``completion_tokens`` (numbers), the keys Envoy's metering Lua filter writes in
+    ext_authz mode, for the gateway's JSON access log (``gateway.access_log``; the listener's ext_proc
+    filter accepts the namespace: ``metadata_options.receiving_namespaces``)."""
+    out = ep.ProcessingResponse()
+    out.CopyFrom(reply)
+    out.dynamic_metadata.update(
+        {
+            USAGE_NAMESPACE: {
+                PROMPT_TOKENS_KEY: usage.prompt_tokens,
+                COMPLETION_TOKENS_KEY: usage.completion_tokens,
+            }
+        }
+    )
+    return out
 
 
 def header_map(msg: ep.HttpHeaders) -> dict[str, str]:
@@ -644,6 +668,14 @@ class ExternalProcessor(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc
             state.in_flight.enter(cluster)
             held = cluster
         picked = choose(state.picking, prepared, cluster, state.metrics, now=time.monotonic())
+        if isinstance(picked, PickWaiter):
+            # every endpoint saturated: wait in the model's fair queue (the stream's end cancels the wait)
+            try:
+                picked = await wait_for_pick(picked)
+            except BaseException:
+                if held is not None:
+                    state.in_flight.leave(held)
+                raise
         if isinstance(picked, handlers.ImmediateReply):
             if held is not None:
                 state.in_flight.leave(held)
@@ -656,13 +688,13 @@ class ExternalProcessor(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc
             if held is not None:
                 state.in_flight.leave(held)
             if picked is not None:
-                state.picking.book.leave(picked.held)
+                state.picking.leave(picked.held)
             raise
         if isinstance(decision, Refused):
             if held is not None:
                 state.in_flight.leave(held)
             if picked is not None:
-                state.picking.book.leave(picked.held)
+                state.picking.leave(picked.held)
             reply = handlers.quota_refusal(decision)
             state.metrics.quota_rejections.labels(tenant, decision.limit.value).inc()
             self._count_reply(reply, tenant=tenant, model=prepared.model.name)
@@ -737,21 +769,31 @@ class ExternalProcessor(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc
         if meter is None or ex.settled:
             return _RESPONSE_BODY_CONTINUE
         out = meter.on_body(msg.body, end_of_stream=msg.end_of_stream)
+        usage = None
         if msg.end_of_stream or meter.complete:
-            await self._finish(ex, aborted=False)
-        return response_body_continue(msg.body, out)
+            usage = await self._finish(ex, aborted=False)
+        reply = response_body_continue(msg.body, out)
+        if (
+            usage is not None
+            and usage.source is UsageSource.REPORTED
+            and self.state.gateway.config.gateway.access_log is not None
+        ):
+            reply = with_usage_metadata(reply, usage)
+        return reply
 
-    async def _finish(self, ex: _Exchange, *, aborted: bool) -> None:
+    async def _finish(self, ex: _Exchange, *, aborted: bool) -> Usage | None:
+        """Settle the stream from its meter (or its reservation); returns the usage settled, if any."""
         meter = ex.meter
         if ex.settled or meter is None:
             if ex.admitted is not None and not ex.settled:
                 await self._settle(ex, None, status="aborted" if aborted else "forwarded")
-            return
+            return None
         usage = meter.finish(aborted=aborted)
         if usage is None:
-            return
+            return None
         status = "aborted" if usage.aborted or meter.status is None else str(meter.status)
         await self._settle(ex, usage, status=status)
+        return usage
 
     async def _settle(self, ex: _Exchange, usage: Usage | None, *, status: str) -> None:
         """Settle the stream's reservation once: ``usage`` tokens, or the reservation itself when None."""
@@ -763,7 +805,7 @@ class ExternalProcessor(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc
             self.state.in_flight.leave(ex.in_flight)
             ex.in_flight = None
         if ex.picked is not None:
-            self.state.picking.book.leave(ex.picked)
+            self.state.picking.leave(ex.picked)
             ex.picked = None
         used = admitted.tokens if usage is None else usage.total_tokens
         metrics = self.state.metrics

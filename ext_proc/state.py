@@ -59,6 +59,7 @@ class ExtProcState:
         self.metrics = metrics if metrics is not None else ExtProcMetrics()
         self.in_flight = InFlight()
         self.picking = PickingState()
+        self.picking.metrics = self.metrics
 
     def apply_config(self, config: Config) -> None:
         """Serve ``config`` from now on; quota state of tenants whose limits did not change is kept.

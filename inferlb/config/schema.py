@@ -152,6 +152,27 @@ class Priority(StrEnum):
     LOW = "low"
 
 
+class AccessLogConfig(_Frozen):
+    """``gateway.access_log``: one JSON line per request from Envoy's own access logger
+    (``envoy.access_loggers.stdout`` or ``envoy.access_loggers.file`` with ``log_format.json_format``; the
+    fields are :data:`xds_server.resources.listener.ACCESS_LOG_FIELDS`, README "Access log")."""
+
+    #: ``stdout`` (Envoy's standard output: ``inferlb up`` writes it to Envoy's log file) or an absolute
+    #: file path Envoy appends to (reopened on ``/reopen_logs``).
+    path: Annotated[str, Field(min_length=1, max_length=4096)] = "stdout"
+    #: Only ``json`` (one object per line).
+    format: Literal["json"] = "json"
+
+    @field_validator("path")
+    @classmethod
+    def _stdout_or_absolute(cls, value: str) -> str:
+        if value != "stdout" and not value.startswith("/"):
+            raise ValueError(f"expected 'stdout' or an absolute file path, got {value!r}")
+        if "\0" in value:
+            raise ValueError("a file path holds no NUL byte")
+        return value
+
+
 class GatewayConfig(_Frozen):
     """The Envoy side: the listener clients call and the admin interface."""
 
@@ -222,6 +243,8 @@ class GatewayConfig(_Frozen):
     #: zone) at priority 0.
     region: str = "local"
     zone: str = "a"
+    #: One JSON access-log line per request (:class:`AccessLogConfig`); none by default.
+    access_log: AccessLogConfig | None = None
 
     @model_validator(mode="after")
     def _check_downstream_idle_outlives_an_attempt(self) -> Self:
@@ -825,6 +848,31 @@ class PickerWeightsConfig(_Frozen):
     max_hosts: Annotated[int, Field(strict=True, ge=1, le=16)] = 3
 
 
+class PickingQueue(_Frozen):
+    """Fair waiting when every eligible endpoint of a picking model is saturated
+    (:mod:`ext_proc.queueing`): instead of the immediate 503/429, the request waits in the model's fair
+    queue (priority band first, then tenants fairly by tokens, :mod:`inferlb.policy.fair_queue`) until an
+    endpoint has room or ``max_wait_ms`` passed (then 429 ``queue_timeout`` with ``retry-after``).
+
+    An endpoint is **saturated** when this process's in-flight count on it (the picker's own count: picks
+    entered, left at the request's end) reached ``max_in_flight``; the bound is per request-path process.
+    """
+
+    #: Requests waiting per model at most (one more: 429 ``queue_full``); 0 (the default): no queue, no
+    #: saturation check (the picker always picks).
+    max_queued: Annotated[int, Field(strict=True, ge=0, le=100_000)] = 0
+    #: Longest wait in the queue (ms); must stay within half of ``ext_proc.message_timeout_ms`` (Envoy
+    #: waits that long for the answer the queue holds back).
+    max_wait_ms: Annotated[int, Field(strict=True, ge=1, le=30_000)] = 2_000
+    #: Requests in flight from this process on one endpoint at which it is saturated.
+    max_in_flight: Annotated[int, Field(strict=True, ge=1, le=100_000)] = 32
+
+    @property
+    def enabled(self) -> bool:
+        """True when requests may wait (``max_queued`` > 0)."""
+        return self.max_queued > 0
+
+
 class EndpointPicking(_Frozen):
     """Endpoint picking for one model: the request path picks the endpoint of each request (cache- and
     load-aware, :mod:`inferlb.policy.picker`) and hands Envoy an ordered list of hosts, as the Gateway API
@@ -843,6 +891,8 @@ class EndpointPicking(_Frozen):
     #: Tokens per prompt block of the prefix indexes (vLLM's ``--block-size``, default 16); ``approximate``
     #: and ``precise`` only.
     block_size: Annotated[int, Field(strict=True, ge=1, le=1_024)] = 16
+    #: Fair waiting when every eligible endpoint is saturated (:class:`PickingQueue`); off by default.
+    queue: PickingQueue = PickingQueue()
 
     @property
     def enabled(self) -> bool:
@@ -995,7 +1045,8 @@ class EndpointConfig(_Frozen):
 
     @property
     def display_name(self) -> str:
-        """The name used in tables and in the simulator's ``x-inferlb-endpoint`` response header."""
+        """The name used in tables and in the ``x-inferlb-endpoint`` response header (the gateway's, and
+        the simulator's own)."""
         return self.name or str(self.address)
 
 
@@ -1191,6 +1242,14 @@ class Config(_Frozen):
                 problems.append(
                     f"{field}: {m.endpoint_picking.mode} needs ext_proc.account_responses (the picker counts "
                     "each endpoint's requests in flight until their response ends)"
+                )
+            q = m.endpoint_picking.queue
+            if q.enabled and 2 * q.max_wait_ms > self.ext_proc.message_timeout_ms:
+                problems.append(
+                    f"models[{i}].endpoint_picking.queue.max_wait_ms: {q.max_wait_ms} ms is more than half "
+                    f"of ext_proc.message_timeout_ms ({self.ext_proc.message_timeout_ms} ms), which bounds "
+                    "how long Envoy waits for the answer a waiting request holds back (with room for the "
+                    "quota admission after it); lower it or raise message_timeout_ms"
                 )
         if problems:
             raise ValueError("; ".join(problems))

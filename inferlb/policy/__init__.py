@@ -14,12 +14,17 @@
   (ext_authz mode's metering).
 - :mod:`inferlb.policy.picker`: the endpoint picker's scoring (prefix match, request and token load, KV
   usage, the load guard, length-class eligibility).
+- :mod:`inferlb.policy.columnar`: the picker over numpy columns, for large clusters (the same picks).
 - :mod:`inferlb.policy.prefix_index`: the approximate prefix index, learnt from the picker's own picks.
 - :mod:`inferlb.policy.fair_queue`: per-model waiting under saturation (strict bands, start-time fair
   queueing by tokens within one, bounded waits).
+- :mod:`inferlb.policy.fair_wait`: waiting in that queue on an event loop (futures, expiry timers, a client
+  gone), shared by the EPP's flow control and the request path's endpoint picking.
 - :mod:`inferlb.policy.endpoint_book`: a request-path process's view of the picking models' endpoints
   (the xDS server's state, its own in-flight counts per endpoint) as the picker's inputs.
 - :mod:`inferlb.policy.kv_index`: the precise prefix index, rebuilt from the model servers' KV events.
+- :mod:`inferlb.policy.prefix_indexes`: the prefix index of one picking mode, built alike for the request
+  path and the EPP.
 
 May import: :mod:`inferlb.errors`, :mod:`inferlb.config`, :mod:`inferlb.request`, prometheus_client's text
 parser; no server, client, Redis, NVML or simulator.

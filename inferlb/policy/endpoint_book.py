@@ -6,7 +6,11 @@ at ``GET /v1/picking`` (:meth:`xds_server.collector.TelemetryCollector.picking_j
 process polls it (:mod:`ext_proc.picking`) and keeps the last good answer here, in an :class:`EndpointBook`,
 together with what only the process itself knows: how many of its own picks are still in flight on each
 endpoint (entered at the pick, left at the request's end). :meth:`EndpointBook.states` joins the two into
-the :class:`~inferlb.policy.picker.EndpointState` values :func:`~inferlb.policy.picker.pick` scores.
+the :class:`~inferlb.policy.picker.EndpointState` values :func:`~inferlb.policy.picker.pick` scores; for a
+cluster of :data:`~inferlb.policy.columnar.COLUMNAR_MIN_ENDPOINTS` endpoints or more it also keeps them as
+:class:`~inferlb.policy.columnar.FleetColumns` (:meth:`EndpointBook.columns`), built once per received
+state and changed in place as requests enter and leave and as telemetry goes stale (the same picks, at
+an eighth of the CPU at 1,000 endpoints).
 
 Staleness: the book keeps serving the last state it was given, however old (an xDS server that is down
 must not stop picking), but queue and KV usage older than ``stale_after_ms`` (the server's
@@ -22,7 +26,10 @@ from collections.abc import Mapping
 from typing import Any
 
 import msgspec
+import numpy as np
+import numpy.typing as npt
 
+from inferlb.policy.columnar import COLUMNAR_MIN_ENDPOINTS, FleetColumns
 from inferlb.policy.picker import EndpointState
 
 
@@ -137,13 +144,56 @@ class _Row(msgspec.Struct, frozen=True):
     fresh_until: float
 
 
+class _ClusterColumns:
+    """One large cluster's rows as :class:`~inferlb.policy.columnar.FleetColumns`, with the telemetry each
+    row serves until its ``fresh_until`` (monotonic s), as :meth:`EndpointBook.states` would give it."""
+
+    __slots__ = ("columns", "fresh", "fresh_kv", "fresh_until", "fresh_waiting", "synced_at", "turns_at")
+
+    def __init__(self, rows: tuple[_Row, ...], counts: dict[str, int], now: float) -> None:
+        self.columns = FleetColumns(
+            [msgspec.structs.replace(r.stale, in_flight=counts.get(r.stale.address, 0)) for r in rows]
+        )
+        self.fresh_until: npt.NDArray[np.float64] = np.array([r.fresh_until for r in rows], dtype=np.float64)
+        self.fresh_waiting: npt.NDArray[np.float64] = np.array(
+            [r.fresh.waiting for r in rows], dtype=np.float64
+        )
+        self.fresh_kv: npt.NDArray[np.float64] = np.array([r.fresh.kv_usage for r in rows], dtype=np.float64)
+        self.fresh: npt.NDArray[np.bool_] = np.zeros(len(rows), dtype=np.bool_)  # rows serving telemetry now
+        self.synced_at = math.inf  # the first sync sets every row
+        self.turns_at = -math.inf
+        self.sync(now)
+
+    def sync(self, now: float) -> FleetColumns:
+        """The columns as of monotonic ``now``: rows whose telemetry went stale since the last sync get
+        waiting and KV usage 0 (rows are only touched when one turns; ``now`` before the last sync
+        recomputes every row)."""
+        if self.synced_at <= now <= self.turns_at:
+            return self.columns
+        fresh = now <= self.fresh_until
+        turned = np.flatnonzero(fresh != self.fresh)
+        if len(turned):
+            keep = fresh[turned]
+            self.columns.set_telemetry(
+                turned,
+                np.where(keep, self.fresh_waiting[turned], 0.0),
+                np.where(keep, self.fresh_kv[turned], 0.0),
+            )
+            self.fresh = fresh
+        self.synced_at = now
+        self.turns_at = float(self.fresh_until[fresh].min()) if fresh.any() else math.inf
+        return self.columns
+
+
 class EndpointBook:
     """The last endpoint state a process received, and its own in-flight count per endpoint (not
     thread-safe: the service's event loop owns it).
 
     Each endpoint's :class:`~inferlb.policy.picker.EndpointState` is built once per received state, with
     and without its telemetry; a pick only chooses between the two and adds this process's in-flight
-    count where it has one.
+    count where it has one. A cluster of :data:`~inferlb.policy.columnar.COLUMNAR_MIN_ENDPOINTS` or more
+    endpoints is also kept as columns (:meth:`columns`), their in-flight counts changed in place by
+    :meth:`enter` and :meth:`leave`.
 
     Args:
         state: a state to start from (tests), else none: :meth:`states` answers None until :meth:`update`.
@@ -155,7 +205,7 @@ class EndpointBook:
             index subscribes to).
     """
 
-    __slots__ = ("_classes", "_in_flight", "_rows", "received_at", "state")
+    __slots__ = ("_classes", "_columns", "_holders", "_in_flight", "_rows", "received_at", "state")
 
     def __init__(self, state: BookedState | None = None, *, received_at: float = 0.0) -> None:
         self._rows: dict[str, tuple[_Row, ...]] | None = None
@@ -164,6 +214,8 @@ class EndpointBook:
         self.received_at: float | None = None
         self.state: BookedState | None = None
         self._in_flight: dict[str, int] = {}
+        self._columns: dict[str, _ClusterColumns] = {}
+        self._holders: dict[str, list[FleetColumns]] = {}  # address -> the columns with a row for it
         if state is not None:
             self.update(state, received_at)
 
@@ -191,6 +243,16 @@ class EndpointBook:
             rows[cluster] = tuple(out)
         self._rows = rows
         self._classes = {k: frozenset(v) for k, v in classes.items()}
+        self._columns = {
+            c: _ClusterColumns(r, self._in_flight, now)
+            for c, r in rows.items()
+            # addresses unique, as pick() takes them (a list naming one twice is left to states())
+            if len(r) >= COLUMNAR_MIN_ENDPOINTS and len({x.fresh.address for x in r}) == len(r)
+        }
+        self._holders = {}
+        for cc in self._columns.values():
+            for address in cc.columns.addresses:
+                self._holders.setdefault(address, []).append(cc.columns)
         self.received_at = now
         self.state = state
 
@@ -222,17 +284,31 @@ class EndpointBook:
             out.append(msgspec.structs.replace(e, in_flight=n) if n else e)
         return out
 
+    def columns(self, cluster: str, now: float) -> FleetColumns | None:
+        """``cluster``'s endpoints as columns, as :meth:`states` would give them at monotonic ``now``
+        (:func:`~inferlb.policy.picker.pick`'s answers from :meth:`FleetColumns.pick
+        <inferlb.policy.columnar.FleetColumns.pick>`); None when the cluster has fewer than
+        :data:`~inferlb.policy.columnar.COLUMNAR_MIN_ENDPOINTS` endpoints or no state (:meth:`states`
+        serves it). The columns stay the book's: valid until the next :meth:`update`, :meth:`enter`,
+        :meth:`leave` or call."""
+        cc = self._columns.get(cluster)
+        return None if cc is None else cc.sync(now)
+
     def enter(self, address: str) -> None:
         """One more of this process's requests in flight on ``address``."""
         self._in_flight[address] = self._in_flight.get(address, 0) + 1
+        for columns in self._holders.get(address, ()):
+            columns.add_in_flight(address, 1)
 
     def leave(self, address: str) -> None:
         """One of them ended (a count never goes below 0; an address back at 0 is forgotten)."""
         n = self._in_flight.get(address, 0) - 1
         if n > 0:
             self._in_flight[address] = n
-        else:
-            self._in_flight.pop(address, None)
+        elif self._in_flight.pop(address, None) is None:
+            return
+        for columns in self._holders.get(address, ()):
+            columns.add_in_flight(address, -1)
 
     def in_flight(self) -> dict[str, int]:
         """``{address: requests in flight}`` of the addresses with any."""

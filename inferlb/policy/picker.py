@@ -65,7 +65,7 @@ import heapq
 import math
 import operator
 import random
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from functools import lru_cache
 from typing import Final, Protocol
 
@@ -239,32 +239,24 @@ def pick(
             and (class_hosts is None or e.address in class_hosts)
         ]
     if not eligible:
-        where = [w for w, given in (("subset", subset), ("length class", class_hosts)) if given is not None]
-        raise NoEligibleEndpoint(
-            "no healthy endpoint" + (f" in the request's {' and '.join(where)}" if where else "")
-        )
+        raise no_eligible(subset, class_hosts)
     prompt = max(prompt_tokens, 0)
     total_weight = sum(map(_WEIGHT, eligible))
     work = sum(map(_IN_FLIGHT, eligible)) + sum(map(_WAITING, eligible)) + 1.0
-    # Qbar: the request's own prefill; unknown, the fleet's mean queue per unit of weight
-    if not weights.tokens:
-        prefill = 0.0
-    elif prompt:
-        prefill = float(prompt)
-    else:
-        prefill = sum(map(_PREFILL, eligible)) / total_weight
-    decode = sum(map(_DECODE, eligible)) + 1.0 if weights.decode else 1.0
-    share_bound = weights.load_factor * work / total_weight
+    share_bound, f_load, f_tokens, f_decode, f_prefix = factors(
+        weights,
+        total_weight=total_weight,
+        work=work,
+        prefill_sum=lambda: sum(map(_PREFILL, eligible)),
+        decode_sum=lambda: sum(map(_DECODE, eligible)),
+        prompt=prompt,
+        prompt_blocks=prompt_blocks,
+    )
     matched = matched_blocks or {}
     scored = eligible
     k = weights.candidates
     if k and len(eligible) > 2 * k:
         scored = _candidates(eligible, matched, k, candidate_seed)
-    # each term's weight over its mean folded into one factor: weight * (x / w) / mean = factor * x / w
-    f_load = weights.load * total_weight / work
-    f_tokens = weights.tokens / prefill if prefill > 0 else 0.0
-    f_decode = weights.decode * total_weight / decode
-    f_prefix = weights.prefix / prompt_blocks if prompt_blocks > 0 else 0.0
     w_kv = weights.kv
     within: list[tuple[float, int]] = []
     over: list[tuple[float, int]] = []
@@ -293,6 +285,57 @@ def pick(
     if len(best) < n:
         best += _first(over, n - len(best), scored, salt)
     return tuple(best)
+
+
+def factors(
+    weights: PickerWeights,
+    *,
+    total_weight: float,
+    work: float,
+    prefill_sum: Callable[[], float],
+    decode_sum: Callable[[], float],
+    prompt: int,
+    prompt_blocks: int,
+) -> tuple[float, float, float, float, float]:
+    """:func:`pick`'s per-request constants from the eligible endpoints' sums (the module doc's means).
+
+    Args:
+        weights: the score's weights.
+        total_weight: ``W``, the eligible endpoints' total weight (> 0).
+        work: ``T + 1``, their outstanding requests plus this one.
+        prefill_sum: their total ``prefill_tokens`` (called only when ``prompt`` is 0 and the token term
+            is weighted).
+        decode_sum: their total ``decode_tokens`` (called only when the decode term is weighted).
+        prompt: the request's prompt tokens (>= 0; 0: unknown).
+        prompt_blocks: its full prompt blocks.
+
+    Returns:
+        ``(share_bound, f_load, f_tokens, f_decode, f_prefix)``: the load guard's bound per unit of weight
+        (requests), and each term's weight over its mean folded into one factor (``weight * (x / w) /
+        mean = factor * x / w``).
+    """
+    # Qbar: the request's own prefill; unknown, the fleet's mean queue per unit of weight
+    if not weights.tokens:
+        prefill = 0.0
+    elif prompt:
+        prefill = float(prompt)
+    else:
+        prefill = prefill_sum() / total_weight
+    decode = decode_sum() + 1.0 if weights.decode else 1.0
+    return (
+        weights.load_factor * work / total_weight,
+        weights.load * total_weight / work,
+        weights.tokens / prefill if prefill > 0 else 0.0,
+        weights.decode * total_weight / decode,
+        weights.prefix / prompt_blocks if prompt_blocks > 0 else 0.0,
+    )
+
+
+def no_eligible(subset: Collection[str] | None, class_hosts: Collection[str] | None) -> NoEligibleEndpoint:
+    """The error of a pick with no eligible endpoint, naming the restrictions the request had."""
+    where = [w for w, given in (("subset", subset), ("length class", class_hosts)) if given is not None]
+    named = f" in the request's {' and '.join(where)}" if where else ""
+    return NoEligibleEndpoint("no healthy endpoint" + named)
 
 
 _WEIGHT: Final = operator.attrgetter("weight")

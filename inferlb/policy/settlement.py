@@ -51,6 +51,11 @@ USAGE_KEY: Final = "usage"
 #: streamed, which are never fewer than its tokens (every token of a byte-level BPE, as tiktoken's, is at
 #: least one byte).
 PRODUCED_KEY: Final = "produced"
+#: Keys (in :data:`USAGE_NAMESPACE`) of the answer's reported ``usage.prompt_tokens`` and
+#: ``usage.completion_tokens`` as numbers, for the gateway's JSON access log (``gateway.access_log``):
+#: written by the Lua filter (ext_authz mode) or by ext_proc's last response answer (ext_proc mode).
+PROMPT_TOKENS_KEY: Final = "prompt_tokens"
+COMPLETION_TOKENS_KEY: Final = "completion_tokens"
 
 
 def meter_id_prefix(process: int) -> str:

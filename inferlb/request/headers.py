@@ -1,5 +1,5 @@
-"""HTTP header names shared by ext_proc (which sets them), the xDS routes (which match on them) and the
-simulated GPU servers (which report the serving endpoint).
+"""HTTP header names shared by ext_proc (which sets them), the xDS routes (which match on them, and add the
+served-by response headers) and the simulated GPU servers.
 
 Every ``x-inferlb-*`` header a client sends is removed by ext_proc before routing, so only ext_proc can
 set them.
@@ -40,8 +40,15 @@ BODY_SPLICE: Final = "x-inferlb-body-splice"
 #: which Envoy keeps as dynamic metadata (``dynamic_metadata_from_headers``; not sent to the client), and
 #: the gateway's local-reply mapper gives the reply back its status (the OpenAI JSON body stays).
 STATUS: Final = "x-inferlb-status"
-#: Response header set by a (simulated) model server: which endpoint served the request.
+#: Response header the gateway (Envoy, from the upstream host's EDS metadata) sets on every answer a model
+#: server gave: the name of the endpoint that served it (``endpoints[].name``, else its address). Any
+#: value the model server sent is replaced (gpusim sends the same name itself).
 ENDPOINT: Final = "x-inferlb-endpoint"
+#: Response header the gateway sets beside :data:`ENDPOINT`: the model version of the endpoint that served.
+MODEL_VERSION: Final = "x-inferlb-model-version"
+#: Response header the gateway sets beside :data:`ENDPOINT`: the ``ip:port`` Envoy sent the request to
+#: (Envoy's ``%UPSTREAM_HOST%``).
+UPSTREAM_HOST: Final = "x-inferlb-upstream-host"
 #: The request body's ``model``, read by Envoy itself (transform filter) only on a path whose request failed
 #: open (ext_proc did not answer): the fail-open routes match on it. Never set by ext_proc; a client's own
 #: is removed before routing like every other routing header.

@@ -7,6 +7,7 @@ endpoint's in-flight count until the request's settlement; no eligible endpoint 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from collections.abc import AsyncIterator
@@ -26,11 +27,13 @@ from ext_authz.check import CheckAnswer, CheckRequest, CheckService
 from ext_authz.meter import Meter
 from ext_proc.access_log import serve_access_log
 from ext_proc.metrics import ExtProcMetrics
-from ext_proc.picking import EndpointStatePoller, PickingState
+from ext_proc.picking import EndpointStatePoller, PickingState, picker_weights
 from ext_proc.state import ExtProcState
 from inferlb.config.schema import Config, parse_config
 from inferlb.ops.stack import free_ports
+from inferlb.policy.columnar import COLUMNAR_MIN_ENDPOINTS
 from inferlb.policy.endpoint_book import BookedEndpoint, BookedState
+from inferlb.policy.picker import pick
 from inferlb.request import headers as h
 from simulation.gpusim.faults import FaultCommand
 from simulation.gpusim.server import SimulatedEndpoint
@@ -79,8 +82,18 @@ def _authz_request(spoof: str | None = None) -> CheckRequest:
 
 @pytest.fixture
 async def authz() -> AsyncIterator[tuple[CheckService, als_pb2_grpc.AccessLogServiceStub]]:
+    async with checking(_config("ext_authz")) as out:
+        yield out
+
+
+@contextlib.asynccontextmanager
+async def checking(
+    doc: dict[str, Any],
+) -> AsyncIterator[tuple[CheckService, als_pb2_grpc.AccessLogServiceStub]]:
+    """An ext_authz check service over ``doc`` with its meter fed by a real access-log gRPC server, and a
+    stub to send it entries."""
     clock = Clock()
-    state = ExtProcState(parse_config(_config("ext_authz")), clock=clock)
+    state = ExtProcState(parse_config(doc), clock=clock)
     meter = Meter(state, clock=clock)
     server, port = await serve_access_log("127.0.0.1", 0, meter.on_entries)
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
@@ -118,6 +131,37 @@ async def test_ext_authz_sets_the_picked_hosts_over_the_clients_and_holds_the_fi
     # each access-log entry settles its request and leaves its endpoint's count
     await send(stub, [log_entry(headers[h.METER], 200, {"prompt_tokens": 3, "completion_tokens": 2})])
     assert book.in_flight() == {second[0]: 1}
+
+
+async def test_a_large_cluster_is_picked_over_the_books_columns_as_pick_would(
+    authz: tuple[CheckService, als_pb2_grpc.AccessLogServiceStub],
+) -> None:
+    service, stub = authz
+    book = service.state.picking.book
+    n = 4 * COLUMNAR_MIN_ENDPOINTS
+    fleet = [
+        BookedEndpoint(address=f"10.1.{i // 256}.{i % 256}:8000", weight=10 + i % 3 * 10, healthy=i % 7 != 0,
+                       waiting=i % 5, telemetry_age_ms=0)
+        for i in range(n)
+    ]  # fmt: skip
+    book.update(_state(*fleet), time.monotonic())
+    assert book.columns(CLUSTER, time.monotonic()) is not None
+    picking = parse_config(_config("ext_authz")).models[0].endpoint_picking
+    meters = []
+    for _ in range(5):
+        now = time.monotonic()
+        states = book.states(CLUSTER, now)
+        assert states is not None
+        expected = pick(states, weights=picker_weights(picking), salt=service.state.picking.salt,
+                        block_tokens=picking.block_size)  # fmt: skip
+        headers = dict(_answer(service, _authz_request()).headers)
+        assert tuple(headers[h.DESTINATION_ENDPOINT].split(",")) == expected
+        meters.append(headers[h.METER])
+    assert sum(book.in_flight().values()) == 5
+    await send(stub, [log_entry(m, 200, {"prompt_tokens": 3, "completion_tokens": 2}) for m in meters])
+    assert book.in_flight() == {}
+    columns = book.columns(CLUSTER, time.monotonic())
+    assert columns is not None and all(columns.in_flight(e.address) == 0 for e in fleet)
 
 
 async def test_ext_authz_refuses_503_when_no_endpoint_is_eligible(

@@ -118,10 +118,18 @@ class LbEndpointCache:
 
 
 def _lb_endpoint(
-    config: Config, e: EndpointConfig, address: HostPort, override: EndpointOverride, policy: ClusterPolicy
+    config: Config,
+    e: EndpointConfig,
+    address: HostPort,
+    override: EndpointOverride,
+    policy: ClusterPolicy,
+    *,
+    version: str,
 ) -> endpoint_components_pb2.LbEndpoint:
+    # metadata "inferlb": the gateway's response headers and access log read name and version
+    # (%UPSTREAM_METADATA(inferlb:name)%, xds_server.resources.routes.SERVED_BY_HEADERS)
     meta = struct_pb2.Struct()
-    meta.update({"name": e.display_name, "gpu": e.gpu})
+    meta.update({"name": e.display_name, "gpu": e.gpu, "version": version})
     weight = override.weight if override.weight is not None else capacity_weight(config, e)
     filter_metadata = {METADATA_NAMESPACE: meta}
     if policy.length_aware is not None:
@@ -198,11 +206,12 @@ def build_load_assignment(
     by_locality: dict[tuple[str, str], list[endpoint_components_pb2.LbEndpoint]] = {}
     for (e, address, override), inputs in zip(resolved, signature or [None] * len(resolved), strict=True):
         if inputs is None or lb_cache is None:
-            lb = _lb_endpoint(config, e, address, override, policy)
+            lb = _lb_endpoint(config, e, address, override, policy, version=version)
         else:
             cached = lb_cache.endpoints.get(inputs)
             if cached is None:
-                cached = lb_cache.endpoints[inputs] = _lb_endpoint(config, e, address, override, policy)
+                cached = _lb_endpoint(config, e, address, override, policy, version=version)
+                lb_cache.endpoints[inputs] = cached
             lb = cached
         by_locality.setdefault((e.region, e.zone), []).append(lb)
     localities = []

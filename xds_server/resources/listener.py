@@ -31,13 +31,16 @@ from envoy.config.core.v3 import (
     substitution_format_string_pb2,
 )
 from envoy.config.listener.v3 import listener_components_pb2, listener_pb2
+from envoy.extensions.access_loggers.file.v3 import file_pb2
 from envoy.extensions.access_loggers.filters.cel.v3 import cel_pb2
 from envoy.extensions.access_loggers.grpc.v3 import als_pb2 as http_grpc_pb2
+from envoy.extensions.access_loggers.stream.v3 import stream_pb2
 from envoy.extensions.common.matching.v3 import extension_matcher_pb2
 from envoy.extensions.filters.common.matcher.action.v3 import skip_action_pb2
 from envoy.extensions.filters.http.api_key_auth.v3 import api_key_auth_pb2
 from envoy.extensions.filters.http.ext_authz.v3 import ext_authz_pb2
 from envoy.extensions.filters.http.ext_proc.v3 import ext_proc_pb2, processing_mode_pb2
+from envoy.extensions.filters.http.header_to_metadata.v3 import header_to_metadata_pb2
 from envoy.extensions.filters.http.lua.v3 import lua_pb2
 from envoy.extensions.filters.http.router.v3 import router_pb2
 from envoy.extensions.filters.http.transform.v3 import transform_pb2
@@ -60,7 +63,9 @@ from inferlb.errors import RequestError
 from inferlb.policy.routing import missing_api_key
 from inferlb.policy.settlement import (
     AUTHZ_NAMESPACE,
+    COMPLETION_TOKENS_KEY,
     PRODUCED_KEY,
+    PROMPT_TOKENS_KEY,
     USAGE_KEY,
     USAGE_NAMESPACE,
     meter_id_prefix,
@@ -634,7 +639,13 @@ local KEY = '"usage"'
 local find, sub, match, byte, concat = string.find, string.sub, string.match, string.byte, table.concat
 
 local function record(handle, usage)
-  handle:streamInfo():dynamicMetadata():set("@NS@", "@KEY@", usage)
+  local meta = handle:streamInfo():dynamicMetadata()
+  meta:set("@NS@", "@KEY@", usage)
+  -- the counts alone, as numbers, for the JSON access log (gateway.access_log)
+  local p = match(usage, '"prompt_tokens"%s*:%s*(%d+)')
+  if p ~= nil then meta:set("@NS@", "@PROMPT@", tonumber(p)) end
+  local c = match(usage, '"completion_tokens"%s*:%s*(%d+)')
+  if c ~= nil then meta:set("@NS@", "@COMPLETION@", tonumber(c)) end
 end
 
 -- the keys whose string values are generated text (a chat delta's content, reasoning_content, refusal,
@@ -825,6 +836,8 @@ def meter_lua() -> str:
         .replace("@NS@", USAGE_NAMESPACE)
         .replace("@KEY@", USAGE_KEY)
         .replace("@PRODUCED@", PRODUCED_KEY)
+        .replace("@PROMPT@", PROMPT_TOKENS_KEY)
+        .replace("@COMPLETION@", COMPLETION_TOKENS_KEY)
     )
 
 
@@ -881,6 +894,92 @@ def build_meter_access_logs(config: Config) -> list[accesslog_pb2.AccessLog]:
             )
         )
     return out
+
+
+#: Dynamic-metadata namespace of the routing headers the request path set, copied by the
+#: ``header_to_metadata`` filter (:func:`request_metadata_filter`) before the router removes them from the
+#: upstream request, so the access log still has them.
+REQUEST_NAMESPACE: Final = "inferlb.request"
+#: ``(header, key, type)`` of :data:`REQUEST_NAMESPACE`.
+REQUEST_METADATA: Final[tuple[tuple[str, str, str], ...]] = (
+    (headers.TENANT, "tenant", "STRING"),
+    (headers.MODEL, "model", "STRING"),
+    (headers.VERSION, "version", "STRING"),
+    (headers.PRIORITY, "priority", "STRING"),
+    (headers.PROMPT_TOKENS, "counted_prompt_tokens", "NUMBER"),
+)
+#: The JSON access log's fields (``gateway.access_log``): name -> Envoy command operator (Envoy docs
+#: "Access logging: command operators"). Numbers stay numbers in ``json_format``; a value Envoy does not
+#: have is ``null``. README "Access log" says what each field means.
+ACCESS_LOG_FIELDS: Final[dict[str, str]] = {
+    "start_time": "%START_TIME%",
+    "request_id": "%REQ(X-REQUEST-ID)%",
+    "method": "%REQ(:METHOD)%",
+    "path": "%REQ(:PATH)%",
+    "user_agent": "%REQ(USER-AGENT)%",
+    "tenant": f"%DYNAMIC_METADATA({REQUEST_NAMESPACE}:tenant)%",
+    "priority": f"%DYNAMIC_METADATA({REQUEST_NAMESPACE}:priority)%",
+    "model": f"%DYNAMIC_METADATA({REQUEST_NAMESPACE}:model)%",
+    "version": f"%DYNAMIC_METADATA({REQUEST_NAMESPACE}:version)%",
+    "endpoint": "%UPSTREAM_METADATA(inferlb:name)%",
+    "endpoint_version": "%UPSTREAM_METADATA(inferlb:version)%",
+    "upstream_host": "%UPSTREAM_HOST%",
+    "cluster": "%UPSTREAM_CLUSTER%",
+    "status": "%RESPONSE_CODE%",
+    "response_flags": "%RESPONSE_FLAGS%",
+    "response_code_details": "%RESPONSE_CODE_DETAILS%",
+    "attempts": "%UPSTREAM_REQUEST_ATTEMPT_COUNT%",
+    "counted_prompt_tokens": f"%DYNAMIC_METADATA({REQUEST_NAMESPACE}:counted_prompt_tokens)%",
+    "prompt_tokens": f"%DYNAMIC_METADATA({USAGE_NAMESPACE}:{PROMPT_TOKENS_KEY})%",
+    "completion_tokens": f"%DYNAMIC_METADATA({USAGE_NAMESPACE}:{COMPLETION_TOKENS_KEY})%",
+    "ttft_ms": "%COMMON_DURATION(DS_RX_BEG:US_RX_BODY_BEG:ms)%",
+    "upstream_first_byte_ms": "%RESPONSE_DURATION%",
+    "duration_ms": "%DURATION%",
+    "bytes_received": "%BYTES_RECEIVED%",
+    "bytes_sent": "%BYTES_SENT%",
+}
+
+
+def request_metadata_filter() -> http_connection_manager_pb2.HttpFilter:
+    """The ``envoy.filters.http.header_to_metadata`` filter that copies :data:`REQUEST_METADATA` into
+    :data:`REQUEST_NAMESPACE` (a header absent, nothing is set). Runs after the request path's filters (so
+    it sees the headers they set) and before the router (whose routes remove them upstream)."""
+    rule = header_to_metadata_pb2.Config.Rule
+    kv = header_to_metadata_pb2.Config.KeyValuePair
+    cfg = header_to_metadata_pb2.Config(
+        request_rules=[
+            rule(
+                header=name,
+                on_header_present=kv(
+                    metadata_namespace=REQUEST_NAMESPACE,
+                    key=key,
+                    type=header_to_metadata_pb2.Config.ValueType.Value(kind),
+                ),
+                remove=False,
+            )
+            for name, key, kind in REQUEST_METADATA
+        ]
+    )
+    return http_connection_manager_pb2.HttpFilter(
+        name="envoy.filters.http.header_to_metadata", typed_config=pack(cfg)
+    )
+
+
+def build_json_access_log(config: Config) -> list[accesslog_pb2.AccessLog]:
+    """``gateway.access_log`` as Envoy's stdout or file access logger with
+    ``log_format.json_format`` = :data:`ACCESS_LOG_FIELDS` (one line per request, every request: refused,
+    failed open and local replies included); empty when unset."""
+    al = config.gateway.access_log
+    if al is None:
+        return []
+    fields = struct_pb2.Struct()
+    fields.update(ACCESS_LOG_FIELDS)
+    fmt = substitution_format_string_pb2.SubstitutionFormatString(json_format=fields)
+    if al.path == "stdout":
+        name, typed = "envoy.access_loggers.stdout", pack(stream_pb2.StdoutAccessLog(log_format=fmt))
+    else:
+        name, typed = "envoy.access_loggers.file", pack(file_pb2.FileAccessLog(path=al.path, log_format=fmt))
+    return [accesslog_pb2.AccessLog(name=name, typed_config=typed)]
 
 
 #: Headers of the ext_authz service's 200 answer set on the upstream request (exact names): the routing
@@ -993,6 +1092,11 @@ def build_ext_authz_filter(config: Config, *, fail_open: bool | None = None) -> 
 
 def _ext_proc_filter(config: Config) -> http_connection_manager_pb2.HttpFilter:
     """The ext_proc filter of ``ext_proc.protocol: ext_proc`` (disabled here, enabled per route)."""
+    picking = any(m.endpoint_picking.enabled for m in config.models)
+    namespaces = [
+        *([headers.DESTINATION_ENDPOINT_NAMESPACE] if picking else []),
+        *([USAGE_NAMESPACE] if config.gateway.access_log is not None else []),
+    ]
     ext_proc = ext_proc_pb2.ExternalProcessor(
         grpc_service=grpc_service_pb2.GrpcService(
             envoy_grpc=grpc_service_pb2.GrpcService.EnvoyGrpc(cluster_name=EXT_PROC_CLUSTER)
@@ -1027,13 +1131,12 @@ def _ext_proc_filter(config: Config) -> http_connection_manager_pb2.HttpFilter:
         # small JSON response one buffered body message; each message skipped is one gRPC round trip less
         allow_mode_override=True,
         # a picking model's host list goes to Envoy's override_host policy as dynamic metadata too, under
-        # the endpoint-picker protocol's namespace (ext_proc may write only the namespaces named here)
+        # the endpoint-picker protocol's namespace, and the answer's usage to the JSON access log
+        # (ext_proc.servicer.with_usage_metadata): ext_proc may write only the namespaces named here
         metadata_options=ext_proc_pb2.MetadataOptions(
-            receiving_namespaces=ext_proc_pb2.MetadataOptions.MetadataNamespaces(
-                untyped=[headers.DESTINATION_ENDPOINT_NAMESPACE]
-            )
+            receiving_namespaces=ext_proc_pb2.MetadataOptions.MetadataNamespaces(untyped=namespaces)
         )
-        if any(m.endpoint_picking.enabled for m in config.models)
+        if namespaces
         else None,
     )
     # disabled here, enabled by the virtual host (ext_proc_per_route): a reply Envoy makes before any route
@@ -1154,10 +1257,11 @@ def build_listener(config: Config) -> listener_pb2.Listener:
         rds=http_connection_manager_pb2.Rds(config_source=ads_source(), route_config_name=ROUTE_CONFIG_NAME),
         **downstream_timeouts(config),
         local_reply_config=build_local_reply_config(config),
-        access_log=build_meter_access_logs(config),
+        access_log=[*build_meter_access_logs(config), *build_json_access_log(config)],
         http_filters=[
             *request_path_filters(config),
             *fail_open_filters(),
+            *([request_metadata_filter()] if config.gateway.access_log is not None else []),
             http_connection_manager_pb2.HttpFilter(
                 name="envoy.filters.http.router",
                 # suppress_envoy_headers: no x-envoy-* header of the router's on the upstream request

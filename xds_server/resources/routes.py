@@ -79,6 +79,29 @@ UPSTREAM_REMOVED_HEADERS: Final[tuple[str, ...]] = (
 AFFINITY_HEADERS: Final[tuple[str, ...]] = (headers.PREFIX_KEY, headers.SESSION_KEY)
 
 
+#: The response headers naming who served a request, set by Envoy from the upstream host it picked
+#: (header formatters, Envoy docs "Custom request/response headers"): the endpoint's name and model version
+#: from its EDS metadata ``inferlb`` (:func:`xds_server.resources.endpoints.build_endpoints`), and its
+#: address. Set on the RouteConfiguration, so on every route; a header whose value formats empty (a direct
+#: or local reply, no upstream host) is not added. A model server's own values are replaced.
+SERVED_BY_HEADERS: Final[tuple[tuple[str, str], ...]] = (
+    (headers.ENDPOINT, "%UPSTREAM_METADATA(inferlb:name)%"),
+    (headers.MODEL_VERSION, "%UPSTREAM_METADATA(inferlb:version)%"),
+    (headers.UPSTREAM_HOST, "%UPSTREAM_HOST%"),
+)
+
+
+def served_by_headers() -> list[base_pb2.HeaderValueOption]:
+    """:data:`SERVED_BY_HEADERS` as ``response_headers_to_add`` entries (overwriting the upstream's)."""
+    return [
+        base_pb2.HeaderValueOption(
+            header=base_pb2.HeaderValue(key=name, value=value),
+            append_action=base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD,
+        )
+        for name, value in SERVED_BY_HEADERS
+    ]
+
+
 def upstream_removed_headers(*, hashed: bool) -> list[str]:
     """The ``request_headers_to_remove`` of a route to a model: :data:`UPSTREAM_REMOVED_HEADERS`, and
     :data:`AFFINITY_HEADERS` unless the route hashes on them (``hashed``)."""
@@ -610,4 +633,5 @@ def build_route_configuration(config: Config) -> route_pb2.RouteConfiguration:
                 name=VIRTUAL_HOST_NAME, domains=["*"], routes=routes, typed_per_filter_config=per_filter
             )
         ],
+        response_headers_to_add=served_by_headers(),
     )

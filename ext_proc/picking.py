@@ -483,7 +483,9 @@ class PickQueue:
             if states is None:
                 self.waiters.take_head(None, "no_state")
                 continue
-            healthy = [s for s in states if s.healthy]
+            # room within the head's length class: room elsewhere could not take it
+            allowed = class_hosts(self.state, head.prepared, head.cluster)
+            healthy = [s for s in states if s.healthy and (allowed is None or s.address in allowed)]
             room = [s for s in healthy if not saturated(s, self.settings)]
             if healthy and not room:
                 return
@@ -542,7 +544,9 @@ def choose(
         return None
     queue = state.queue(model)
     if queue is not None:
-        healthy = [s for s in states if s.healthy]
+        # room within the request's length class: room elsewhere could not take it
+        allowed = class_hosts(state, prepared, cluster)
+        healthy = [s for s in states if s.healthy and (allowed is None or s.address in allowed)]
         room = [s for s in healthy if not saturated(s, queue.settings)]
         if healthy and (not room or len(queue)):
             try:

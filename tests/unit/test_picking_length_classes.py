@@ -12,7 +12,7 @@ import pytest
 from ext_proc import handlers
 from ext_proc.handlers import Gateway, PendingRequest, PreparedRequest
 from ext_proc.metrics import ExtProcMetrics
-from ext_proc.picking import Picked, PickingState, choose
+from ext_proc.picking import Picked, PickingState, PickWaiter, choose
 from inferlb.config.schema import Config, parse_config
 from inferlb.policy.endpoint_book import parse_picking_state
 from inferlb.request.parsing import EndpointKind
@@ -22,14 +22,15 @@ FAST, SLOW_1, SLOW_2 = "10.0.0.1:80", "10.0.0.2:80", "10.0.0.3:80"
 CLUSTER = "llama--v1"
 
 
-def config(length_aware: dict[str, Any] | None = None) -> Config:
+def config(length_aware: dict[str, Any] | None = None, queue: dict[str, Any] | None = None) -> Config:
+    picking: dict[str, Any] = {"mode": "load"} if queue is None else {"mode": "load", "queue": queue}
     return parse_config(
         {
             "models": [
                 {
                     "name": "llama",
                     "context_length": 100_000,
-                    "endpoint_picking": {"mode": "load"},
+                    "endpoint_picking": picking,
                     "cluster": {"length_aware": length_aware or {"long_output_tokens": 100}},
                 }
             ],
@@ -119,3 +120,16 @@ def test_tiered_classes_pick_within_the_requests_tier() -> None:
     assert pick(picking, prepared(cfg, 5000)) == (FAST,)
     assert set(pick(picking, prepared(cfg, 500))) == {FAST, SLOW_1}
     assert pick(picking, prepared(cfg, 500))[0] == SLOW_1
+
+
+async def test_with_a_fair_queue_a_long_request_waits_for_room_within_its_class() -> None:
+    """The fast GPU is saturated (one in flight at max_in_flight 1), the slow ones idle: a long request
+    waits (room elsewhere cannot take it) instead of a 503, and is picked there once the GPU has room."""
+    cfg = config(queue={"max_queued": 4, "max_wait_ms": 1000, "max_in_flight": 1})
+    picking = state({FAST: ["long"], SLOW_1: [], SLOW_2: []}, fast_busy=1)
+    out = choose(picking, prepared(cfg, 500), CLUSTER, ExtProcMetrics(), now=0.0)
+    assert isinstance(out, PickWaiter), out
+    picking.book.leave(FAST)
+    picking.dispatch(0.0)
+    picked = out.outcome.result()
+    assert isinstance(picked, Picked) and picked.hosts == (FAST,), picked

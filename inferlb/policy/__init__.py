@@ -14,7 +14,8 @@
   (ext_authz mode's metering).
 - :mod:`inferlb.policy.picker`: the endpoint picker's scoring (prefix match, request and token load, KV
   usage, the load guard, length-class eligibility).
-- :mod:`inferlb.policy.columnar`: the picker over numpy columns, for large clusters (the same picks).
+- :mod:`inferlb.policy.columnar`: the same scoring over numpy columns kept in place, for large clusters
+  (identical picks, a fraction of the cost at 1,000 endpoints).
 - :mod:`inferlb.policy.prefix_index`: the approximate prefix index, learnt from the picker's own picks.
 - :mod:`inferlb.policy.fair_queue`: per-model waiting under saturation (strict bands, start-time fair
   queueing by tokens within one, bounded waits).
@@ -27,5 +28,5 @@
   path and the EPP.
 
 May import: :mod:`inferlb.errors`, :mod:`inferlb.config`, :mod:`inferlb.request`, prometheus_client's text
-parser; no server, client, Redis, NVML or simulator.
+parser, numpy (the columnar picker); no server, client, Redis, NVML or simulator.
 """

@@ -21,6 +21,13 @@ Order of the checks (the Gateway API Inference Extension's endpoint-picker proto
    first choice enters the in-flight count until the stream ends, moved to the endpoint the gateway reports
    as having served it when that differs.
 
+Prefix indexes (:func:`prefix_index`, ``--prefix-index``): with ``approximate`` or ``precise`` each parsed
+request is keyed by :func:`inferlb.request.blocks.prompt_block_keys` (the request path's keys) and the pick
+scores the leading blocks each endpoint holds. The approximate index records the keys on the first choice
+at the pick and, when the gateway's ``x-gateway-destination-endpoint-served`` report names another
+endpoint of the pool, on that one too; the precise one reads the endpoints' vLLM KV events instead (the
+subscribers run in :mod:`epp.__main__`).
+
 The model named in the body is not checked against the pool: the gateway's route chose the pool.
 """
 
@@ -28,7 +35,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Collection, Mapping
-from typing import Final
+from typing import Final, Literal
 
 import msgspec
 
@@ -45,6 +52,8 @@ from epp.metrics import EppMetrics
 from epp.pool import Pool, Saturation, saturated
 from inferlb.errors import RequestError
 from inferlb.policy.picker import EndpointState, NoPrefixIndex, PickerWeights, PrefixIndex, pick
+from inferlb.policy.prefix_indexes import make_prefix_index
+from inferlb.request.blocks import DEFAULT_BLOCK_SIZE, prompt_block_keys
 from inferlb.request.parsing import INFERENCE_PATHS, InferenceRequest, parse_request
 
 #: ``error.code`` of the 503 when no endpoint is eligible.
@@ -64,24 +73,34 @@ DEFAULT_EPP_WEIGHTS: Final = PickerWeights(max_hosts=1)
 SHED_RETRY_AFTER_S: Final = 1
 
 
-def prefix_index() -> PrefixIndex:
-    """The prefix index the EPP's picks consult.
+#: The EPP's ``--prefix-index`` modes: none, learnt from its own picks, or rebuilt from KV events.
+PrefixMode = Literal["off", "approximate", "precise"]
+PREFIX_MODES: Final[tuple[PrefixMode, ...]] = ("off", "approximate", "precise")
 
-    :class:`~inferlb.policy.picker.NoPrefixIndex` (picks by load and KV usage alone) until the approximate
-    (:mod:`inferlb.policy.prefix_index`) and precise (:mod:`inferlb.policy.kv_index`) indexes are on this
-    branch; this function is where one of them is built.
+
+def prefix_index(mode: PrefixMode = "off", *, block_size: int = DEFAULT_BLOCK_SIZE) -> PrefixIndex:
+    """The prefix index the EPP's picks consult, built as the request path builds its own
+    (:func:`inferlb.policy.prefix_indexes.make_prefix_index`): ``off``,
+    :class:`~inferlb.policy.picker.NoPrefixIndex` (picks by load and KV usage alone); ``approximate``, an
+    :class:`~inferlb.policy.prefix_index.ApproximatePrefixIndex` learnt from the EPP's own picks;
+    ``precise``, an empty :class:`~inferlb.policy.kv_index.PreciseKvIndex` of ``block_size``-token blocks,
+    which the KV-event subscribers of :mod:`epp.__main__` feed.
+
+    Raises:
+        ValueError: an unknown ``mode``, or ``block_size < 1``.
     """
-    return NoPrefixIndex()
+    if mode not in PREFIX_MODES:
+        raise ValueError(f"prefix index mode must be one of {PREFIX_MODES}, got {mode!r}")
+    return make_prefix_index(mode, block_size=block_size)
 
 
-def block_keys(request: InferenceRequest | None) -> tuple[int, ...]:
-    """The request's prompt block keys for the prefix index.
-
-    None yet: :func:`inferlb.request.blocks.prompt_block_keys` (the gateway's block keys, laid out as
-    gpusim lays its token ids) is not on this branch, and :func:`prefix_index` knows no block; with no
-    keys a pick is by load and KV usage alone, which is what ``NoPrefixIndex`` gives anyway.
-    """
-    return ()
+def block_keys(request: InferenceRequest | None, *, block_size: int = DEFAULT_BLOCK_SIZE) -> tuple[int, ...]:
+    """The request's prompt block keys for the prefix index: :func:`inferlb.request.blocks.prompt_block_keys`
+    (the request path's keys, over the prompt's ids as gpusim lays them out) at ``block_size``; none for a
+    request without a parsed body (``GET /v1/models``, a body the gateway does not show)."""
+    if request is None:
+        return ()
+    return prompt_block_keys(request, block_size=block_size)
 
 
 class RequestSeen(msgspec.Struct, frozen=True, kw_only=True):
@@ -110,9 +129,16 @@ class RequestSeen(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class Routed(msgspec.Struct, frozen=True, kw_only=True):
-    """Send the request to ``endpoints`` (first choice first, then the fallback order)."""
+    """Send the request to ``endpoints`` (first choice first, then the fallback order).
+
+    Attributes:
+        endpoints: ``ip:port`` values, first choice first.
+        keys: the prompt's block keys the pick matched (empty without a prefix index): recorded again on
+            the endpoint the gateway reports as having served the request when that is another.
+    """
 
     endpoints: tuple[str, ...]
+    keys: tuple[int, ...] = ()
 
     @property
     def value(self) -> str:
@@ -178,7 +204,8 @@ class EndpointPicker:
         weights: :func:`~inferlb.policy.picker.pick`'s score weights and load guard
             (:data:`DEFAULT_EPP_WEIGHTS`).
         saturation: when an endpoint counts as saturated (429 when all eligible ones are).
-        index: the prefix index (:func:`prefix_index` by default).
+        index: the prefix index (:func:`prefix_index`; default ``off``, no index).
+        block_size: tokens per prompt block of the index's keys (vLLM's ``--block-size``; >= 1).
         salt: tie-break salt (a per-process random value by default, so replicas do not herd).
         queue: the fair queue's settings; None or ``max_queued`` 0: no queue (429 at once when saturated).
             With one, the picker must be used from the event loop serving the streams.
@@ -192,14 +219,20 @@ class EndpointPicker:
         weights: PickerWeights = DEFAULT_EPP_WEIGHTS,
         saturation: Saturation | None = None,
         index: PrefixIndex | None = None,
+        block_size: int = DEFAULT_BLOCK_SIZE,
         salt: bytes | None = None,
         queue: QueueSettings | None = None,
     ) -> None:
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.pool = pool
         self.metrics = metrics
         self.weights = weights
         self.saturation = saturation if saturation is not None else Saturation()
         self.index = index if index is not None else prefix_index()
+        self.block_size = block_size
+        #: False with no index: no request is keyed (the keys would match nothing)
+        self.keyed = not isinstance(self.index, NoPrefixIndex)
         self.salt = salt if salt is not None else os.urandom(16)
         self.flow: FlowControl | None = None
         if queue is not None and queue.max_queued > 0:
@@ -329,20 +362,29 @@ class EndpointPicker:
         return self.flow.abandon(waiting) if self.flow is not None else None
 
     def _route(self, request: InferenceRequest | None, eligible: list[EndpointState]) -> Routed:
-        keys = block_keys(request)
+        keys = block_keys(request, block_size=self.block_size) if self.keyed else ()
         matched: Mapping[str, int] = (
             self.index.matched_blocks(keys, [s.address for s in eligible]) if keys else {}
         )
         chosen = pick(
-            eligible, prompt_blocks=len(keys), matched_blocks=matched, weights=self.weights, salt=self.salt
+            eligible,
+            prompt_blocks=len(keys),
+            matched_blocks=matched,
+            weights=self.weights,
+            salt=self.salt,
+            # a miss priced in tokens to prefill: the keyed blocks' tokens (the prompt less its partial
+            # last block; the EPP counts no tokens on its path)
+            prompt_tokens=len(keys) * self.block_size,
+            block_tokens=self.block_size,
         )
         first = chosen[0]
         if keys:
+            # recorded at the pick, so a repeat arriving before this one's answer finds it
             self.index.record_pick(first, keys)
         self.pool.enter(first)
         self.metrics.picks.labels(first).inc()
         self.metrics.requests.labels("routed").inc()
-        return Routed(endpoints=chosen)
+        return Routed(endpoints=chosen, keys=keys)
 
     def _refuse(self, reply: Refused) -> Refused:
         self.metrics.requests.labels(str(reply.status)).inc()
@@ -355,8 +397,10 @@ class EndpointPicker:
     def served(self, routed: Routed, served: str | None) -> str:
         """The gateway reported ``served`` (None: it reported nothing) for ``routed``: counted by how it
         compares with the pick (``first``, ``fallback``, ``other``, ``unreported``), and the in-flight
-        count moved to ``served`` when that is another endpoint of the pool. Returns the address now holding
-        the request's in-flight count (pass it to :meth:`finished`)."""
+        count moved to ``served`` when that is another endpoint of the pool, and the prompt's block keys
+        recorded there too (an approximate index learns where the prompt was cached; the first choice's
+        record, made at the pick, stays until evicted). Returns the address now holding the request's
+        in-flight count (pass it to :meth:`finished`)."""
         first = routed.endpoints[0]
         if served is None:
             match = "unreported"
@@ -369,6 +413,8 @@ class EndpointPicker:
         in_pool = served is not None and served in self.pool
         self.metrics.served.labels(served if in_pool else first, match).inc()
         if served is not None and in_pool and served != first:
+            if routed.keys:
+                self.index.record_pick(served, routed.keys)
             self.pool.leave(first)
             self.pool.enter(served)
             self.dispatch()  # the pick's room on the first choice is free again

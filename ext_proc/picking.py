@@ -52,6 +52,11 @@ list yet, a picking model's request goes without the header: Envoy's fallback ba
 healthy), the request is refused 503 ``no_eligible_endpoint`` in OpenAI's JSON (the EPP protocol's answer;
 ext_authz sends it as 403 + ``x-inferlb-status: 503``, restored by the local-reply mapper).
 
+Length classes: for a model with ``cluster.length_aware`` a request of a confined class is picked among the
+hosts the state lists for that class (:func:`class_hosts`, from each row's ``length_classes``: the xDS
+server's live sets, else the GPU profile's), a short one among all. Its clusters carry no subset config
+(Envoy refuses one beside ``override_host``), so the fallback balances over every endpoint.
+
 Prefix indexes (:func:`prefix_source` binds each mode to its index; the keys are
 :func:`inferlb.request.blocks.prompt_block_keys` with the model's ``block_size``, computed where the body is
 parsed, so a big body's keys are made in its worker thread too):
@@ -102,15 +107,16 @@ from inferlb.policy.endpoint_book import BookedEndpoint, EndpointBook, parse_pic
 from inferlb.policy.fair_queue import BAND_DEFAULT, BAND_HIGH, BAND_LOW
 from inferlb.policy.fair_wait import FairWaiters, QueueFull, Waiter
 from inferlb.policy.kv_index import PreciseKvIndex
+from inferlb.policy.length_aware import SHORT, length_class
 from inferlb.policy.picker import (
     EndpointState,
     NoEligibleEndpoint,
-    NoPrefixIndex,
     PickerWeights,
     PrefixIndex,
     pick,
 )
 from inferlb.policy.prefix_index import ApproximatePrefixIndex
+from inferlb.policy.prefix_indexes import KEYED_MODES, make_prefix_index
 from inferlb.request.parsing import InferenceRequest
 
 log = logging.getLogger("ext_proc.picking")
@@ -119,11 +125,6 @@ log = logging.getLogger("ext_proc.picking")
 NO_ELIGIBLE_DETAILS: Final = "inferlb_no_eligible_endpoint"
 #: Longest wait for one ``GET /v1/picking`` (s); a slower answer counts as a failed poll.
 POLL_TIMEOUT_S: Final = 2.0
-#: Prompt tokens the approximate index believes one endpoint's prefix cache holds at most: about what an
-#: 80 GB GPU running an 8B model caches (Llama-3-8B's KV cache is 128 KiB per token: 32 layers x 8 KV
-#: heads x 128 dims x 2 (K, V) x 2 bytes, so ~64 GB of free memory hold ~500k tokens). A bound, not a
-#: measurement: a smaller cache only means the index believes some blocks held that were evicted.
-APPROXIMATE_CAPACITY_TOKENS: Final = 1 << 19
 #: Response code details of a request refused after waiting ``queue.max_wait_ms`` / at a full queue.
 QUEUE_TIMEOUT_DETAILS: Final = "inferlb_queue_timeout"
 QUEUE_FULL_DETAILS: Final = "inferlb_queue_full"
@@ -148,19 +149,17 @@ class PrefixSource(msgspec.Struct, frozen=True, kw_only=True):
 
 def prefix_source(picking: EndpointPicking) -> PrefixSource:
     """The prefix index and block-key function of a model's ``endpoint_picking`` mode (the module doc says
-    what each costs): ``off`` and ``load`` get :class:`~inferlb.policy.picker.NoPrefixIndex` and no keys;
-    ``approximate`` a fresh :class:`~inferlb.policy.prefix_index.ApproximatePrefixIndex` of
-    :data:`APPROXIMATE_CAPACITY_TOKENS` per endpoint; ``precise`` a fresh
-    :class:`~inferlb.policy.kv_index.PreciseKvIndex` (empty until the subscribers feed it). Both key a
+    what each costs): :func:`inferlb.policy.prefix_indexes.make_prefix_index` (``off`` and ``load``:
+    :class:`~inferlb.policy.picker.NoPrefixIndex` and no keys; ``approximate`` an
+    :class:`~inferlb.policy.prefix_index.ApproximatePrefixIndex` of
+    :data:`~inferlb.policy.prefix_indexes.APPROXIMATE_CAPACITY_TOKENS` per endpoint; ``precise`` a
+    :class:`~inferlb.policy.kv_index.PreciseKvIndex`, empty until the subscribers feed it). Both key a
     request with :func:`inferlb.request.blocks.prompt_block_keys` at ``picking.block_size``
     (:func:`ext_proc.handlers.picking_block_keys`)."""
-    keys = functools.partial(picking_block_keys, picking)
-    if picking.mode == "approximate":
-        capacity = max(1, APPROXIMATE_CAPACITY_TOKENS // picking.block_size)
-        return PrefixSource(index=ApproximatePrefixIndex(capacity_blocks=capacity), keys=keys)
-    if picking.mode == "precise":
-        return PrefixSource(index=PreciseKvIndex(block_size=picking.block_size), keys=keys)
-    return PrefixSource(index=NoPrefixIndex(), keys=no_keys)
+    index = make_prefix_index(picking.mode, block_size=picking.block_size)
+    if picking.mode in KEYED_MODES:
+        return PrefixSource(index=index, keys=functools.partial(picking_block_keys, picking))
+    return PrefixSource(index=index, keys=no_keys)
 
 
 def picker_weights(picking: EndpointPicking) -> PickerWeights:
@@ -362,6 +361,22 @@ def no_eligible_endpoint(model: str, why: str) -> ImmediateReply:
     )
 
 
+def class_hosts(state: PickingState, prepared: PreparedRequest, cluster: str) -> frozenset[str] | None:
+    """The hosts of ``cluster`` that may serve ``prepared``'s length class, for a length-aware model
+    (:mod:`inferlb.policy.length_aware`: the class of its whole output cap, as its
+    ``x-inferlb-length-class`` header names it), from the book's ``length_classes``; None (every host)
+    for a model that is not length-aware and for a short request. A confined class no host may serve now
+    (no fast GPU in the cluster) is None too: Envoy's subsets fall back to every endpoint then
+    (``ANY_ENDPOINT``), and so does the pick."""
+    policy = prepared.model.cluster.length_aware
+    if policy is None:
+        return None
+    name = length_class(prepared.request.output_token_cap(prepared.model.default_max_tokens), policy)
+    if name == SHORT:
+        return None
+    return state.book.class_hosts(cluster, name) or None
+
+
 def saturated(endpoint: EndpointState, settings: PickingQueue) -> bool:
     """True when this process's requests in flight on ``endpoint`` reached ``settings.max_in_flight``
     (the endpoint takes no more picks while others wait)."""
@@ -468,11 +483,13 @@ class PickQueue:
             if states is None:
                 self.waiters.take_head(None, "no_state")
                 continue
-            healthy = [s for s in states if s.healthy]
+            # room within the head's length class: room elsewhere could not take it
+            allowed = class_hosts(self.state, head.prepared, head.cluster)
+            healthy = [s for s in states if s.healthy and (allowed is None or s.address in allowed)]
             room = [s for s in healthy if not saturated(s, self.settings)]
             if healthy and not room:
                 return
-            self.waiters.take_head(_pick(self.state, head.prepared, room or states), "admitted")
+            self.waiters.take_head(_pick(self.state, head.prepared, head.cluster, room or states), "admitted")
 
     def _expired(self, waiter: PickWaiter) -> PickDecision:
         return queue_timeout(self.model, self.settings.max_wait_ms)
@@ -520,14 +537,16 @@ def choose(
     columns = state.book.columns(cluster, now)
     queue = state.queue(model)
     if columns is not None and queue is None:
-        return _pick(state, prepared, columns, metrics)
+        return _pick(state, prepared, cluster, columns, metrics)
     states = state.book.states(cluster, now)
     if states is None:
         metrics.endpoint_picks.labels(model.name, "no_state").inc()
         return None
     queue = state.queue(model)
     if queue is not None:
-        healthy = [s for s in states if s.healthy]
+        # room within the request's length class: room elsewhere could not take it
+        allowed = class_hosts(state, prepared, cluster)
+        healthy = [s for s in states if s.healthy and (allowed is None or s.address in allowed)]
         room = [s for s in healthy if not saturated(s, queue.settings)]
         if healthy and (not room or len(queue)):
             try:
@@ -540,16 +559,18 @@ def choose(
             return waiter
         if room:
             if columns is not None:  # the same eligible endpoints, over the columns
-                return _pick(state, prepared, columns, metrics, subset={s.address for s in room})
+                return _pick(state, prepared, cluster, columns, metrics, subset={s.address for s in room})
             states = room
-    return _pick(state, prepared, columns if columns is not None else states, metrics)
+    return _pick(state, prepared, cluster, columns if columns is not None else states, metrics)
 
 
 def _pick(
     state: PickingState,
     prepared: PreparedRequest,
+    cluster: str,
     fleet: list[EndpointState] | FleetColumns,
     metrics: ExtProcMetrics | None = None,
+    *,
     subset: set[str] | None = None,
 ) -> Picked | ImmediateReply:
     model = prepared.model
@@ -564,6 +585,7 @@ def _pick(
     source = state.source(model)
     keys = prepared.block_keys
     matched = source.index.matched_blocks(keys, addresses) if keys else None
+    hosts_of_class = class_hosts(state, prepared, cluster)
     try:
         hosts = score(
             prompt_blocks=len(keys),
@@ -573,6 +595,7 @@ def _pick(
             # with a prefix index, a miss is priced in prompt tokens to prefill (the picker's token term)
             prompt_tokens=prepared.prompt_tokens if keys else 0,
             block_tokens=picking.block_size,
+            class_hosts=hosts_of_class,
         )
     except NoEligibleEndpoint as exc:
         if metrics is not None:

@@ -772,7 +772,9 @@ class TelemetryCollector:
         served weight, "healthy": false while draining or failing its probe, "draining", "waiting",
         "running", "kv_usage": from the last good scrape (null before one), "telemetry_age_ms": that
         scrape's age (null before one), "kv_events": the endpoint's ``kv_events`` (``{"endpoint",
-        "replay_endpoint", "topic"}``, null when it has none)}``.
+        "replay_endpoint", "topic"}``, null when it has none), "length_classes": for a length-aware model,
+        the confined length classes it may serve (the live sets pushed, else its GPU profile's; null for
+        other models)}``.
         """
         srv = self._server
         assert srv is not None
@@ -806,6 +808,7 @@ class TelemetryCollector:
                     "kv_usage": None if m is None else m.kv_cache_usage,
                     "telemetry_age_ms": None if sample is None else round((now - sample.at) * 1000),
                     "kv_events": None if e.kv_events is None else e.kv_events.model_dump(),
+                    "length_classes": _picking_classes(cfg, e, srv.telemetry_classes.get(key)),
                 }
             )
         return {"clusters": clusters, "stale_after_ms": cfg.weights.stale_after_ms}
@@ -838,6 +841,16 @@ def picking_endpoints(cfg: Config) -> set[str]:
     """The keys of the endpoints of models with ``endpoint_picking`` on."""
     picking = {m.name for m in cfg.models if m.endpoint_picking.enabled}
     return {endpoint_key(e) for e in cfg.endpoints if e.model in picking} if picking else set()
+
+
+def _picking_classes(cfg: Config, e: EndpointConfig, pushed: tuple[str, ...] | None) -> list[str] | None:
+    """The confined length classes a picking model's endpoint may serve, as ``GET /v1/picking`` sends them:
+    the pushed live ones (the same as its EDS ``envoy.lb`` metadata), else its GPU profile's; None when the
+    model is not length-aware."""
+    policy = next(m for m in cfg.models if m.name == e.model).cluster.length_aware
+    if policy is None:
+        return None
+    return list(pushed) if pushed is not None else list(allowed_classes(cfg, e.gpu, policy))
 
 
 def _served_classes(pushed: tuple[str, ...] | None, w: EndpointWeight | None) -> list[str] | None:

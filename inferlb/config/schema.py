@@ -935,8 +935,9 @@ class ModelConfig(_Frozen):
 
     @model_validator(mode="after")
     def _check_endpoint_picking(self) -> Self:
-        # the picker chooses among all of a cluster's endpoints and Envoy falls back to the cluster's own
-        # policy: settings that confine or order the hosts some other way would fight it
+        # the picker chooses among a cluster's endpoints (a length-aware model's: among its length class's)
+        # and Envoy falls back to the cluster's own policy: settings that order the hosts some other way
+        # would fight it
         picking = self.endpoint_picking
         if not picking.enabled:
             return self
@@ -946,11 +947,6 @@ class ModelConfig(_Frozen):
             why = (
                 f"cluster.lb_policy {c.lb_policy} hashes each request to its host, which the picker "
                 "replaces; use least_request or round_robin (Envoy's fallback when no picked host is usable)"
-            )
-        elif c.length_aware is not None:
-            why = (
-                "cluster.length_aware confines long requests to a GPU subset, which the picker does not know "
-                "of; drop one of the two"
             )
         elif c.failover != "off":
             why = (

@@ -24,6 +24,8 @@
 - :mod:`inferlb.policy.endpoint_book`: a request-path process's view of the picking models' endpoints
   (the xDS server's state, its own in-flight counts per endpoint) as the picker's inputs.
 - :mod:`inferlb.policy.kv_index`: the precise prefix index, rebuilt from the model servers' KV events.
+- :mod:`inferlb.policy.prefix_indexes`: the prefix index of one picking mode, built alike for the request
+  path and the EPP.
 
 May import: :mod:`inferlb.errors`, :mod:`inferlb.config`, :mod:`inferlb.request`, prometheus_client's text
 parser, numpy (the columnar picker); no server, client, Redis, NVML or simulator.

@@ -46,6 +46,9 @@ class BookedEndpoint(msgspec.Struct, frozen=True, kw_only=True):
         kv_events: the ZMQ endpoint its KV events are published on (None: it publishes none).
         kv_events_replay: its replay endpoint (None: no replay).
         kv_events_topic: the topic prefix subscribed to.
+        length_classes: for a length-aware model's endpoint, the confined length classes it may serve now
+            (the xDS server's live sets, else its GPU profile's; :mod:`inferlb.policy.length_aware`); None
+            for other models.
     """
 
     address: str
@@ -57,6 +60,7 @@ class BookedEndpoint(msgspec.Struct, frozen=True, kw_only=True):
     kv_events: str | None = None
     kv_events_replay: str | None = None
     kv_events_topic: str = ""
+    length_classes: tuple[str, ...] | None = None
 
 
 class BookedState(msgspec.Struct, frozen=True, kw_only=True):
@@ -108,6 +112,11 @@ def parse_picking_state(doc: Any) -> BookedState:
                 and isinstance(kv.get("topic", ""), str)
             ):
                 raise ValueError(f"{where}.kv_events: expected null or {{endpoint, replay_endpoint, topic}}")
+            classes = row.get("length_classes")
+            if classes is not None and not (
+                isinstance(classes, list) and all(isinstance(c, str) for c in classes)
+            ):
+                raise ValueError(f"{where}.length_classes: expected null or a list of class names")
             out.append(
                 BookedEndpoint(
                     address=row["address"],
@@ -119,6 +128,7 @@ def parse_picking_state(doc: Any) -> BookedState:
                     kv_events=None if kv is None else kv["endpoint"],
                     kv_events_replay=None if kv is None else kv.get("replay_endpoint"),
                     kv_events_topic="" if kv is None else kv.get("topic", ""),
+                    length_classes=None if classes is None else tuple(classes),
                 )
             )
         clusters[str(name)] = tuple(out)
@@ -195,10 +205,12 @@ class EndpointBook:
             index subscribes to).
     """
 
-    __slots__ = ("_columns", "_holders", "_in_flight", "_rows", "received_at", "state")
+    __slots__ = ("_classes", "_columns", "_holders", "_in_flight", "_rows", "received_at", "state")
 
     def __init__(self, state: BookedState | None = None, *, received_at: float = 0.0) -> None:
         self._rows: dict[str, tuple[_Row, ...]] | None = None
+        #: (cluster, length class) -> the addresses that may serve it
+        self._classes: dict[tuple[str, str], frozenset[str]] = {}
         self.received_at: float | None = None
         self.state: BookedState | None = None
         self._in_flight: dict[str, int] = {}
@@ -210,9 +222,12 @@ class EndpointBook:
     def update(self, state: BookedState, now: float) -> None:
         """Serve ``state``, received at monotonic ``now`` (s), from now on; in-flight counts are kept."""
         rows: dict[str, tuple[_Row, ...]] = {}
+        classes: dict[tuple[str, str], set[str]] = {}
         for cluster, endpoints in state.clusters.items():
             out = []
             for r in endpoints:
+                for c in r.length_classes or ():
+                    classes.setdefault((cluster, c), set()).add(r.address)
                 stale = EndpointState(address=r.address, weight=r.weight, healthy=r.healthy)
                 if r.telemetry_age_ms is None:
                     out.append(_Row(stale, stale, -math.inf))
@@ -227,6 +242,7 @@ class EndpointBook:
                 out.append(_Row(fresh, stale, now + (state.stale_after_ms - r.telemetry_age_ms) / 1000))
             rows[cluster] = tuple(out)
         self._rows = rows
+        self._classes = {k: frozenset(v) for k, v in classes.items()}
         self._columns = {
             c: _ClusterColumns(r, self._in_flight, now)
             for c, r in rows.items()
@@ -239,6 +255,11 @@ class EndpointBook:
                 self._holders.setdefault(address, []).append(cc.columns)
         self.received_at = now
         self.state = state
+
+    def class_hosts(self, cluster: str, length_class: str) -> frozenset[str]:
+        """The addresses of ``cluster`` that may serve requests of the confined ``length_class`` (empty
+        when none may, or the state names no such class)."""
+        return self._classes.get((cluster, length_class), frozenset())
 
     def age_s(self, now: float) -> float | None:
         """Seconds since the current state arrived (None before any)."""

@@ -9,7 +9,8 @@ picks; a burst spreads over every endpoint. A third model, mistral, picks in mod
 three gpusims' KV events (``endpoints[].kv_events``, which ``inferlb up`` hands gpusim as its
 ``--kv-events-config``): several conversations spread over its endpoints and every turn of each lands on
 the endpoint holding its prefix, and gpusim's own ``vllm:prefix_cache_hits_total`` grows, by at least what
-the same conversations get from qwen's ``load`` mode. Which GPU served is gpusim's ``x-inferlb-endpoint``.
+the same conversations get from qwen's ``load`` mode. mistral is length-aware too: a burst of long requests
+is picked within the long class's hosts (its H100) only. Which GPU served is gpusim's ``x-inferlb-endpoint``.
 """
 
 from __future__ import annotations
@@ -54,7 +55,15 @@ def picking_stack(tmp_path_factory: pytest.TempPathFactory, request_path: str) -
     # sent within it sees its endpoint still busy with the turn before (and the load guard moves it on)
     doc["ext_proc"]["meter_flush_interval_ms"] = 200
     # mistral picks from its servers' KV events: three gpusims publishing on loopback, with replay
-    doc["models"].append({"name": PRECISE, "endpoint_picking": {"mode": "precise"}})
+    # and length-aware placement: an output cap above 150 tokens is long, served by its H100 only (the
+    # conversations' 100 are short)
+    doc["models"].append(
+        {
+            "name": PRECISE,
+            "endpoint_picking": {"mode": "precise"},
+            "cluster": {"length_aware": {"long_output_tokens": 150}},
+        }
+    )
     ports = free_ports(9)
     for i, gpu in enumerate(("H100", "V100", "V100")):
         doc["endpoints"].append(
@@ -161,6 +170,23 @@ def test_the_pick_serves_and_a_client_cannot_choose(picking_stack: RunningStack)
     reply = rs.chat(LLAMA, headers={h.DESTINATION_ENDPOINT: _address(rs, names[0])})
     assert reply.status == 200, reply.body
     assert h.DESTINATION_ENDPOINT not in _last_upstream_headers(rs, reply.headers["x-inferlb-endpoint"])
+
+
+def test_long_requests_are_picked_within_their_length_classs_hosts(picking_stack: RunningStack) -> None:
+    """A concurrent burst of long requests (cap 200 > 100): by load the picker would spread it over the three
+    GPUs (the load guard moves a request on from a busy one); within the long class it all goes to the
+    H100, and the list the gateway sent names the H100 alone."""
+    rs = picking_stack
+    _subscribed(rs)
+    state = _picking(rs)
+    classes = {r["name"]: r["length_classes"] for r in state["clusters"][PRECISE_CLUSTER]}
+    fast = [n for n, c in classes.items() if c == ["long"]]
+    assert len(fast) == 1 and sorted(c for c in classes.values() if c != ["long"]) == [[], []], classes
+    with ThreadPoolExecutor(6) as pool:
+        replies = list(pool.map(lambda i: rs.chat(PRECISE, max_tokens=200, content=f"long {i}"), range(12)))
+    assert all(r.status == 200 for r in replies), [r.body for r in replies if r.status != 200]
+    assert {r.headers["x-inferlb-endpoint"] for r in replies} == set(fast)
+    assert _last_upstream_headers(rs, fast[0])[h.DESTINATION_ENDPOINT] == _address(rs, fast[0])
 
 
 def test_a_failing_pick_falls_back_then_leaves_the_picks(picking_stack: RunningStack) -> None:

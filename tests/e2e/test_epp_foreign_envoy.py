@@ -11,7 +11,9 @@ GIE gateway makes); and response headers echoing, per request, the header and th
 metadata the EPP set, so each answer shows what was picked and where it ran (gpusim's
 ``x-inferlb-endpoint``).
 
-One stack for the module: gpusim, the EPP, Envoy (and a second EPP with a fair queue, behind a third Envoy).
+One stack for the module: gpusim (publishing its KV events over ZMQ), the EPP with the approximate prefix
+index, Envoy (and a second EPP with a fair queue, behind a third Envoy; a third EPP with the precise prefix
+index fed by gpusim's KV events, behind a fourth).
 """
 
 from __future__ import annotations
@@ -221,6 +223,10 @@ class EppStack:
     #: the other tests' load on gpusim never shows in its values)
     queued_gateway: str
     queued_epp_metrics: str
+    #: a fourth Envoy, on a third EPP with ``--prefix-index precise`` subscribed to every pool endpoint's KV
+    #: events
+    precise_gateway: str
+    precise_epp_metrics: str
     admin: str
     epp: str
     epp_metrics: str
@@ -282,6 +288,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EppStack]:
     config = write_config(work / "inferlb.yaml", doc)
     listen, admin, epp, epp_metrics, buffered_listen, buffered_admin = free_ports(6)
     queued_listen, queued_admin, queued_epp, queued_metrics = free_ports(4)
+    precise_listen, precise_admin, precise_epp, precise_metrics = free_ports(4)
     access_log = work / "access.log"
     bootstrap = work / "envoy.yaml"
     bootstrap.write_text(
@@ -301,18 +308,49 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EppStack]:
             foreign_bootstrap(listen=queued_listen, admin=queued_admin, epp=queued_epp, log=access_log)
         )
     )
+    precise = work / "envoy-precise.yaml"
+    precise.write_text(
+        yaml.safe_dump(
+            foreign_bootstrap(listen=precise_listen, admin=precise_admin, epp=precise_epp, log=access_log)
+        )
+    )
     pool = {e["name"]: e["address"] for e in doc["endpoints"] if e["model"] == MODEL}
+    zmq_ports = dict(zip(pool, free_ports(len(pool)), strict=True))
+    # gpusim binds a wildcard endpoint as vLLM does (it connects to any other); the EPP connects on loopback
+    publish = [
+        f"{name}="
+        + json.dumps({"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{port}"})
+        for name, port in zmq_ports.items()
+    ]
+    subscribe = [
+        a for name, port in zmq_ports.items() for a in ("--kv-events", f"{pool[name]}=tcp://127.0.0.1:{port}")
+    ]
     procs: list[subprocess.Popen[bytes]] = []
     logs = []
     try:
         for name, argv in (
-            ("gpusim", [sys.executable, "-m", "simulation.gpusim", "--config", str(config)]),
+            (
+                "gpusim",
+                [
+                    *(sys.executable, "-m", "simulation.gpusim", "--config", str(config)),
+                    *(a for value in publish for a in ("--kv-events-config", value)),
+                ],
+            ),
             (
                 "epp",
                 [
                     *(sys.executable, "-m", "epp", "--config", str(config), "--model", MODEL),
                     *("--listen", f"127.0.0.1:{epp}", "--metrics-listen", f"127.0.0.1:{epp_metrics}"),
-                    *("--scrape-interval", "0.2"),
+                    *("--scrape-interval", "0.2", "--prefix-index", "approximate"),
+                ],
+            ),
+            (
+                "epp-precise",
+                [
+                    *(sys.executable, "-m", "epp", "--config", str(config), "--model", MODEL),
+                    *("--listen", f"127.0.0.1:{precise_epp}"),
+                    *("--metrics-listen", f"127.0.0.1:{precise_metrics}"),
+                    *("--scrape-interval", "0.2", "--prefix-index", "precise", *subscribe),
                 ],
             ),
             (
@@ -349,6 +387,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EppStack]:
                     ("envoy", bootstrap),
                     ("envoy-buffered", buffered),
                     ("envoy-queued", queued),
+                    ("envoy-precise", precise),
                 )
             ),
         ):
@@ -363,17 +402,19 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EppStack]:
             log = (work / f"{name}.log").open("wb")
             logs.append(log)
             procs.append(subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT))
-        for port in (epp, queued_epp):
+        for port in (epp, queued_epp, precise_epp):
             _wait(
                 "the EPP's readiness", lambda port=port: _health(f"127.0.0.1:{port}", "readiness") == 1, procs
             )
-        for port in (admin, buffered_admin, queued_admin):
+        for port in (admin, buffered_admin, queued_admin, precise_admin):
             _wait("Envoy's /ready", lambda port=port: _get(f"http://127.0.0.1:{port}/ready") == 200, procs)
         yield EppStack(
             gateway=f"127.0.0.1:{listen}",
             buffered_gateway=f"127.0.0.1:{buffered_listen}",
             queued_gateway=f"127.0.0.1:{queued_listen}",
             queued_epp_metrics=f"127.0.0.1:{queued_metrics}",
+            precise_gateway=f"127.0.0.1:{precise_listen}",
+            precise_epp_metrics=f"127.0.0.1:{precise_metrics}",
             admin=f"127.0.0.1:{admin}",
             epp=f"127.0.0.1:{epp}",
             epp_metrics=f"127.0.0.1:{epp_metrics}",
@@ -558,3 +599,53 @@ def test_a_request_on_a_saturated_endpoint_waits_and_is_admitted_when_the_one_ah
     assert samples['inferlb_epp_queue_wait_seconds_count{outcome="admitted"}'] == 1
     assert samples['inferlb_epp_requests_total{outcome="routed"}'] == 2
     assert in_flight() == 0
+
+
+def _prefix_hits(address: str) -> float:
+    """gpusim's ``vllm:prefix_cache_hits_total`` at ``address`` (prompt tokens found in its prefix cache)."""
+    with urllib.request.urlopen(f"http://{address}/metrics", timeout=5) as resp:
+        text = resp.read().decode()
+    return sum(
+        float(line.rpartition(" ")[2])
+        for line in text.splitlines()
+        if line.startswith("vllm:prefix_cache_hits_total")
+    )
+
+
+def _long_prompt(tag: str) -> str:
+    """A prompt of many KV-cache blocks, its own per ``tag``."""
+    return f"{tag}: " + " ".join(f"{tag}-{i}" for i in range(400))
+
+
+@pytest.mark.parametrize("index", ["approximate", "precise"])
+def test_a_repeated_long_prompt_lands_on_the_gpu_holding_its_prefix(stack: EppStack, index: str) -> None:
+    """A long prompt placed (through the subset hint) on a GPU other than the one an idle pool's load alone
+    picks is sent again without a hint: it goes to the GPU that holds its prefix, whose prefix-cache hits
+    grow by about the prompt. The approximate EPP knows from its own pick; the precise one only from the
+    GPU's KV events (its index ignores picks)."""
+    gateway = stack.gateway if index == "approximate" else stack.precise_gateway
+    metrics = stack.epp_metrics if index == "approximate" else stack.precise_epp_metrics
+    tag = f"{index}-{random.randrange(1 << 30)}"
+
+    def chat(content: str, headers: dict[str, str] | None = None) -> str:
+        body = {"model": MODEL, "messages": [{"role": "user", "content": content}], "max_tokens": 4}
+        r = http_request(gateway, "POST", "/v1/chat/completions", body, headers)
+        assert r.status == 200, r.body
+        return stack.addresses[r.headers["x-inferlb-endpoint"]]
+
+    # where load alone goes now (a prompt no GPU holds), and a GPU that is not that one
+    by_load = chat(_long_prompt(f"{tag}-probe"))
+    target = next(a for a in sorted(stack.addresses.values()) if a != by_load)
+    prompt = _long_prompt(tag)
+    batches = f'inferlb_kv_events_batches_total{{endpoint="{target}"}}'
+    before_events = stack.metrics(metrics).get(batches, 0.0)
+    assert chat(prompt, {"x-subset-hint": target}) == target
+    if index == "precise":
+        deadline = time.monotonic() + 10
+        while stack.metrics(metrics).get(batches, 0.0) <= before_events:
+            assert time.monotonic() < deadline, "the precise EPP saw no KV event of the placed prompt"
+            time.sleep(0.05)
+    hits = _prefix_hits(target)
+    assert chat(prompt) == target
+    # the repeat reused the cached prompt there: hundreds of tokens of hits, not the chat template's few
+    assert _prefix_hits(target) - hits >= 400

@@ -244,7 +244,10 @@ def _xds_doc() -> dict[str, Any]:
             {
                 "name": "llama",
                 "endpoint_picking": {"mode": "load"},
-                "cluster": {"health_check": {"interval_ms": 1000, "unhealthy_threshold": 2}},
+                "cluster": {
+                    "health_check": {"interval_ms": 1000, "unhealthy_threshold": 2},
+                    "length_aware": {"long_output_tokens": 100},
+                },
             },
             {"name": "other"},
         ],
@@ -293,6 +296,9 @@ async def test_the_poller_reads_the_xds_servers_state_and_keeps_it_while_the_ser
             rows = {r["name"]: r for r in doc_now["clusters"][CLUSTER]}
             assert rows["h100"]["weight"] == 34 and rows["v100"]["weight"] == 10
             assert rows["h100"]["telemetry_age_ms"] is not None and rows["h100"]["waiting"] == 0
+            # length-aware: each row names the classes it may serve, the book each class's hosts
+            assert (rows["h100"]["length_classes"], rows["v100"]["length_classes"]) == (["long"], [])
+            assert picking.book.class_hosts(CLUSTER, "long") == {str(config.endpoints[0].address)}
             assert {s.address: s.healthy for s in states} == {
                 str(e.address): True for e in config.endpoints[:2]
             }

@@ -74,7 +74,6 @@ def test_the_config_weights_are_the_pickers_defaults() -> None:
     [
         ({"lb_policy": "ring_hash"}, "cluster.lb_policy ring_hash"),
         ({"lb_policy": "maglev"}, "cluster.lb_policy maglev"),
-        ({"length_aware": {"long_output_tokens": 100}}, "cluster.length_aware"),
         ({"failover": "zone"}, "cluster.failover zone"),
     ],
 )

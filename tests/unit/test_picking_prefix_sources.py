@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from ext_proc.handlers import picking_block_keys
-from ext_proc.picking import APPROXIMATE_CAPACITY_TOKENS, prefix_source
+from ext_proc.picking import prefix_source
 from inferlb.config.schema import EndpointPicking, parse_config
 from inferlb.errors import ConfigError
 from inferlb.ops.stack import gpusim_kv_events_args
@@ -19,6 +19,7 @@ from inferlb.policy.endpoint_book import parse_picking_state
 from inferlb.policy.kv_index import PreciseKvIndex
 from inferlb.policy.picker import NoPrefixIndex
 from inferlb.policy.prefix_index import ApproximatePrefixIndex
+from inferlb.policy.prefix_indexes import APPROXIMATE_CAPACITY_TOKENS
 from inferlb.request.blocks import prompt_block_keys
 from inferlb.request.parsing import EndpointKind, parse_request
 from simulation.gpusim.__main__ import _kv_events_args

@@ -5,7 +5,8 @@ Each model-version cluster sets every resilience knob explicitly from the model'
 policy, outlier detection, circuit breakers per routing priority, panic threshold, slow start, health
 checks. A length-aware model's clusters get an ``lb_subset_config`` (one selector on ``gpu_tier``, or on
 ``length_classes`` with ``list_as_any`` when tiered; fallback ``ANY_ENDPOINT``), which selects on the
-``envoy.lb`` metadata of their endpoints (:mod:`xds_server.resources.endpoints`). A model with
+``envoy.lb`` metadata of their endpoints (:mod:`xds_server.resources.endpoints`); not when the model picks
+endpoints (its picker confines the classes). A model with
 ``endpoint_picking`` gets Envoy's ``override_host`` load-balancing policy instead
 (:func:`override_host_policy`).
 """
@@ -196,7 +197,10 @@ def build_model_cluster(
         cluster.ClearField("round_robin_lb_config")
         cluster.common_lb_config.ClearField("locality_weighted_lb_config")
         cluster.load_balancing_policy.CopyFrom(override_host_policy(name, policy, picking))
-    if policy.length_aware is not None:
+    if policy.length_aware is not None and not picking:
+        # a picking model's picker keeps long requests on their class's hosts itself
+        # (ext_proc.picking.class_hosts): Envoy 1.40 refuses load_balancing_policy beside lb_subset_config
+        # ("cannot be combined"), so its fallback balances over every endpoint
         cluster.lb_subset_config.CopyFrom(length_aware_subsets(policy))
     hc = policy.health_check
     if hc is not None:

@@ -23,6 +23,7 @@ from google.protobuf import json_format
 from ext_proc import process
 from inferlb.config.schema import default_config_path, parse_config
 from inferlb.errors import ConfigError
+from inferlb.ops.stack import on_free_ports
 from xds_server import __main__ as xds_main
 from xds_server import resources as r
 from xds_server.bootstrap import render_bootstrap
@@ -213,3 +214,15 @@ def test_request_path_flags(tmp_path: Path, caplog: pytest.LogCaptureFixture) ->
 
 async def _never(_start: process.StartUp) -> int:
     raise AssertionError("the service must not start")
+
+
+def test_free_ports_drop_the_advertised_addresses_of_the_old_ports() -> None:
+    doc = _doc(
+        xds={"listen": "0.0.0.0:18000", "advertise": "xds:18000", "api_advertise": "xds:18001"},
+        ext_proc={"advertise": "request-path:18080", "meter_advertise": "request-path:18079"},
+    )
+    config = parse_config(on_free_ports(doc))
+    assert config.xds.dial_address() == config.xds.listen and config.xds.listen.host == "127.0.0.1"
+    assert config.xds.api_dial_address() == config.xds.api_listen
+    assert config.ext_proc.dial_addresses() == (config.ext_proc.listen,)
+    assert config.ext_proc.meter_dial_addresses() == (config.ext_proc.meter_listen,)

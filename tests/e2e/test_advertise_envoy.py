@@ -5,17 +5,23 @@ renders it, is one Envoy accepts."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from envoy.config.cluster.v3 import cluster_pb2
+from google.protobuf import json_format
 
-from inferlb.config.schema import HostPort
+from inferlb.config.schema import HostPort, load_config
 from inferlb.ops.stack import clusters_json, find_envoy
 from tests.conftest import make_config_doc
 from tests.e2e.conftest import in_mode, started_stack
+from xds_server.bootstrap import render_bootstrap
+from xds_server.resources.clusters import build_clusters
 from xds_server.resources.common import EXT_AUTHZ_CLUSTER, EXT_PROC_CLUSTER
+from xds_server.resources.listener import build_listener
 
 pytestmark = pytest.mark.e2e
 
@@ -63,3 +69,29 @@ def test_the_kubernetes_bootstrap_is_valid_for_envoy(tmp_path: Path) -> None:
         timeout=60,
     )
     assert out.returncode == 0, out.stderr[-2000:]
+
+
+def test_envoy_accepts_the_kubernetes_configs_clusters_and_listener(tmp_path: Path) -> None:
+    # what the xDS server would serve for the ConfigMap's config, as static resources of its bootstrap:
+    # the request-path cluster on the headless Service (STRICT_DNS) and the gateway listener on 0.0.0.0
+    config = load_config(ROOT / "deploy" / "kubernetes" / "base" / "inferlb.yaml")
+    b = render_bootstrap(config, node_id="inferlb-envoy-0")
+    clusters = build_clusters(config)
+    [rp] = [c for c in clusters if c.name == EXT_PROC_CLUSTER]
+    assert rp.type == cluster_pb2.Cluster.STRICT_DNS
+    b["static_resources"]["clusters"] += [json_format.MessageToDict(c) for c in clusters]
+    listener = json_format.MessageToDict(build_listener(config))
+    b["static_resources"]["listeners"] = [listener]
+    b["admin"]["address"]["socket_address"]["address"] = (
+        "127.0.0.1"  # validate binds nothing; stay on loopback
+    )
+    bootstrap = tmp_path / "bootstrap.json"
+    bootstrap.write_text(json.dumps(b))
+    out = subprocess.run(
+        [find_envoy(), "--mode", "validate", "-c", str(bootstrap)],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]

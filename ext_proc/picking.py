@@ -670,7 +670,7 @@ class EndpointStatePoller:
 
     async def poll_once(self, http: aiohttp.ClientSession, cfg: Config) -> bool:
         """One read; True when the book took a new state."""
-        api = cfg.xds.api_listen
+        api = cfg.xds.api_dial_address()
         token = self._token or cfg.xds.api_token
         if api is None:
             return False

@@ -24,7 +24,7 @@ from ext_proc.state import ExtProcState
 from ext_proc.stores import make_quota_store, start_metrics_server
 from inferlb.config.changes import check_not_emptied
 from inferlb.config.checks import check_config
-from inferlb.config.schema import Config, GrpcAddress, HostPort
+from inferlb.config.schema import Config, GrpcAddress, HostPort, check_advertise_flag
 from inferlb.errors import ConfigError
 
 log = logging.getLogger("ext_proc")
@@ -152,10 +152,20 @@ def warn_if_process_moved(old: Config, new: Config, listen: str, log: logging.Lo
 
 def service_arguments(prog: str, description: str, listen_field: str) -> argparse.ArgumentParser:
     """The command line both services take: ``--config`` (required), ``--listen`` (instead of
-    ``listen_field``), ``--metrics-listen``, ``--log-level``, ``--poll-interval`` (s) and ``--event-loop``."""
+    ``listen_field``), ``--advertise`` (checked against the config's dialled addresses:
+    :func:`~inferlb.config.schema.check_advertise_flag`), ``--metrics-listen``, ``--log-level``,
+    ``--poll-interval`` (s) and ``--event-loop``."""
     p = argparse.ArgumentParser(prog=prog, description=description)
     p.add_argument("--config", required=True, help="inferlb YAML config file (watched for changes)")
-    p.add_argument("--listen", help=f"HOST:PORT to serve on instead of the config's {listen_field}")
+    p.add_argument(
+        "--listen",
+        help=f"HOST:PORT to serve on (bind; 0.0.0.0 allowed) instead of the config's {listen_field}",
+    )
+    p.add_argument(
+        "--advertise",
+        help="HOST:PORT Envoy dials this process at; must be the config's ext_proc.advertise (else listen) "
+        "or one of extra_listen, which the xDS server builds Envoy's cluster from",
+    )
     p.add_argument(
         "--metrics-listen", help="HOST:PORT for /metrics instead of the config's ext_proc.metrics_listen"
     )
@@ -173,12 +183,27 @@ def service_arguments(prog: str, description: str, listen_field: str) -> argpars
 @dataclass(frozen=True, kw_only=True)
 class StartUp:
     """What a service starts from: the poller (its digest set to the file read), that file's config, the
-    address to serve on (``--listen`` or the config's) and ``--metrics-listen`` (None: the config's)."""
+    address to serve on (``--listen`` or the config's), the address Envoy dials it at (``--advertise`` or
+    the config's) and ``--metrics-listen`` (None: the config's)."""
 
     poller: ConfigPoller
     config: Config
     listen: GrpcAddress
+    advertise: GrpcAddress
     metrics_listen: HostPort | None
+
+
+def _advertised(config: Config, listen: GrpcAddress, flag: str | None) -> GrpcAddress:
+    """Where Envoy dials the process serving on ``listen``: ``--advertise`` (checked against the
+    config), else the config's dial address of that process (``ext_proc.advertise`` for process 0),
+    else ``listen`` itself."""
+    dialled = config.ext_proc.dial_addresses()
+    if flag is not None:
+        hp = HostPort.model_validate(flag)
+        check_advertise_flag(hp, dialled, "ext_proc.advertise/extra_listen")
+        return hp
+    index = config.ext_proc.process_index(listen)
+    return listen if index is None else dialled[index]
 
 
 def run_service(
@@ -201,14 +226,18 @@ def run_service(
             HostPort.model_validate(args.listen) if args.listen else config.ext_proc.grpc_address()
         )
         metrics_listen = parse_metrics_listen(args.metrics_listen) if args.metrics_listen else None
+        advertise = _advertised(config, listen, args.advertise)
     except ConfigError as err:
         log_config_error(log, err, "cannot start")
         return 1
     except ValueError as exc:  # pydantic's ValidationError for a bad --listen
-        log.error("cannot start: --listen/--metrics-listen: %s", exc)
+        log.error("cannot start: --listen/--advertise/--metrics-listen: %s", exc)
         return 1
     poller.digest = digest
-    start = StartUp(poller=poller, config=config, listen=listen, metrics_listen=metrics_listen)
+    log.info("serving on %s, Envoy dials it at %s", listen, advertise)
+    start = StartUp(
+        poller=poller, config=config, listen=listen, advertise=advertise, metrics_listen=metrics_listen
+    )
     try:
         status, _ = run_event_loop(serve(start), args.event_loop)
     except ImportError:

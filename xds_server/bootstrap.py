@@ -22,7 +22,7 @@ from typing import Any, Final, Literal
 
 import yaml
 
-from inferlb.config.schema import Config, HostPort
+from inferlb.config.schema import Config, HostPort, UnixSocket
 
 #: Name of the static cluster that points Envoy at the xDS server.
 XDS_CLUSTER: Final = "inferlb_xds"
@@ -90,9 +90,11 @@ def render_bootstrap(
     """An Envoy v3 bootstrap (``envoy.config.bootstrap.v3.Bootstrap`` as a plain dict) for one gateway.
 
     Args:
-        config: the inferlb config (``gateway.node_cluster``, ``gateway.admin``, ``xds.listen``).
+        config: the inferlb config (``gateway.node_cluster``, ``gateway.admin``, and where Envoy dials the
+            xDS server: ``xds.advertise``, else ``xds.listen``:
+            :meth:`~inferlb.config.schema.XdsConfig.dial_address`).
         node_id: this Envoy's ``node.id`` (unique per Envoy; the xDS server logs NACKs with it).
-        xds_host, xds_port: override ``config.xds.listen`` (e.g. a container's service name); either one
+        xds_host, xds_port: override that address (e.g. a container's service name); either one
             given, the bootstrap dials TCP even when ``xds.listen_unix`` is set. Neither given and
             ``xds.listen_unix`` set: the ``inferlb_xds`` cluster dials that socket (a ``pipe`` address).
         mode: ``sotw`` (ADS, ``api_type: GRPC``), ``delta`` (ADS, ``api_type: DELTA_GRPC``) or ``xds``
@@ -109,8 +111,10 @@ def render_bootstrap(
     """
     if mode not in _API_TYPE:
         raise ValueError(f"ADS mode must be one of {list(ADS_MODES)}, got {mode!r}")
-    xds = HostPort(host=xds_host or config.xds.listen.host, port=xds_port or config.xds.listen.port)
-    unix = config.xds.listen_unix if xds_host is None and xds_port is None else None
+    dial = config.xds.dial_address()
+    tcp = dial if isinstance(dial, HostPort) else config.xds.listen
+    xds = HostPort(host=xds_host or tcp.host, port=xds_port or tcp.port)
+    unix = dial if isinstance(dial, UnixSocket) and xds_host is None and xds_port is None else None
     xds_address = _pipe_address(unix.path) if unix is not None else _socket_address(xds.host, xds.port)
     admin = config.gateway.admin
     return {

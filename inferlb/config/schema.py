@@ -26,7 +26,7 @@ from __future__ import annotations
 import ipaddress
 import itertools
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from enum import StrEnum
 from pathlib import Path
 from typing import Annotated, Any, Literal, Self
@@ -93,6 +93,30 @@ class HostPort(_Frozen):
             return False
         return True
 
+    @property
+    def is_unspecified(self) -> bool:
+        """True when ``host`` is the unspecified address (``0.0.0.0`` or ``::``): a bind address meaning every
+        interface, which no client can dial (:rfc:`1122` 3.2.1.3, :rfc:`4291` 2.5.2)."""
+        try:
+            return ipaddress.ip_address(self.host).is_unspecified
+        except ValueError:
+            return False
+
+
+def check_dialable(field: str, addr: HostPort, bind_field: str) -> None:
+    """Refuse ``addr`` as the address something dials (``field``, e.g. ``xds.advertise``) when it is the
+    unspecified address: a bind address (``bind_field``) of ``0.0.0.0`` or ``::`` needs an ``advertise``
+    naming a reachable host (an IP, or a DNS name such as a Kubernetes Service's).
+
+    Raises:
+        ValueError: naming ``field``, and ``bind_field`` when ``addr`` came from it."""
+    if addr.is_unspecified:
+        raise ValueError(
+            f"{field}: {addr} is the unspecified address, which Envoy cannot dial; set {field} to the host "
+            f"Envoy reaches this service at (an IP or a DNS name; {bind_field} may stay {addr.host} to bind "
+            "every interface)"
+        )
+
 
 #: Longest Unix domain socket path: ``sockaddr_un.sun_path`` holds 108 bytes on Linux, the last a NUL.
 UNIX_PATH_MAX_BYTES = 107
@@ -133,6 +157,23 @@ def _unix_socket(value: Any) -> Any:
 
 #: A ``listen_unix`` field: an absolute path in the file, a :class:`UnixSocket` once validated.
 UnixListen = Annotated[UnixSocket, BeforeValidator(_unix_socket)]
+
+
+def check_advertise_flag(flag: HostPort, dialled: Sequence[GrpcAddress], field: str) -> None:
+    """A service's ``--advertise HOST:PORT``: the address Envoy is to dial it at. Envoy's side is built
+    from the config (its bootstrap, the xDS server's clusters), so the flag must be one of ``dialled``
+    (the config's ``field`` addresses) and dialable: a wrong address then fails at start-up instead of
+    Envoy dialling a process that is not there.
+
+    Raises:
+        ValueError: naming ``--advertise`` and ``field``."""
+    check_dialable("--advertise", flag, "--listen")
+    if str(flag) not in {str(a) for a in dialled}:
+        raise ValueError(
+            f"--advertise {flag}: Envoy dials {', '.join(map(str, dialled))} ({field} in the config); "
+            f"set {field} to {flag} or drop --advertise"
+        )
+
 
 
 #: The config sections a run-time change may empty only when the file says so (``allow_empty``).
@@ -276,6 +317,11 @@ class NodeGroup(_Frozen):
     zone: str
 
 
+def _check_advertise_not_unix(advertise: HostPort | None, listen_unix: UnixSocket | None) -> None:
+    if advertise is not None and listen_unix is not None:
+        raise ValueError("advertise: cannot be combined with listen_unix (Envoy dials the socket); drop one")
+
+
 class XdsConfig(_Frozen):
     """Our xDS control server."""
 
@@ -284,6 +330,11 @@ class XdsConfig(_Frozen):
     #: 0600 (only the user running the xDS server, and so Envoy run as that user, may connect); Envoy's
     #: bootstrap then dials it as a ``pipe`` address. None: TCP on ``listen``.
     listen_unix: UnixListen | None = None
+    #: Where Envoy dials the xDS server (its bootstrap's ``inferlb_xds`` cluster, and so every xDS stream):
+    #: ``host:port``, a DNS name allowed (a Kubernetes Service: ``xds.inferlb.svc.cluster.local:18000``).
+    #: None: ``listen`` itself (or ``listen_unix``'s socket). Lets ``listen`` bind ``0.0.0.0``, which cannot
+    #: be advertised. Not with ``listen_unix``.
+    advertise: HostPort | None = None
     #: Changes within this window are coalesced into one push (ms).
     push_debounce_ms: Annotated[int, Field(strict=True, ge=0, le=60_000)] = 100
     #: Bound on staleness: a burst of changes is pushed at most this long after its first change (ms),
@@ -291,6 +342,9 @@ class XdsConfig(_Frozen):
     push_max_delay_ms: Annotated[int, Field(strict=True, ge=0, le=600_000)] = 1_000
     #: HTTP address of the xDS server's fleet API, ``/metrics`` and client list; None: no HTTP API.
     api_listen: HostPort | None = HostPort(host="127.0.0.1", port=18001)
+    #: Where the request-path processes (the endpoint-state poll of ``endpoint_picking``) and ``inferlb xds``
+    #: dial the fleet API: ``host:port``, a DNS name allowed. None: ``api_listen`` itself.
+    api_advertise: HostPort | None = None
     #: Bearer token the fleet API requires (``Authorization: Bearer <token>``). The env variable
     #: ``INFERLB_XDS_API_TOKEN`` overrides it; with neither set, the fleet API refuses every change.
     api_token: Annotated[str, Field(min_length=16, max_length=512)] | None = None
@@ -355,9 +409,28 @@ class XdsConfig(_Frozen):
             )
         return self
 
+    @model_validator(mode="after")
+    def _check_advertise(self) -> Self:
+        _check_advertise_not_unix(self.advertise, self.listen_unix)
+        if self.listen_unix is None:
+            check_dialable("xds.advertise", self.advertise or self.listen, "xds.listen")
+        if self.api_advertise is not None:
+            check_dialable("xds.api_advertise", self.api_advertise, "xds.api_listen")
+        return self
+
     def grpc_address(self) -> GrpcAddress:
-        """Where the xDS gRPC server listens: ``listen_unix`` when set, else ``listen``."""
+        """Where the xDS gRPC server listens (binds): ``listen_unix`` when set, else ``listen``."""
         return self.listen_unix or self.listen
+
+    def dial_address(self) -> GrpcAddress:
+        """Where Envoy dials the xDS server: ``advertise``, else ``listen_unix``, else ``listen``."""
+        return self.advertise or self.grpc_address()
+
+    def api_dial_address(self) -> HostPort | None:
+        """Where clients dial the fleet API: ``api_advertise``, else ``api_listen`` (None: no API)."""
+        if self.api_listen is None:
+            return None
+        return self.api_advertise or self.api_listen
 
 
 class ExtProcConfig(_Frozen):
@@ -377,6 +450,12 @@ class ExtProcConfig(_Frozen):
     #: then dials it as a ``pipe`` address. None: TCP on ``listen``. Not with
     #: ``extra_listen`` (one process serves the socket).
     listen_unix: UnixListen | None = None
+    #: Where Envoy dials the (first) request-path process: the endpoint of the ``inferlb_ext_proc``
+    #: (``inferlb_ext_authz``) cluster. ``host:port``, a DNS name allowed (e.g. a headless Kubernetes
+    #: Service, whose every pod address becomes an endpoint). None: ``listen`` itself (or ``listen_unix``'s
+    #: socket). Lets ``listen`` bind ``0.0.0.0``. Not with ``listen_unix``. The ``extra_listen`` addresses
+    #: are both bound and dialled.
+    advertise: HostPort | None = None
     #: More ext_proc processes, each serving on its own address (``python -m ext_proc --listen ADDR``): every
     #: address is its own endpoint of the ``inferlb_ext_proc`` cluster. Envoy opens one HTTP/2 connection per
     #: endpoint per worker, so processes behind one SO_REUSEPORT address would not share the load.
@@ -412,6 +491,9 @@ class ExtProcConfig(_Frozen):
     #: access-log service (the settler). Unused otherwise. (Its default port sits below ``listen``: the
     #: ports above ``metrics_listen`` are the derived ``extra_metrics_listen``.)
     meter_listen: HostPort = HostPort(host="127.0.0.1", port=18079)
+    #: Where Envoy's access log dials the first process's settler (the ``inferlb_meter`` cluster):
+    #: ``host:port``, a DNS name allowed. None: ``meter_listen`` itself.
+    meter_advertise: HostPort | None = None
     #: ``protocol: ext_authz`` with ``account_responses``: the settler address of each ``extra_listen``
     #: process, in the same order (each process settles the reservations it made; Envoy's access log sends
     #: each entry to its owner, :func:`xds_server.resources.listener.build_meter_access_logs`). Empty:
@@ -492,6 +574,29 @@ class ExtProcConfig(_Frozen):
                 "extra_meter_listen: meter_listen's port - extra processes goes below 1; give the addresses"
             )
         return self
+
+    @model_validator(mode="after")
+    def _check_advertise(self) -> Self:
+        _check_advertise_not_unix(self.advertise, self.listen_unix)
+        if self.listen_unix is None:
+            check_dialable("ext_proc.advertise", self.advertise or self.listen, "ext_proc.listen")
+        for i, hp in enumerate(self.extra_listen):
+            check_dialable(f"ext_proc.extra_listen[{i}]", hp, f"ext_proc.extra_listen[{i}]")
+        if self.meters_access_log():
+            first = self.meter_dial_addresses()[0]
+            check_dialable("ext_proc.meter_advertise", first, "ext_proc.meter_listen")
+        return self
+
+    def dial_addresses(self) -> tuple[GrpcAddress, ...]:
+        """Where Envoy dials each request-path process, process 0 first: ``advertise`` (else ``listen_unix``,
+        else ``listen``), then each ``extra_listen`` address."""
+        return (self.advertise or self.grpc_address(), *self.extra_listen)
+
+    def meter_dial_addresses(self) -> tuple[HostPort, ...]:
+        """Where Envoy's access log dials each process's settler: :meth:`meter_addresses` with process 0's
+        ``meter_advertise`` when set."""
+        first, *rest = self.meter_addresses()
+        return (self.meter_advertise or first, *rest)
 
     def meters_access_log(self) -> bool:
         """True when responses are metered through Envoy's access log: ``protocol: ext_authz`` with

@@ -166,8 +166,8 @@ def _fetch_weights(cfg: Config, args: argparse.Namespace) -> tuple[dict[str, Any
 
     if args.url:
         base = args.url.rstrip("/")
-    elif cfg.xds.api_listen is not None:
-        base = f"http://{cfg.xds.api_listen}"
+    elif (api := cfg.xds.api_dial_address()) is not None:
+        base = f"http://{api}"
     else:
         return None, "xds.api_listen is off in this config (pass --url)"
     token = args.token or os.environ.get(XDS_API_TOKEN_ENV) or cfg.xds.api_token
@@ -340,8 +340,8 @@ def cmd_xds(args: argparse.Namespace, out: Console) -> int:
     cfg = _load(args.config)
     if args.url:
         base = args.url.rstrip("/")
-    elif cfg.xds.api_listen is not None:
-        base = f"http://{cfg.xds.api_listen}"
+    elif (api := cfg.xds.api_dial_address()) is not None:
+        base = f"http://{api}"
     else:
         raise ValueError("xds.api_listen is off in this config: pass --url")
     token = args.token or os.environ.get(XDS_API_TOKEN_ENV) or cfg.xds.api_token

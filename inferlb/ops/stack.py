@@ -136,7 +136,7 @@ def on_free_ports(doc: dict[str, Any], host: str = "127.0.0.1") -> dict[str, Any
     """The config document ``doc`` (modified in place and returned) with every address it listens on
     moved to a free port on ``host``: the gateway and its admin, the xDS server and its API, ext_proc and
     its metrics and settler (``meter_listen``), and each endpoint, so tests and benchmarks run a stack
-    beside another one."""
+    beside another one. The ``advertise`` fields are dropped (each defaults to its moved address)."""
     ports = iter(free_ports(7 + len(doc["endpoints"]), host))
     doc["gateway"]["listen"] = f"{host}:{next(ports)}"
     doc["gateway"]["admin"] = f"{host}:{next(ports)}"
@@ -145,6 +145,14 @@ def on_free_ports(doc: dict[str, Any], host: str = "127.0.0.1") -> dict[str, Any
     doc["xds"]["api_listen"] = f"{host}:{next(ports)}"
     doc["ext_proc"]["metrics_listen"] = f"{host}:{next(ports)}"
     doc["ext_proc"]["meter_listen"] = f"{host}:{next(ports)}"
+    # the moved addresses are dialable as they are: drop advertised ones naming the old ports
+    for section, key in (
+        ("xds", "advertise"),
+        ("xds", "api_advertise"),
+        ("ext_proc", "advertise"),
+        ("ext_proc", "meter_advertise"),
+    ):
+        doc[section].pop(key, None)
     for ep in doc["endpoints"]:
         ep["address"] = f"{host}:{next(ports)}"
     return doc
@@ -210,18 +218,18 @@ SYNCED_TYPES = ("Cluster", "ClusterLoadAssignment", "Listener", "RouteConfigurat
 
 
 def synced_nodes(config: Config, token: str, timeout_s: float = 1.0) -> set[str]:
-    """The node ids of the Envoys connected to the xDS server (``GET /v1/clients`` on ``xds.api_listen``)
-    that have ACKed the version last sent of every type in :data:`SYNCED_TYPES`: resynced with this server.
+    """The node ids of the Envoys connected to the xDS server (``GET /v1/clients`` at ``xds.api_advertise``,
+    else ``xds.api_listen``) that have ACKed the version last sent of every type in :data:`SYNCED_TYPES`:
+    resynced with this server.
 
     Raises:
         OSError / urllib.error.URLError: the API is not reachable (or refused the token).
         ValueError: the config has no ``xds.api_listen``.
     """
-    if config.xds.api_listen is None:
+    api = config.xds.api_dial_address()
+    if api is None:
         raise ValueError("xds.api_listen is off: no client list to read")
-    req = urllib.request.Request(
-        f"http://{config.xds.api_listen}/v1/clients", headers={"Authorization": f"Bearer {token}"}
-    )
+    req = urllib.request.Request(f"http://{api}/v1/clients", headers={"Authorization": f"Bearer {token}"})
     with urllib.request.urlopen(req, timeout=timeout_s) as resp:
         clients = json.loads(resp.read())["clients"]
     out: set[str] = set()

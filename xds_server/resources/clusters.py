@@ -377,8 +377,10 @@ def _static_endpoints(name: str, addresses: Sequence[GrpcAddress]) -> endpoint_p
 
 def build_ext_proc_cluster(config: Config) -> cluster_pb2.Cluster:
     """The ``inferlb_ext_proc`` cluster: HTTP/2 (Envoy 1.40 500s every request over HTTP/1.1, measured
-    here), one endpoint per ext_proc process (``ext_proc.listen`` then ``extra_listen``),
-    STATIC for IP literals, else LOGICAL_DNS (one host name) or STRICT_DNS (several); with
+    here), one endpoint per ext_proc process where Envoy dials it (``ext_proc.advertise``, else ``listen``;
+    then ``extra_listen``: :meth:`~inferlb.config.schema.ExtProcConfig.dial_addresses`),
+    STATIC for IP literals, else STRICT_DNS (each address a name resolves to is an endpoint, so the pods
+    of a headless Kubernetes Service each get Envoy's connections; LOGICAL_DNS would dial one); with
     ``ext_proc.listen_unix`` its one endpoint is that socket as a ``pipe`` address (STATIC).
 
     With ``ext_proc.protocol: ext_authz`` it is ``inferlb_ext_authz`` instead, on the same addresses, over
@@ -389,11 +391,11 @@ def build_ext_proc_cluster(config: Config) -> cluster_pb2.Cluster:
     ``max_retries`` with the other bounds (ext_authz retries a check that never reached a process on
     another one: :func:`xds_server.resources.listener.build_ext_authz_filter`)."""
     authz = config.ext_proc.protocol == "ext_authz"
-    addresses = (config.ext_proc.grpc_address(), *config.ext_proc.extra_listen)
+    addresses = config.ext_proc.dial_addresses()
     if all(isinstance(a, UnixSocket) or a.is_ip for a in addresses):
         kind = cluster_pb2.Cluster.STATIC
-    else:  # LOGICAL_DNS takes a single endpoint
-        kind = cluster_pb2.Cluster.LOGICAL_DNS if len(addresses) == 1 else cluster_pb2.Cluster.STRICT_DNS
+    else:  # every address a name resolves to is an endpoint (a headless Service: one per replica)
+        kind = cluster_pb2.Cluster.STRICT_DNS
     name = EXT_AUTHZ_CLUSTER if authz else EXT_PROC_CLUSTER
     return cluster_pb2.Cluster(
         name=name,
@@ -436,9 +438,10 @@ def build_clusters(config: Config) -> list[cluster_pb2.Cluster]:
 
 def build_meter_clusters(config: Config) -> list[cluster_pb2.Cluster]:
     """One cluster per request-path process's settler (``ext_proc.protocol: ext_authz`` with
-    ``account_responses``; else none), in process order: ``inferlb_meter`` on ``ext_proc.meter_listen``,
+    ``account_responses``; else none), in process order: ``inferlb_meter`` on ``ext_proc.meter_advertise``
+    (else ``meter_listen``),
     then ``inferlb_meter_<i + 1>`` on each ``extra_meter_listen`` address
-    (:meth:`~inferlb.config.schema.ExtProcConfig.meter_addresses`,
+    (:meth:`~inferlb.config.schema.ExtProcConfig.meter_dial_addresses`,
     :func:`~xds_server.resources.common.meter_cluster_name`): the gRPC access-log service, HTTP/2, STATIC
     for an IP literal, else LOGICAL_DNS. One endpoint each, so an entry reaches the process that holds its
     reservation (:func:`xds_server.resources.listener.build_meter_access_logs`). Envoy keeps one access-log
@@ -446,7 +449,7 @@ def build_meter_clusters(config: Config) -> list[cluster_pb2.Cluster]:
     if not config.ext_proc.meters_access_log():
         return []
     out = []
-    for process, addr in enumerate(config.ext_proc.meter_addresses()):
+    for process, addr in enumerate(config.ext_proc.meter_dial_addresses()):
         name = meter_cluster_name(process)
         out.append(
             cluster_pb2.Cluster(

@@ -26,6 +26,10 @@ Layers, each importing only the ones before it (as envoyproxy/go-control-plane's
   :mod:`xds_server.collector`: telemetry into endpoint weights. Each states what it needs of the server
   as a ``typing.Protocol`` (``MetricsSource``, ``FleetApiServer``, ``TelemetryTarget``) instead of
   importing it.
+- :mod:`xds_server.k8s_mapping`: Kubernetes objects (EndpointSlices, ``InferencePool`` pods) to endpoints,
+  pure; :mod:`xds_server.k8s_api`: the seam to the API server (a ``KubeApi`` Protocol: list and watch,
+  over lightkube); :mod:`xds_server.k8s_discovery`: list + watch reflectors (resume, 410 relist,
+  backoff) feeding the mapping.
 - :mod:`xds_server.server`: the server lifecycle, the config-file poller and the entry points for
   fleet and telemetry changes; ``__main__`` runs it (and is the only module importing it).
 """

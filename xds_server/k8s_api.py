@@ -12,7 +12,7 @@ camelCase dicts for the pure mapping (:mod:`xds_server.k8s_mapping`).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final, Protocol
@@ -64,7 +64,7 @@ class KubeApi(Protocol):
 
     def watch(
         self, kind: Kind, namespace: str, resource_version: str, label_selector: str | None = None
-    ) -> AsyncIterator[tuple[str, dict[str, Any]]]:
+    ) -> AsyncGenerator[tuple[str, dict[str, Any]]]:
         """``(type, object)`` events after ``resource_version``: ``ADDED``, ``MODIFIED``, ``DELETED``,
         ``BOOKMARK``. Ends when the server ends the stream cleanly (the caller watches again from the
         last version it saw)."""
@@ -133,10 +133,12 @@ class LightkubeApi:
             return items, listing.resourceVersion
         except (ApiError, httpx.HTTPError, OSError) as exc:
             raise _failure(exc) from None
+        except Exception as exc:  # an answer lightkube could not decode
+            raise KubeUnavailable(f"unreadable list answer: {type(exc).__name__}: {exc}") from None
 
     async def watch(
         self, kind: Kind, namespace: str, resource_version: str, label_selector: str | None = None
-    ) -> AsyncIterator[tuple[str, dict[str, Any]]]:
+    ) -> AsyncGenerator[tuple[str, dict[str, Any]]]:
         """See :meth:`KubeApi.watch`."""
         stream = self._client.watch(
             _RESOURCES[kind],
@@ -149,6 +151,8 @@ class LightkubeApi:
                 yield kind_of_event, _as_dict(obj)
         except (ApiError, httpx.HTTPError, OSError) as exc:
             raise _failure(exc) from None
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:  # msgspec and model decoding
+            raise KubeUnavailable(f"unreadable watch event: {type(exc).__name__}: {exc}") from None
         finally:
             aclose = getattr(stream, "aclose", None)
             if aclose is not None:

@@ -45,6 +45,10 @@ from xds_server.k8s_mapping import (
 
 log = logging.getLogger("xds_server.k8s")
 
+#: How long one watch request may last before it is made again from its last version (s). client-go's
+#: reflectors pick 5-10 min (``minWatchTimeout``); the API server itself ends watches after 30-60 min.
+WATCH_RESTART_S = 300.0
+
 
 @dataclass
 class ReflectorStats:
@@ -65,7 +69,14 @@ class Reflector:
         objects: ``{namespace/name: object JSON}``.
         resource_version: the last version seen (None before the first list).
         synced: True once the first list landed.
+        watch_restart_s: each watch request is ended after this long and made again from the last
+            version (:data:`WATCH_RESTART_S` by default): a connection left half-open by an API server
+            that vanished without a reset sends nothing and would otherwise hang the watch forever.
     """
+
+    def __post_init__(self) -> None:
+        if self.watch_restart_s <= 0:
+            self.watch_restart_s = WATCH_RESTART_S
 
     api: KubeApi
     kind: Kind
@@ -74,6 +85,7 @@ class Reflector:
     on_change: Callable[[], None]
     backoff_base_s: float
     backoff_max_s: float
+    watch_restart_s: float = 0.0
     objects: dict[str, dict[str, Any]] = field(default_factory=dict)
     resource_version: str | None = None
     synced: bool = False
@@ -120,10 +132,12 @@ class Reflector:
                 self.stats.watches += 1
                 assert self.resource_version is not None
                 stream = self.api.watch(self.kind, self.namespace, self.resource_version, self.label_selector)
-                async for event_type, obj in stream:
-                    self.apply(event_type, obj)
-                    delay = self.backoff_base_s
-                continue  # a clean end of the stream: resume from the last version
+                with contextlib.suppress(TimeoutError):
+                    async with contextlib.aclosing(stream), asyncio.timeout(self.watch_restart_s):
+                        async for event_type, obj in stream:
+                            self.apply(event_type, obj)
+                            delay = self.backoff_base_s
+                continue  # a clean end of the stream, or its time is up: resume from the last version
             except WatchGone:
                 self.stats.gone += 1
                 log.info("%s: resourceVersion %s is gone (410), listing again", self.what,
@@ -134,6 +148,9 @@ class Reflector:
                 self.stats.failures += 1
                 log.warning("%s: %s; retrying in %.1f s (resuming from resourceVersion %s)", self.what, exc,
                             delay, self.resource_version)  # fmt: skip
+            except Exception:  # an answer the client could not read: never let the watch die
+                self.stats.failures += 1
+                log.exception("%s: unexpected failure; retrying in %.1f s", self.what, delay)
             await asyncio.sleep(delay)
             delay = min(delay * 2, self.backoff_max_s)
 
@@ -151,25 +168,37 @@ class Discovery:
         settings: the config's ``discovery.kubernetes``.
         api: the API server seam (:class:`~xds_server.k8s_api.LightkubeApi` in production).
         on_endpoints: called with a :class:`~xds_server.k8s_mapping.Mapped` once every collection has
-            listed, and then after each change that alters the result.
+            listed, and then after changes that alter the result (the events handled in one turn of the
+            event loop are one call).
+        watch_restart_s: :attr:`Reflector.watch_restart_s`.
 
     Attributes:
         reflectors: one per followed collection. ``current``: the last mapped result (None before sync).
     """
 
     def __init__(
-        self, settings: KubernetesDiscovery, api: KubeApi, on_endpoints: Callable[[Mapped], None]
+        self,
+        settings: KubernetesDiscovery,
+        api: KubeApi,
+        on_endpoints: Callable[[Mapped], None],
+        *,
+        watch_restart_s: float = WATCH_RESTART_S,
     ) -> None:
         self.settings = settings
         self.api = api
         self._on_endpoints = on_endpoints
         self.current: Mapped | None = None
+        self._scheduled = False
+        #: per object key: (the object it was mapped from, its mapping); objects are replaced, never
+        #: changed in place, so identity says whether it is still current
+        self._slice_memo: dict[str, tuple[dict[str, Any], Mapped]] = {}
+        self._pod_memo: dict[tuple[str, str], tuple[dict[str, Any], dict[str, Any], Mapped]] = {}
         self._tasks: list[asyncio.Task[None]] = []
         ns = settings.namespace
         base, top = settings.backoff_base_ms / 1000, settings.backoff_max_ms / 1000
 
         def reflector(kind: Kind, selector: str | None) -> Reflector:
-            return Reflector(api, kind, ns, selector, self._changed, base, top)
+            return Reflector(api, kind, ns, selector, self._changed, base, top, watch_restart_s)
 
         self.slices = {
             svc: reflector(ENDPOINT_SLICES, f"{SERVICE_NAME_LABEL}={svc}") for svc in settings.services
@@ -183,20 +212,48 @@ class Discovery:
     def mapped(self) -> Mapped:
         """The endpoints of what the reflectors hold now (pure mapping), with a problem per named
         InferencePool that does not exist (yet)."""
-        parts: list[Mapped] = [endpoints_from_slices(r.objects.values()) for r in self.slices.values()]
+        parts: list[Mapped] = []
+        slice_memo: dict[str, tuple[dict[str, Any], Mapped]] = {}
+        for r in self.slices.values():
+            for key, obj in r.objects.items():
+                hit = self._slice_memo.get(key)
+                slice_memo[key] = (
+                    hit if hit is not None and hit[0] is obj else (obj, endpoints_from_slices([obj]))
+                )
+                parts.append(slice_memo[key][1])
+        self._slice_memo = slice_memo
         if self.pools is not None and self.pods is not None:
             by_name = {o.get("metadata", {}).get("name"): o for o in self.pools.objects.values()}
-            pods = list(self.pods.objects.values())
+            pod_memo: dict[tuple[str, str], tuple[dict[str, Any], dict[str, Any], Mapped]] = {}
             for name in self.settings.inference_pools:
                 pool = by_name.get(name)
                 if pool is None:
                     ns = self.settings.namespace
                     parts.append(Mapped(problems=(f"InferencePool {ns}/{name}: not found",)))
-                else:
-                    parts.append(endpoints_from_pool(pool, pods))
+                    continue
+                spec_problems = endpoints_from_pool(pool, ())  # the pool's own problems, if any
+                if spec_problems.problems:
+                    parts.append(spec_problems)
+                    continue
+                for key, pod in self.pods.objects.items():
+                    pod_hit = self._pod_memo.get((name, key))
+                    fresh = pod_hit is not None and pod_hit[0] is pool and pod_hit[1] is pod
+                    pod_memo[name, key] = (
+                        pod_hit
+                        if pod_hit is not None and fresh
+                        else (pool, pod, endpoints_from_pool(pool, [pod]))
+                    )
+                    parts.append(pod_memo[name, key][2])
+            self._pod_memo = pod_memo
         return merge(parts)
 
     def _changed(self) -> None:
+        if not self._scheduled:
+            self._scheduled = True
+            asyncio.get_running_loop().call_soon(self._flush)
+
+    def _flush(self) -> None:
+        self._scheduled = False
         if not all(r.synced for r in self.reflectors):
             return
         result = self.mapped()

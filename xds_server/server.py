@@ -69,7 +69,7 @@ from xds_server.fleet_state import (
 )
 from xds_server.fleet_store import FileFleetStore, FleetChange, FleetStore, FleetStoreError, RedisFleetStore
 from xds_server.http_api import HttpApi, utc_iso
-from xds_server.k8s_api import KubeApi, LightkubeApi, kube_config
+from xds_server.k8s_api import KubeApi, KubeUnavailable, LightkubeApi, kube_config
 from xds_server.k8s_discovery import Discovery
 from xds_server.k8s_mapping import Mapped, fit_to_config
 from xds_server.metrics import XdsMetrics
@@ -512,7 +512,11 @@ class XdsServer:
         settings = config.discovery.kubernetes
         if settings is None:
             return
-        api = self._kube_api(settings)
+        try:
+            api = self._kube_api(settings)
+        except KubeUnavailable as exc:
+            field = "in_cluster" if settings.in_cluster else "kubeconfig"
+            raise ConfigError(str(self.config_path), [(f"discovery.kubernetes.{field}", str(exc))]) from None
         self.discovery = Discovery(settings, api, self._discovery_changed)
         self._discoverer = asyncio.create_task(self._follow_discovery(), name="xds-k8s-discovery")
         await self.discovery.start()
@@ -530,7 +534,8 @@ class XdsServer:
         if seen is None:
             return file_config
         fitted = fit_to_config(seen, file_config)
-        for p in sorted(set(fitted.problems) - set(self.discovered.problems)):
+        # the mapping's own problems are logged by the discovery; these are the config's
+        for p in sorted(set(fitted.problems) - set(self.discovered.problems) - set(seen.problems)):
             log.warning("kubernetes discovery: %s (left out)", p)
         self.discovered = fitted
         if not fitted.endpoints:

@@ -44,13 +44,15 @@ class Seen:
         return {d.key: d.draining for d in self.calls[-1].endpoints} if self.calls else {}
 
 
-async def _discovery(emu: KubeEmulator, tmp_path: Path, **kw: object) -> tuple[Discovery, Seen]:
+async def _discovery(
+    emu: KubeEmulator, tmp_path: Path, watch_restart_s: float = 300.0, **kw: object
+) -> tuple[Discovery, Seen]:
     settings = KubernetesDiscovery.model_validate(
         {"kubeconfig": str(emu.kubeconfig(tmp_path / "kubeconfig")), "backoff_base_ms": 20,
          "backoff_max_ms": 200, **kw}
     )  # fmt: skip
     seen = Seen()
-    d = Discovery(settings, LightkubeApi(kube_config(settings)), seen)
+    d = Discovery(settings, LightkubeApi(kube_config(settings)), seen, watch_restart_s=watch_restart_s)
     await d.start()
     return d, seen
 
@@ -189,5 +191,21 @@ async def test_api_server_restart_resumes_and_gets_the_events_it_missed(
             ["127.0.2.1:8000", "127.0.2.1:8001", "127.0.2.2:8000", "127.0.2.2:8001"], False
         )
         assert emulator.lists("pods") == 1  # resumed, not listed again
+    finally:
+        await d.stop()
+
+
+async def test_a_silent_watch_is_made_again_from_its_version(emulator: KubeEmulator, tmp_path: Path) -> None:
+    """A watch that sends nothing (a half-open connection looks the same) is ended after
+    ``watch_restart_s`` and made again from the version it had, without listing again."""
+    emulator.replay(SLICES, "initial")
+    d, seen = await _discovery(emulator, tmp_path, watch_restart_s=0.1, services=["llama"])
+    try:
+        await wait_until(lambda: len(emulator.watch_versions("endpointslices")) >= 3, "the watch made again")
+        assert set(emulator.watch_versions("endpointslices")) == {str(emulator.version)}
+        emulator.replay(SLICES, "added")
+        await _until_state(seen, "127.0.1.3:8000", False, "an event on a restarted watch")
+        assert emulator.lists("endpointslices") == 1
+        assert d.slices["llama"].stats.failures == 0
     finally:
         await d.stop()

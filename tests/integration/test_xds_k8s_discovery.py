@@ -14,6 +14,7 @@ from envoy.config.core.v3 import health_check_pb2
 from envoy.config.endpoint.v3 import endpoint_pb2
 
 from inferlb.config.schema import default_config_path
+from inferlb.errors import ConfigError
 from tests.conftest import wait_until
 from tests.kube_emulator import KubeEmulator
 from xds_server import resources as r
@@ -168,3 +169,16 @@ async def test_endpoints_the_config_cannot_serve_are_left_out(
     await wait_until(lambda: "127.0.1.1:8000" not in _hosts(server, LLAMA_V1), "the unservable endpoint out")
     assert "127.0.2.1:8000" in _hosts(server, QWEN)  # the others keep serving
     assert any("no-such-model" in p for p in server.discovered.problems)
+
+
+async def test_unreadable_kubeconfig_fails_the_start_naming_the_field(tmp_path: Path) -> None:
+    path = tmp_path / "inferlb.yaml"
+    path.write_text(yaml.safe_dump(_doc(tmp_path / "no-such-kubeconfig")), encoding="utf-8")
+    srv = XdsServer(path, bind=("127.0.0.1", 0))
+    try:
+        with pytest.raises(ConfigError) as err:
+            await srv.start()
+        assert [f for f, _ in err.value.problems] == ["discovery.kubernetes.kubeconfig"]
+        assert "cannot read Kubernetes credentials" in err.value.problems[0][1]
+    finally:
+        await srv.stop(0)

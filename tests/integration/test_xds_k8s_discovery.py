@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import pytest
 import yaml
 from envoy.config.core.v3 import health_check_pb2
@@ -22,6 +23,7 @@ from xds_server.server import XdsServer
 
 LLAMA_V1 = "llama-3.1-8b-instruct--v1"
 QWEN = "qwen2.5-7b-instruct--v1"
+TOKEN = "k8s-discovery-token-0123456789"
 
 
 def _doc(kubeconfig: Path) -> dict[str, Any]:
@@ -84,7 +86,7 @@ def config_file(tmp_path: Path, emulator: KubeEmulator) -> Path:
 
 @pytest.fixture
 async def server(config_file: Path) -> AsyncIterator[XdsServer]:
-    srv = XdsServer(config_file, bind=("127.0.0.1", 0), poll_interval_s=0.05)
+    srv = XdsServer(config_file, bind=("127.0.0.1", 0), api_bind=("127.0.0.1", 0), poll_interval_s=0.05)
     await srv.start()
     try:
         yield srv
@@ -174,11 +176,39 @@ async def test_endpoints_the_config_cannot_serve_are_left_out(
 async def test_unreadable_kubeconfig_fails_the_start_naming_the_field(tmp_path: Path) -> None:
     path = tmp_path / "inferlb.yaml"
     path.write_text(yaml.safe_dump(_doc(tmp_path / "no-such-kubeconfig")), encoding="utf-8")
-    srv = XdsServer(path, bind=("127.0.0.1", 0))
+    srv = XdsServer(path, bind=("127.0.0.1", 0), api_bind=("127.0.0.1", 0))
     try:
         with pytest.raises(ConfigError) as err:
             await srv.start()
         assert [f for f, _ in err.value.problems] == ["discovery.kubernetes.kubeconfig"]
         assert "cannot read Kubernetes credentials" in err.value.problems[0][1]
+    finally:
+        await srv.stop(0)
+
+
+async def test_fleet_listing_names_kubernetes_as_the_source(
+    emulator: KubeEmulator, config_file: Path
+) -> None:
+    srv = XdsServer(
+        config_file, bind=("127.0.0.1", 0), api_bind=("127.0.0.1", 0), api_token=TOKEN, poll_interval_s=0.05
+    )
+    await srv.start()
+    try:
+        emulator.replay("endpointslices.jsonl", "initial")
+        emulator.replay("endpointslices.jsonl", "added")
+        emulator.replay("endpointslices.jsonl", "terminating")
+        await wait_until(lambda: _draining(srv, LLAMA_V1, "127.0.1.2:8000") is True, "the terminating one")
+        url = f"http://127.0.0.1:{srv.api_port}/v1/endpoints"
+        async with (
+            aiohttp.ClientSession() as s,
+            s.get(url, headers={"Authorization": f"Bearer {TOKEN}"}) as resp,
+        ):
+            assert resp.status == 200
+            rows = {row["key"]: row for row in (await resp.json())["endpoints"]}
+        term, ok, file_row = rows["127.0.1.2:8000"], rows["127.0.1.3:8000"], rows["127.0.0.1:8001"]
+        assert (term["source"], term["draining"], term["drain_ends_at"]) == ("kubernetes", True, None)
+        assert term["discovered_from"] == "EndpointSlice default/llama-abcde"
+        assert (ok["source"], ok["draining"], ok["name"]) == ("kubernetes", False, "default/llama-2:8000")
+        assert (file_row["source"], file_row["discovered_from"]) == ("config", None)
     finally:
         await srv.stop(0)

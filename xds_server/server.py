@@ -545,10 +545,14 @@ class XdsServer:
         return file_config.model_copy(update={"endpoints": endpoints})
 
     async def _follow_discovery(self) -> None:
-        """Apply the latest discovered endpoints after each change (a burst of watch events is one apply;
-        the push after it goes through the coalescer)."""
+        """Apply the latest discovered endpoints after each change (the changes within
+        ``xds.push_debounce_ms`` of the first are one apply; the push after it goes through the
+        coalescer)."""
         while True:
             await self._discovery_wake.wait()
+            if self.config is not None and self.config.xds.push_debounce_ms:
+                # a rollout is a burst of watch events: gather what arrives within one debounce
+                await asyncio.sleep(self.config.xds.push_debounce_ms / 1000)
             self._discovery_wake.clear()
             try:
                 await self.apply_discovered()

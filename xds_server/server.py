@@ -430,7 +430,8 @@ class XdsServer:
         source = str(self.config_path)
         if config is None:
             config = parse_config_bytes(data, source)
-        file_config, config = config, self._with_discovered(config)
+        file_config = config
+        config, discovered = self._with_discovered(file_config)
         # the checks ext_proc runs too (no emptied section, tokenizers, host names), so both serve this file
         # or neither does
         check_not_emptied(self.config, config, source)
@@ -444,7 +445,7 @@ class XdsServer:
         # build once to refuse anything Envoy could not take before it replaces the last good file
         build_resources(effective, source, resolved_hosts=resolved)
         self.config, self.effective, self.fleet = config, effective, fleet
-        self.file_config = file_config
+        self.file_config, self.discovered = file_config, discovered
         self.resolved_hosts, self._digest = resolved, digest
         return ConfigLoaded(config=config, digest=digest)
 
@@ -527,22 +528,22 @@ class XdsServer:
         self._discovery_seen = mapped
         self._discovery_wake.set()
 
-    def _with_discovered(self, file_config: Config) -> Config:
-        """``file_config`` with the discovered endpoints it can serve appended (:func:`fit_to_config`);
-        sets :attr:`discovered` and logs the endpoints newly left out."""
+    def _with_discovered(self, file_config: Config) -> tuple[Config, Mapped]:
+        """``file_config`` with the discovered endpoints it can serve appended, and those endpoints
+        (:func:`fit_to_config`: for :attr:`discovered` once the caller made the config current); logs the
+        endpoints newly left out."""
         seen = self._discovery_seen
         if seen is None:
-            return file_config
+            return file_config, Mapped()
         fitted = fit_to_config(seen, file_config)
         # the mapping's own problems are logged by the discovery; these are the config's
         for p in sorted(set(fitted.problems) - set(self.discovered.problems) - set(seen.problems)):
             log.warning("kubernetes discovery: %s (left out)", p)
-        self.discovered = fitted
         if not fitted.endpoints:
-            return file_config
+            return file_config, fitted
         endpoints = (*file_config.endpoints, *(d.endpoint for d in fitted.endpoints))
         # fit_to_config did the per-endpoint checks the schema's cross-check would
-        return file_config.model_copy(update={"endpoints": endpoints})
+        return file_config.model_copy(update={"endpoints": endpoints}), fitted
 
     async def _follow_discovery(self) -> None:
         """Apply the latest discovered endpoints after each change (the changes within
@@ -556,6 +557,8 @@ class XdsServer:
             self._discovery_wake.clear()
             try:
                 await self.apply_discovered()
+            except ConfigError as exc:
+                log.error("kubernetes discovery: endpoints refused, the last good ones keep serving: %s", exc)
             except Exception:  # never let it die: a server that stops following serves stale endpoints
                 log.exception("kubernetes discovery: applying endpoints failed; the last good ones serve")
 
@@ -570,21 +573,17 @@ class XdsServer:
         async with self._fleet_lock:
             if self.file_config is None:
                 return
-            before = self.discovered
             source = f"{self.config_path} with endpoints discovered in Kubernetes"
-            config = self._with_discovered(self.file_config)
-            try:
-                fleet = self.fleet.reconcile(config)
-                effective = effective_config(config, fleet, source)
-                resolved = await resolve_endpoint_hosts(
-                    effective, source, self._resolve, known=self.resolved_hosts
-                )
-                build_resources(effective, source, resolved_hosts=resolved)
-            except ConfigError:
-                self.discovered = before
-                raise
+            config, discovered = self._with_discovered(self.file_config)
+            fleet = self.fleet.reconcile(config)
+            effective = effective_config(config, fleet, source)
+            resolved = await resolve_endpoint_hosts(
+                effective, source, self._resolve, known=self.resolved_hosts
+            )
+            build_resources(effective, source, resolved_hosts=resolved)
             reconciled, changed = fleet, fleet != self.fleet
             self.config, self.effective, self.resolved_hosts = config, effective, resolved
+            self.discovered = discovered
             if changed:
 
                 async def change(base: FleetState) -> FleetState:

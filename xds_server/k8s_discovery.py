@@ -140,10 +140,12 @@ class Reflector:
                 continue  # a clean end of the stream, or its time is up: resume from the last version
             except WatchGone:
                 self.stats.gone += 1
+                listing = self.resource_version is None
                 log.info("%s: resourceVersion %s is gone (410), listing again", self.what,
                          self.resource_version)  # fmt: skip
                 self.resource_version = None
-                continue
+                if not listing:
+                    continue  # else a list answered 410 itself: back off before the next one
             except KubeUnavailable as exc:
                 self.stats.failures += 1
                 log.warning("%s: %s; retrying in %.1f s (resuming from resourceVersion %s)", self.what, exc,

@@ -67,6 +67,8 @@ class KubeEmulator:
         self.version = 0
         self.requests: list[tuple[str, dict[str, str]]] = []
         self.port = 0
+        #: the next this many requests are answered 500 (an API server whose etcd is unreachable)
+        self.fail_next = 0
         self._watchers: set[asyncio.Queue[tuple[str, dict[str, Any]] | None]] = set()
         self._runner: web.AppRunner | None = None
         self._new = asyncio.Event()
@@ -124,6 +126,16 @@ class KubeEmulator:
         resource, ns = request.match_info["resource"], request.match_info["ns"]
         query = dict(request.query)
         self.requests.append((resource, query))
+        if self.fail_next > 0:
+            self.fail_next -= 1
+            status = {
+                "kind": "Status",
+                "apiVersion": "v1",
+                "status": "Failure",
+                "code": 500,
+                "message": "etcd down",
+            }
+            return web.json_response(status, status=500)
         selector = query.get("labelSelector")
         if query.get("watch") in ("true", "1"):
             return await self._watch(request, resource, ns, selector, int(query.get("resourceVersion") or 0))

@@ -209,3 +209,15 @@ async def test_a_silent_watch_is_made_again_from_its_version(emulator: KubeEmula
         assert d.slices["llama"].stats.failures == 0
     finally:
         await d.stop()
+
+
+async def test_server_errors_are_retried_with_backoff(emulator: KubeEmulator, tmp_path: Path) -> None:
+    emulator.replay(SLICES, "initial")
+    emulator.fail_next = 3
+    d, seen = await _discovery(emulator, tmp_path, services=["llama"])
+    try:
+        await _until_state(seen, "127.0.1.1:8000", False, "the list once the API server answers")
+        assert d.slices["llama"].stats.failures == 3
+        assert emulator.lists("endpointslices") == 4
+    finally:
+        await d.stop()

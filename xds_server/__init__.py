@@ -22,6 +22,10 @@ Layers, each importing only the ones before it (as envoyproxy/go-control-plane's
 - :mod:`xds_server.coalesce`: push coalescing (debounce with a staleness bound).
 - :mod:`xds_server.ads`: the grpcio aio ADS servicer (both modes); :mod:`xds_server.per_type`: CDS, EDS,
   LDS, RDS on the same streams.
+- :mod:`xds_server.k8s_mapping`: Kubernetes objects (EndpointSlices, ``InferencePool`` pods) to endpoints,
+  pure; :mod:`xds_server.k8s_api`: the seam to the API server (a ``KubeApi`` Protocol: list and watch,
+  over lightkube); :mod:`xds_server.k8s_discovery`: list + watch reflectors (resume, 410 relist,
+  backoff) feeding the mapping.
 - :mod:`xds_server.metrics` and :mod:`xds_server.http_api`: Prometheus metrics and the HTTP API;
   :mod:`xds_server.collector`: telemetry into endpoint weights. Each states what it needs of the server
   as a ``typing.Protocol`` (``MetricsSource``, ``FleetApiServer``, ``TelemetryTarget``) instead of

@@ -4,8 +4,10 @@ Routes (JSON in and out; errors are OpenAI-style ``{"error": {"message", "type",
 
 - ``GET /healthz``: 200 ``ok`` (no auth).
 - ``GET /metrics``: Prometheus text exposition (no auth, as scrapers expect).
-- ``GET /v1/endpoints``: the served fleet: every endpoint with its source (``config``/``api``), weight pin
-  and drain state (``draining``, ``drain_ends_at`` ISO 8601 UTC, ``removed_in_ms``); ``deregistered``: the
+- ``GET /v1/endpoints``: the served fleet: every endpoint with its source (``config``/``api``/
+  ``kubernetes``; ``discovered_from``: the Kubernetes object), weight pin and drain state (``draining``,
+  ``drain_ends_at`` ISO 8601 UTC, ``removed_in_ms``; a discovered endpoint that is terminating or not ready
+  drains with no end: ``drain_ends_at`` null until Kubernetes removes it); ``deregistered``: the
   config-file endpoints the API removed (registering one brings it back); ``state_file``: the state file
   (null: none); ``state_store``: where changes are stored, ``{"where", "shared", "version", "reachable"}``
   (null: nowhere; ``version`` the shared store's last version this server adopted).
@@ -53,6 +55,7 @@ from inferlb.config.schema import Config, EndpointConfig
 from inferlb.errors import ConfigError, RequestError
 from xds_server.fleet_state import FleetState, UnknownEndpointError, parse_endpoint
 from xds_server.fleet_store import FleetStoreBusyError, FleetStoreError
+from xds_server.k8s_mapping import Mapped
 from xds_server.metrics import HasMetrics, render_metrics
 from xds_server.resources.endpoints import endpoint_key
 
@@ -83,6 +86,8 @@ class FleetApiServer(HasMetrics, Protocol):
     def store_version(self) -> int | None: ...
     @property
     def fleet(self) -> FleetState: ...
+    @property
+    def discovered(self) -> Mapped: ...
     @property
     def telemetry_weights(self) -> Mapping[str, int]: ...
     @property
@@ -246,10 +251,12 @@ class HttpApi:
         assert srv.effective is not None
         fleet = srv.fleet
         now = time.time()
+        discovered = {d.key: d for d in srv.discovered.endpoints}
         rows = []
         for e in srv.effective.endpoints:
             key = endpoint_key(e)
             until = fleet.draining.get(key)
+            found = discovered.get(key) if key not in fleet.registered else None
             rows.append(
                 {
                     "key": key,
@@ -259,10 +266,11 @@ class HttpApi:
                     "gpu": e.gpu,
                     "region": e.region,
                     "zone": e.zone,
-                    "source": "api" if key in fleet.registered else "config",
+                    "source": "api" if key in fleet.registered else "kubernetes" if found else "config",
+                    "discovered_from": found.source if found else None,
                     "weight_override": fleet.weight_overrides.get(key),
                     "telemetry_weight": srv.telemetry_weights.get(key),
-                    "draining": until is not None,
+                    "draining": until is not None or (found is not None and found.draining),
                     "drain_ends_at": None if until is None else utc_iso(until),
                     "removed_in_ms": None if until is None else max(0, round((until - now) * 1000)),
                 }

@@ -13,6 +13,12 @@ fleet API (:mod:`xds_server.fleet_state`: register, drain, deregister, weight pi
 burst of changes within ``xds.push_debounce_ms`` is one push, never later than ``xds.push_max_delay_ms``
 after its first change.
 
+Endpoints discovered in Kubernetes (``discovery.kubernetes``; :mod:`xds_server.k8s_discovery`) are added
+to the file's ``endpoints`` as they change (the file's entry wins at a shared address, the fleet API's
+changes apply on top of both, a terminating or not-ready one is sent DRAINING); they are not stored, since
+a restart lists them again. Those the config cannot serve (unknown model, version or GPU profile) are
+logged and left out, and a config reload fits them to the new file.
+
 Fleet API changes are durable when a state file is configured (``xds.state_file`` or ``state_file``;
 :mod:`xds_server.fleet_store`): each change is written to it (atomically, fsync'ed) before it is applied and
 answered, and logged as one INFO line (``fleet api: who=... what=... endpoint=...``); at start the stored
@@ -48,7 +54,7 @@ from inferlb.config.checks import (
     resolve_endpoint_hosts,
     system_resolve,
 )
-from inferlb.config.schema import Config, EndpointConfig, GrpcAddress, parse_config
+from inferlb.config.schema import Config, EndpointConfig, GrpcAddress, KubernetesDiscovery, parse_config
 from inferlb.errors import ConfigError
 from xds_server.ads import AggregatedDiscoveryServicer, add_ads_to_server
 from xds_server.cache import DEFAULT_GROUP, SnapshotCache, SnapshotInconsistentError
@@ -63,10 +69,13 @@ from xds_server.fleet_state import (
 )
 from xds_server.fleet_store import FileFleetStore, FleetChange, FleetStore, FleetStoreError, RedisFleetStore
 from xds_server.http_api import HttpApi, utc_iso
+from xds_server.k8s_api import KubeApi, KubeUnavailable, LightkubeApi, kube_config
+from xds_server.k8s_discovery import Discovery
+from xds_server.k8s_mapping import Mapped, fit_to_config
 from xds_server.metrics import XdsMetrics
 from xds_server.per_type import add_per_type_services
 from xds_server.resources.build import build_resources
-from xds_server.resources.endpoints import LbEndpointCache, endpoint_key
+from xds_server.resources.endpoints import EndpointOverride, LbEndpointCache, endpoint_key
 
 log = logging.getLogger("xds_server")
 
@@ -137,6 +146,8 @@ class XdsServer:
         state_redis_url: a Redis fleet store shared with other servers, overriding the config's
             (``xds.state_redis_url``; ``__main__``'s ``--state-redis-url``); its key, timeout and poll
             interval are the config's. Not with ``state_file``.
+        kube_api: makes the Kubernetes API client from ``discovery.kubernetes`` (default:
+            :class:`~xds_server.k8s_api.LightkubeApi` with :func:`~xds_server.k8s_api.kube_config`).
 
     Raises:
         ValueError: both ``state_file`` and ``state_redis_url`` given.
@@ -158,6 +169,9 @@ class XdsServer:
         unix_path: the Unix socket ADS listens on (``xds.listen_unix``), or None on TCP.
         reload_errors: how many times a changed file was refused; ``publish_errors``: failed publishes.
         coalescer: the :class:`~xds_server.coalesce.PushCoalescer` every change goes through.
+        file_config: the last good config file as written (``config`` adds the discovered endpoints).
+        discovery: the Kubernetes discovery (None when ``discovery.kubernetes`` is not set);
+            ``discovered``: its endpoints that this config serves (the others' problems in it too).
     """
 
     def __init__(
@@ -173,6 +187,7 @@ class XdsServer:
         resolve: HostResolver = system_resolve,
         state_file: str | Path | None = None,
         state_redis_url: str | None = None,
+        kube_api: Callable[[KubernetesDiscovery], KubeApi] | None = None,
     ) -> None:
         self.config_path = Path(config_path)
         self.state_path: Path | None = None
@@ -226,6 +241,13 @@ class XdsServer:
         self._per_type_sources: dict[str, ConfigSourceRewriter] = {}
         self._known_keys: set[str] = set()
         self._known_owner: Config | None = None
+        self.file_config: Config | None = None
+        self.discovery: Discovery | None = None
+        self.discovered = Mapped()
+        self._discovery_seen: Mapped | None = None
+        self._discovery_wake = asyncio.Event()
+        self._discoverer: asyncio.Task[None] | None = None
+        self._kube_api = kube_api or (lambda settings: LightkubeApi(kube_config(settings)))
 
     # -- lifecycle ------------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -286,6 +308,7 @@ class XdsServer:
         self._resolver = asyncio.create_task(self._follow_dns(), name="xds-host-resolver")
         if isinstance(self._store, RedisFleetStore):
             self._follower = asyncio.create_task(self._follow_store(self._store), name="xds-fleet-store")
+        await self._start_discovery(config)
         log.info("xds_server ready on %s", address)
 
     async def _start_api(self, config: Config) -> None:
@@ -302,11 +325,14 @@ class XdsServer:
         """Stop following the file, the timers and the HTTP API, and stop the gRPC server, giving
         streams ``grace_s`` seconds; every step is bounded (:data:`STOP_STEP_TIMEOUT_S` past the grace),
         so the stop ends in bounded time."""
-        for task in (self._poller, self._drainer, self._resolver, self._follower):
+        discovery, self.discovery = self.discovery, None
+        if discovery is not None:
+            await _bounded(discovery.stop(), "the Kubernetes watches")
+        for task in (self._poller, self._drainer, self._resolver, self._follower, self._discoverer):
             if task is not None:
                 task.cancel()
                 await _bounded(asyncio.gather(task, return_exceptions=True), "a follower task")
-        self._poller = self._drainer = self._resolver = self._follower = None
+        self._poller = self._drainer = self._resolver = self._follower = self._discoverer = None
         if self.coalescer is not None:
             await _bounded(self.coalescer.close(), "the push coalescer")
         api, self._api = self._api, None
@@ -404,6 +430,8 @@ class XdsServer:
         source = str(self.config_path)
         if config is None:
             config = parse_config_bytes(data, source)
+        file_config = config
+        config, discovered = self._with_discovered(file_config)
         # the checks ext_proc runs too (no emptied section, tokenizers, host names), so both serve this file
         # or neither does
         check_not_emptied(self.config, config, source)
@@ -417,6 +445,7 @@ class XdsServer:
         # build once to refuse anything Envoy could not take before it replaces the last good file
         build_resources(effective, source, resolved_hosts=resolved)
         self.config, self.effective, self.fleet = config, effective, fleet
+        self.file_config, self.discovered = file_config, discovered
         self.resolved_hosts, self._digest = resolved, digest
         return ConfigLoaded(config=config, digest=digest)
 
@@ -476,6 +505,97 @@ class XdsServer:
         while True:
             await asyncio.sleep(self._poll_interval_s)
             await self.reload_if_changed()
+
+    # -- Kubernetes discovery -----------------------------------------------------------------------
+    async def _start_discovery(self, config: Config) -> None:
+        """Start following ``discovery.kubernetes`` (read at start only). Its endpoints arrive once every
+        followed collection has listed; until then the file's endpoints serve alone."""
+        settings = config.discovery.kubernetes
+        if settings is None:
+            return
+        try:
+            api = self._kube_api(settings)
+        except KubeUnavailable as exc:
+            field = "in_cluster" if settings.in_cluster else "kubeconfig"
+            raise ConfigError(str(self.config_path), [(f"discovery.kubernetes.{field}", str(exc))]) from None
+        self.discovery = Discovery(settings, api, self._discovery_changed)
+        self._discoverer = asyncio.create_task(self._follow_discovery(), name="xds-k8s-discovery")
+        await self.discovery.start()
+        log.info("kubernetes discovery: namespace %s, services %s, inference pools %s", settings.namespace,
+                 list(settings.services), list(settings.inference_pools))  # fmt: skip
+
+    def _discovery_changed(self, mapped: Mapped) -> None:
+        self._discovery_seen = mapped
+        self._discovery_wake.set()
+
+    def _with_discovered(self, file_config: Config) -> tuple[Config, Mapped]:
+        """``file_config`` with the discovered endpoints it can serve appended, and those endpoints
+        (:func:`fit_to_config`: for :attr:`discovered` once the caller made the config current); logs the
+        endpoints newly left out."""
+        seen = self._discovery_seen
+        if seen is None:
+            return file_config, Mapped()
+        fitted = fit_to_config(seen, file_config)
+        # the mapping's own problems are logged by the discovery; these are the config's
+        for p in sorted(set(fitted.problems) - set(self.discovered.problems) - set(seen.problems)):
+            log.warning("kubernetes discovery: %s (left out)", p)
+        if not fitted.endpoints:
+            return file_config, fitted
+        endpoints = (*file_config.endpoints, *(d.endpoint for d in fitted.endpoints))
+        # fit_to_config did the per-endpoint checks the schema's cross-check would
+        return file_config.model_copy(update={"endpoints": endpoints}), fitted
+
+    async def _follow_discovery(self) -> None:
+        """Apply the latest discovered endpoints after each change (the changes within
+        ``xds.push_debounce_ms`` of the first are one apply; the push after it goes through the
+        coalescer)."""
+        while True:
+            await self._discovery_wake.wait()
+            if self.config is not None and self.config.xds.push_debounce_ms:
+                # a rollout is a burst of watch events: gather what arrives within one debounce
+                await asyncio.sleep(self.config.xds.push_debounce_ms / 1000)
+            self._discovery_wake.clear()
+            try:
+                await self.apply_discovered()
+            except ConfigError as exc:
+                log.error("kubernetes discovery: endpoints refused, the last good ones keep serving: %s", exc)
+            except Exception:  # never let it die: a server that stops following serves stale endpoints
+                log.exception("kubernetes discovery: applying endpoints failed; the last good ones serve")
+
+    async def apply_discovered(self) -> None:
+        """Serve the discovered endpoints seen last on top of the last good config file, with the fleet
+        API's changes on top (reconciled: drains and pins of endpoints gone are forgotten).
+
+        Raises:
+            ConfigError: the result cannot be served (logged by the caller; the last good one keeps
+                serving).
+        """
+        async with self._fleet_lock:
+            if self.file_config is None:
+                return
+            source = f"{self.config_path} with endpoints discovered in Kubernetes"
+            config, discovered = self._with_discovered(self.file_config)
+            fleet = self.fleet.reconcile(config)
+            effective = effective_config(config, fleet, source)
+            resolved = await resolve_endpoint_hosts(
+                effective, source, self._resolve, known=self.resolved_hosts
+            )
+            build_resources(effective, source, resolved_hosts=resolved)
+            reconciled, changed = fleet, fleet != self.fleet
+            self.config, self.effective, self.resolved_hosts = config, effective, resolved
+            self.discovered = discovered
+            if changed:
+
+                async def change(base: FleetState) -> FleetState:
+                    derived = base.reconcile(config)
+                    await self._validate(derived, source)
+                    return derived
+
+                await self._adopt_derived(await self._store_derived(change, reconciled), reconciled)
+            n = len(self.discovered.endpoints)
+            draining = sum(d.draining for d in self.discovered.endpoints)
+            log.info("kubernetes discovery: serving %d endpoints (%d draining)", n, draining)
+            self._changed()
 
     # -- host names ---------------------------------------------------------------------------------
     async def refresh_host_addresses(self) -> dict[str, str]:
@@ -548,6 +668,12 @@ class XdsServer:
         assert self.effective is not None
         source = str(self.config_path)
         overrides = effective_overrides(self.fleet, self.telemetry_weights, self.telemetry_classes)
+        for d in self.discovered.endpoints:
+            if d.draining:
+                o = overrides.get(d.key, EndpointOverride())
+                overrides[d.key] = EndpointOverride(
+                    weight=o.weight, draining=True, length_classes=o.length_classes
+                )
         groups = self._group_configs()
         try:
             built = {

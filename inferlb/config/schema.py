@@ -13,6 +13,7 @@ Shape (see README "Config reference" and ``examples/local.yaml``)::
                   endpoint_picking: {mode: off|load|approximate|precise, weights: {...}, block_size}}]
     endpoints:  [{address, model, version, gpu, region, zone, simulated,
                   kv_events: {endpoint, replay_endpoint, topic}}]   # kv_events: precise picking only
+    discovery:  {kubernetes: {namespace, services, inference_pools, kubeconfig | in_cluster}}
     tenants:    [{name, api_keys, priority, requests_per_minute, tokens_per_minute,
                   max_concurrent_requests, daily_token_budget}]
     allow_empty: [models | endpoints | tenants]   # sections a run-time change may empty on purpose
@@ -1191,6 +1192,51 @@ class TenantConfig(_Frozen):
         return tuple(f for f in _TENANT_LIMITS if getattr(self, f) is not None)
 
 
+_DNS_LABEL = r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$"
+_DNS_SUBDOMAIN = r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$"
+
+
+class KubernetesDiscovery(_Frozen):
+    """Endpoints discovered from a Kubernetes API server (README "Kubernetes discovery";
+    :mod:`xds_server.k8s_discovery`), beside the config file's ``endpoints`` and the fleet API.
+
+    ``services``: Services whose EndpointSlices (``discovery.k8s.io/v1``) are followed; ``inference_pools``:
+    Gateway API Inference Extension ``InferencePool`` objects (``inference.networking.k8s.io/v1``) whose
+    ``spec.selector`` picks pods. Credentials: ``kubeconfig`` (a file; ``~`` expanded), or ``in_cluster``
+    (the pod's service account), or neither: ``$KUBECONFIG``, else ``~/.kube/config``. A watch that fails
+    is retried after ``backoff_base_ms``, doubling up to ``backoff_max_ms``. Read at start only.
+    """
+
+    namespace: Annotated[str, Field(pattern=_DNS_LABEL)] = "default"
+    services: tuple[Annotated[str, Field(pattern=_DNS_LABEL)], ...] = ()
+    inference_pools: tuple[Annotated[str, Field(pattern=_DNS_SUBDOMAIN)], ...] = ()
+    kubeconfig: Annotated[str, Field(min_length=1)] | None = None
+    in_cluster: bool = False
+    backoff_base_ms: Annotated[int, Field(strict=True, ge=1, le=60_000)] = 200
+    backoff_max_ms: Annotated[int, Field(strict=True, ge=1, le=600_000)] = 10_000
+
+    @model_validator(mode="after")
+    def _check(self) -> Self:
+        if self.kubeconfig is not None and self.in_cluster:
+            raise ValueError("kubeconfig and in_cluster: give one (a kubeconfig file, or the pod's account)")
+        if not self.services and not self.inference_pools:
+            raise ValueError("services, inference_pools: name at least one Service or InferencePool")
+        for field in ("services", "inference_pools"):
+            names: tuple[str, ...] = getattr(self, field)
+            twice = sorted({n for n in names if names.count(n) > 1})
+            if twice:
+                raise ValueError(f"{field}: listed twice: {twice}")
+        if self.backoff_max_ms < self.backoff_base_ms:
+            raise ValueError("backoff_max_ms: must be at least backoff_base_ms")
+        return self
+
+
+class DiscoveryConfig(_Frozen):
+    """Where endpoints come from besides the config file and the fleet API."""
+
+    kubernetes: KubernetesDiscovery | None = None
+
+
 class Config(_Frozen):
     """The whole inferlb config. Build it with :func:`load_config` or :func:`parse_config`."""
 
@@ -1203,6 +1249,8 @@ class Config(_Frozen):
     )
     models: tuple[ModelConfig, ...]
     endpoints: tuple[EndpointConfig, ...] = ()
+    #: Endpoints discovered at run time (:class:`DiscoveryConfig`), added to ``endpoints``.
+    discovery: DiscoveryConfig = DiscoveryConfig()
     tenants: tuple[TenantConfig, ...] = ()
     weights: WeightsConfig = WeightsConfig()
     telemetry: TelemetryConfig = TelemetryConfig()

@@ -426,7 +426,7 @@ async def test_the_gateways_keys_of_a_request_match_what_a_gpusim_server_caches(
             for body in bodies:
                 async with http.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=body) as resp:
                     assert resp.status == 200
-            for _ in range(100):  # the batches reach the subscriber (late joiners get them replayed)
+            for _ in range(400):  # <= 20 s for the batches (late joiners get them replayed)
                 if sub.last_seq == server._publisher.next_seq - 1:
                     break
                 await asyncio.sleep(0.05)

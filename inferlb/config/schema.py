@@ -14,7 +14,8 @@ Shape (see README "Config reference" and ``examples/local.yaml``)::
     endpoints:  [{address, model, version, gpu, region, zone, simulated,
                   kv_events: {endpoint, replay_endpoint, topic}}]   # kv_events: precise picking only
     discovery:  {kubernetes: {namespace, services, inference_pools, kubeconfig | in_cluster}}
-    tenants:    [{name, api_keys, priority, requests_per_minute, tokens_per_minute,
+    tenants:    [{name, api_keys | api_key_sha256 | api_key_file | api_key_env, priority,
+                  requests_per_minute, tokens_per_minute,
                   max_concurrent_requests, daily_token_budget}]
     allow_empty: [models | endpoints | tenants]   # sections a run-time change may empty on purpose
 
@@ -24,8 +25,10 @@ Everything is frozen after validation; a new file gives a new :class:`Config`. E
 
 from __future__ import annotations
 
+import hashlib
 import ipaddress
 import itertools
+import os
 import re
 from collections.abc import Mapping, Sequence
 from enum import StrEnum
@@ -39,6 +42,7 @@ from pydantic import (
     BeforeValidator,
     ConfigDict,
     Field,
+    PrivateAttr,
     ValidationError,
     field_validator,
     model_validator,
@@ -174,7 +178,6 @@ def check_advertise_flag(flag: HostPort, dialled: Sequence[GrpcAddress], field: 
             f"--advertise {flag}: Envoy dials {', '.join(map(str, dialled))} ({field} in the config); "
             f"set {field} to {flag} or drop --advertise"
         )
-
 
 
 #: The config sections a run-time change may empty only when the file says so (``allow_empty``).
@@ -1156,14 +1159,46 @@ class EndpointConfig(_Frozen):
         return self.name or str(self.address)
 
 
+def hash_api_key(key: str) -> bytes:
+    """The SHA-256 digest (32 bytes) of an API key's UTF-8 bytes; ``.hex()`` of it is what
+    ``api_key_sha256`` holds and ``inferlb hash-key`` prints."""
+    return hashlib.sha256(key.encode("utf-8", "surrogatepass")).digest()
+
+
+def checked_api_key(field: str, key: str) -> str:
+    """``key`` if it is a usable API key (8..256 characters, no white space).
+
+    Raises:
+        ValueError: naming ``field``, never the key.
+    """
+    if not 8 <= len(key) <= 256:
+        raise ValueError(f"{field}: an API key has 8 to 256 characters (this one has {len(key)})")
+    if any(c.isspace() for c in key):
+        raise ValueError(f"{field}: API keys cannot contain white space")
+    return key
+
+
 _TENANT_LIMITS = ("requests_per_minute", "tokens_per_minute", "max_concurrent_requests", "daily_token_budget")
 
 
 class TenantConfig(_Frozen):
-    """A tenant: its API keys, priority and quotas. ``None`` means unlimited."""
+    """A tenant: its API keys, priority and quotas. ``None`` means unlimited.
+
+    A key comes from any of: ``api_keys`` (plain text in the file), ``api_key_sha256`` (the lower-case hex
+    SHA-256 of a key, as ``inferlb hash-key`` prints it), ``api_key_file`` (a file holding one key, as a
+    Kubernetes Secret volume mounts it; surrounding white space dropped) or ``api_key_env`` (an environment
+    variable's value). A tenant needs at least one. Keys never appear in ``repr``, logs or errors.
+    """
 
     name: Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")]
-    api_keys: tuple[Annotated[str, Field(min_length=8, max_length=256)], ...]
+    api_keys: tuple[Annotated[str, Field(min_length=8, max_length=256)], ...] = Field(default=(), repr=False)
+    api_key_sha256: Annotated[
+        tuple[Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")], ...],
+        BeforeValidator(lambda v: (v,) if isinstance(v, str) else v),
+    ] = ()
+    api_key_file: Path | None = None
+    api_key_env: Annotated[str, Field(pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")] | None = None
+    _secret_keys: tuple[str, ...] = PrivateAttr(default=())
     priority: Priority = Priority.DEFAULT
     #: Requests admitted in any 60 s: a sliding window of whole seconds that never overshoots
     #: (inferlb/policy/quota.py).
@@ -1180,11 +1215,44 @@ class TenantConfig(_Frozen):
     @field_validator("api_keys")
     @classmethod
     def _keys(cls, v: tuple[str, ...]) -> tuple[str, ...]:
-        if not v:
-            raise ValueError("a tenant needs at least one API key")
         if any(any(c.isspace() for c in k) for k in v):
             raise ValueError("API keys cannot contain white space")
         return v
+
+    @model_validator(mode="after")
+    def _key_sources(self) -> Self:
+        # read once here, when main() loads the config; the key itself never enters a message
+        secret: list[str] = []
+        if self.api_key_file is not None:
+            try:
+                text = self.api_key_file.read_text(encoding="utf-8")
+            except (OSError, UnicodeDecodeError) as e:
+                why = getattr(e, "strerror", None) or type(e).__name__
+                raise ValueError(f"api_key_file: cannot read {str(self.api_key_file)!r}: {why}") from None
+            secret.append(checked_api_key("api_key_file", text.strip()))
+        if self.api_key_env is not None:
+            value = os.environ.get(self.api_key_env)
+            if value is None:
+                raise ValueError(f"api_key_env: environment variable {self.api_key_env!r} is not set")
+            secret.append(checked_api_key("api_key_env", value.strip()))
+        self._secret_keys = tuple(secret)
+        if not (self.api_keys or self.api_key_sha256 or secret):
+            raise ValueError(
+                "api_keys: a tenant needs at least one API key"
+                " (api_keys, api_key_sha256, api_key_file or api_key_env)"
+            )
+        return self
+
+    def plaintext_keys(self) -> tuple[str, ...]:
+        """The keys known in plain text: ``api_keys``, then the ones read from ``api_key_file`` and
+        ``api_key_env`` (not ``api_key_sha256``, which cannot be inverted)."""
+        return self.api_keys + self._secret_keys
+
+    def key_digests(self) -> tuple[bytes, ...]:
+        """SHA-256 digests (32 bytes each) of every key of this tenant, from all four sources."""
+        return tuple(hash_api_key(k) for k in self.plaintext_keys()) + tuple(
+            bytes.fromhex(h) for h in self.api_key_sha256
+        )
 
     def limits_set(self) -> tuple[str, ...]:
         """The names of the limits this tenant sets, of ``requests_per_minute``, ``tokens_per_minute``,
@@ -1309,13 +1377,13 @@ class Config(_Frozen):
                 problems.append(
                     f"{where}.gpu: unknown GPU type {e.gpu!r} (known: {sorted(self.gpu_profiles)})"
                 )
-        keys: dict[str, str] = {}
+        keys: dict[bytes, str] = {}
         names: set[str] = set()
         for i, t in enumerate(self.tenants):
             if t.name in names:
                 problems.append(f"tenants[{i}].name: duplicate tenant {t.name!r}")
             names.add(t.name)
-            for k in t.api_keys:
+            for k in t.key_digests():
                 if k in keys:
                     problems.append(f"tenants[{i}].api_keys: a key is shared with tenant {keys[k]!r}")
                 keys[k] = t.name

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import getpass
 import json
 import math
 import os
@@ -28,7 +29,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from inferlb.config.checks import check_config_sync
-from inferlb.config.schema import Config, default_config_path, load_config
+from inferlb.config.schema import Config, checked_api_key, default_config_path, hash_api_key, load_config
 from inferlb.errors import ConfigError, InferlbError
 from inferlb.ops.replay import EndpointShare, ReplaySummary
 from xds_server.bootstrap import ADS_MODES, render_bootstrap_yaml
@@ -49,6 +50,19 @@ def _config_arg(p: argparse.ArgumentParser, positional: bool) -> None:
 
 def _load(path: str | None) -> Config:
     return load_config(path or default_config_path())
+
+
+def cmd_hash_key(args: argparse.Namespace, out: Console) -> int:
+    """``inferlb hash-key``: read one API key (a prompt without echo on a terminal, else the first line of
+    stdin; never from the command line, where ``ps`` and shell history would keep it) and print its
+    lower-case hex SHA-256, the value of a tenant's ``api_key_sha256``.
+
+    Raises:
+        ValueError: the key is empty, shorter than 8 or longer than 256 characters, or holds white space.
+    """
+    key = getpass.getpass("API key: ") if sys.stdin.isatty() else sys.stdin.readline()
+    out.print(hash_api_key(checked_api_key("key", key.strip())).hex(), markup=False)
+    return EXIT_OK
 
 
 def cmd_validate(args: argparse.Namespace, out: Console) -> int:
@@ -505,6 +519,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="inferlb: an Envoy control plane that load-balances LLM inference across GPU fleets.",
     )
     sub = p.add_subparsers(dest="verb", required=True)
+
+    h = sub.add_parser("hash-key", help="print the SHA-256 of an API key from stdin (api_key_sha256)")
+    h.set_defaults(fn=cmd_hash_key)
 
     v = sub.add_parser("validate", help="check a config file; exit 2 naming each bad field")
     v.add_argument("file")

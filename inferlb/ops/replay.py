@@ -139,10 +139,12 @@ def plan(
     the GPUs serving that model, so the replay loads the fleet evenly.
 
     Raises:
-        ValueError: the config has no tenants, or ``model`` is not in it.
+        ValueError: the config has no tenant with a plain-text key (``api_key_sha256`` alone cannot be
+            sent), or ``model`` is not in it.
     """
-    if not config.tenants:
-        raise ValueError("the config has no tenants: replay needs API keys")
+    tenants = [t for t in config.tenants if t.plaintext_keys()]
+    if not tenants:
+        raise ValueError("the config has no tenant with a plain-text API key: replay needs API keys")
     names = config.model_by_name()
     if model is not None and model not in names:
         raise ValueError(f"model {model!r} is not in the config (known: {sorted(names)})")
@@ -154,12 +156,12 @@ def plan(
     rng = random.Random(seed)
     out = []
     for i, r in enumerate(rows):
-        t = config.tenants[i % len(config.tenants)]
+        t = tenants[i % len(tenants)]
         out.append(
             PlannedRequest(
                 index=i,
                 at_s=r.offset_s,
-                api_key=t.api_keys[0],
+                api_key=t.plaintext_keys()[0],
                 tenant=t.name,
                 model=model or rng.choices(models, weights)[0],
                 prompt_tokens=r.prompt_tokens,

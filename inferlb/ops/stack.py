@@ -599,7 +599,8 @@ class Stack:
 
 def sample_curl(config: Config, api_key: str | None = None) -> str:
     """A ready-to-paste curl for one chat completion through the gateway."""
-    key = api_key or (config.tenants[0].api_keys[0] if config.tenants else "sk-...")
+    keys = config.tenants[0].plaintext_keys() if config.tenants else ()
+    key = api_key or (keys[0] if keys else "sk-...")
     model = config.models[0].name
     body = json.dumps({"model": model, "messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 16})
     return (

@@ -13,6 +13,7 @@ from the injected RNG.
 from __future__ import annotations
 
 import hashlib
+import hmac
 import json
 import random
 from bisect import bisect_right
@@ -20,7 +21,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 
-from inferlb.config.schema import Config, ModelConfig, Priority, TenantConfig
+from inferlb.config.schema import Config, ModelConfig, Priority, TenantConfig, hash_api_key
 from inferlb.errors import RequestError
 from inferlb.request.parsing import echo
 
@@ -69,15 +70,15 @@ class RoutingTable:
 
     Attributes:
         models: every model name and alias -> its model (read-only).
-        tenants_by_key: every API key -> its tenant (read-only).
+        tenants_by_digest: every API key's SHA-256 digest -> its tenant, in config order (read-only).
     """
 
-    __slots__ = ("_splits", "models", "tenants_by_key")
+    __slots__ = ("_splits", "models", "tenants_by_digest")
 
     def __init__(self, config: Config) -> None:
         self.models: Mapping[str, ModelConfig] = MappingProxyType(config.model_by_name())
-        self.tenants_by_key: Mapping[str, TenantConfig] = MappingProxyType(
-            {k: t for t in config.tenants for k in t.api_keys}
+        self.tenants_by_digest: tuple[tuple[bytes, TenantConfig], ...] = tuple(
+            (d, t) for t in config.tenants for d in t.key_digests()
         )
         self._splits: dict[str, VersionSplit] = {m.name: VersionSplit.of(m) for m in config.models}
 
@@ -98,7 +99,13 @@ class RoutingTable:
                 code="invalid_api_key",
             )
         key = authorization[len(_BEARER) :].strip()
-        tenant = self.tenants_by_key.get(key)
+        # compare the digest with every tenant's, without stopping at a match or a differing byte
+        # (hmac.compare_digest), so the time taken tells nothing about which key or prefix is close
+        digest = hash_api_key(key)
+        tenant: TenantConfig | None = None
+        for candidate, owner in self.tenants_by_digest:
+            if hmac.compare_digest(digest, candidate):  # digests are unique (Config checks)
+                tenant = owner
         if tenant is None:
             shown = f"{key[:3]}...{key[-4:]}" if len(key) > 10 else "***"
             raise RequestError(

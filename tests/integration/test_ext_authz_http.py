@@ -5,6 +5,7 @@ and pipelined requests answered in order, and the bounds (body, headers, malform
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import os
 import socket
@@ -190,3 +191,32 @@ async def test_a_stale_socket_file_is_replaced_and_a_missing_directory_refused(t
     await srv.close()
     with pytest.raises(UnixSocketError, match="does not exist"):
         await CheckServer(srv.service).start_unix(str(tmp_path / "nowhere" / "s.sock"))
+
+
+async def test_keys_known_by_digest_or_file_are_checked_over_http(tmp_path: Path) -> None:
+    (tmp_path / "key").write_text("sk-from-a-secret-01\n")
+    doc = {
+        **CONFIG,
+        "tenants": [
+            {"name": "hashed", "api_key_sha256": hashlib.sha256(b"sk-hashed-only-01").hexdigest()},
+            {"name": "mounted", "api_key_file": str(tmp_path / "key")},
+        ],
+    }
+    srv = CheckServer(CheckService(ExtProcState(parse_config(doc))))
+    port = await srv.start("127.0.0.1", 0)
+    try:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(
+            request(chat("llama3"), key="sk-hashed-only-01")
+            + request(chat("llama3"), key="sk-from-a-secret-01")
+            + request(chat("llama3"), key="sk-hashed-only-02")
+        )
+        await writer.drain()
+        (a, ah, _), (b, bh, _), (bad, _, bad_body) = await read_answers(reader, 3)
+        assert (a, ah[h.TENANT]) == (200, "hashed")
+        assert (b, bh[h.TENANT]) == (200, "mounted")
+        assert bad == 401
+        assert json.loads(bad_body)["error"]["code"] == "invalid_api_key"
+        writer.close()
+    finally:
+        await srv.close()

@@ -390,7 +390,7 @@ def api_key_per_route(config: Config) -> any_pb2.Any:
     credentials = [
         api_key_auth_pb2.Credential(key=key, client=tenant.name)
         for tenant in config.tenants
-        for key in tenant.api_keys
+        for key in tenant.plaintext_keys()
     ]
     per_route = api_key_auth_pb2.ApiKeyAuthPerRoute(credentials=credentials)
     return pack(route_components_pb2.FilterConfig(config=pack(per_route)))

@@ -952,7 +952,7 @@ class PickerWeightsConfig(_Frozen):
     #: Weight of an endpoint's KV-cache usage (0..1).
     kv: Annotated[float, Field(strict=True, ge=0, le=1_000)] = 0.5
     #: The load guard's bound, a multiple of the mean load (> 1; Mirrokni et al.'s bounded-load hashing).
-    load_factor: Annotated[float, Field(strict=True, gt=1, le=100)] = 1.25
+    load_factor: Annotated[float, Field(strict=True, gt=1, le=100)] = 2.0
     #: Endpoints listed per pick (the first is the choice, the rest Envoy's fallback order for retries).
     max_hosts: Annotated[int, Field(strict=True, ge=1, le=16)] = 3
 

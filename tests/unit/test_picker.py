@@ -43,6 +43,21 @@ def test_a_hot_prefix_spills_past_the_load_bound() -> None:
     assert picked[0] != "127.0.0.1:8000"
 
 
+def test_default_guard_keeps_a_prefix_on_its_holder_at_twice_its_share() -> None:
+    # 4 equal endpoints, 4 requests in flight, the holder carrying 2 of them: taking this one it holds 3,
+    # 2.4x its share of the 5 (over a 1.25 bound: ceil(1.5625) = 2), within the default 2.0 (ceil(2.5) = 3)
+    holder = "127.0.0.1:8000"
+    fleet = [
+        EndpointState(address=holder, in_flight=2),
+        EndpointState(address="127.0.0.1:8001", in_flight=1),
+        EndpointState(address="127.0.0.1:8002", in_flight=1),
+        EndpointState(address="127.0.0.1:8003"),
+    ]
+    asked = {"prompt_blocks": 10, "matched_blocks": {holder: 10}, "prompt_tokens": 160}
+    assert pick(fleet, **asked)[0] == holder  # type: ignore[arg-type]
+    assert pick(fleet, weights=PickerWeights(load_factor=1.25), **asked)[0] != holder  # type: ignore[arg-type]
+
+
 def test_weights_are_checked() -> None:
     with pytest.raises(ValueError, match="load_factor"):
         PickerWeights(load_factor=1.0)

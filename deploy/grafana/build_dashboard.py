@@ -22,7 +22,7 @@ PANELS: list[tuple[str, str, str, list[tuple[str, str]]]] = [
     ("Per-GPU load (requests running)", "heatmap", "short", [
         ("sum by (endpoint) (vllm:num_requests_running)", "{{endpoint}}"),
     ]),
-    ("Weight share per endpoint (inferlb)", "timeseries", "percentunit", [
+    ("Weight share per endpoint (inferlb, weights.mode: telemetry)", "timeseries", "percentunit", [
         ("inferlb_telemetry_weight / on (cluster) group_left sum by (cluster) (inferlb_telemetry_weight)",
          "{{cluster}} {{endpoint}}"),
     ]),

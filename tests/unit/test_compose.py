@@ -43,7 +43,19 @@ def test_compose_config_is_the_local_config_with_service_addresses() -> None:
 def test_compose_services_are_the_stack_services() -> None:
     doc = yaml.safe_load((ROOT / "docker-compose.yml").read_text(encoding="utf-8"))
     services = doc["services"]
-    assert set(services) == {"gpusim", "xds-server", "ext-proc", "ext-authz", "ext-authz-2", "envoy"}
+    observability = {"prometheus", "grafana"}
+    assert set(services) == {
+        "gpusim",
+        "xds-server",
+        "ext-proc",
+        "ext-authz",
+        "ext-authz-2",
+        "envoy",
+        *observability,
+    }
+    # Prometheus and Grafana are opt-in: the default stack is the four services of `inferlb up`
+    assert all(services[name]["profiles"] == ["observability"] for name in observability)
+    services = {name: svc for name, svc in services.items() if name not in observability}
     # the ext_authz request path is the default; ext_proc's is opt-in, on ext-authz's ports
     assert "profiles" not in services["ext-authz"]
     assert services["ext-proc"]["profiles"] == ["ext_proc"]
@@ -94,7 +106,11 @@ def test_the_image_copies_every_package_pyproject_installs() -> None:
     assert packages <= copied, packages - copied
     # and every service docker-compose.yml runs is one of them
     doc = yaml.safe_load((ROOT / "docker-compose.yml").read_text(encoding="utf-8"))
-    modules = {svc["command"][0].split(".")[0] for name, svc in doc["services"].items() if name != "envoy"}
+    modules = {
+        svc["command"][0].split(".")[0]
+        for name, svc in doc["services"].items()
+        if name not in {"envoy", "prometheus", "grafana"}
+    }
     assert modules <= packages, modules - packages
 
 

@@ -136,8 +136,13 @@ def on_free_ports(doc: dict[str, Any], host: str = "127.0.0.1") -> dict[str, Any
     """The config document ``doc`` (modified in place and returned) with every address it listens on
     moved to a free port on ``host``: the gateway and its admin, the xDS server and its API, ext_proc and
     its metrics and settler (``meter_listen``), and each endpoint, so tests and benchmarks run a stack
-    beside another one. The ``advertise`` fields are dropped (each defaults to its moved address)."""
-    ports = iter(free_ports(7 + len(doc["endpoints"]), host))
+    beside another one; ``extra_listen``, ``extra_metrics_listen`` and ``extra_meter_listen`` entries move
+    too, all in one batch so no two addresses can get the same port. The ``advertise`` fields are dropped
+    (each defaults to its moved address)."""
+    lists = ("extra_listen", "extra_metrics_listen", "extra_meter_listen")
+    extras = [k for k in lists if doc["ext_proc"].get(k)]
+    n_extra = sum(len(doc["ext_proc"][k]) for k in extras)
+    ports = iter(free_ports(7 + n_extra + len(doc["endpoints"]), host))
     doc["gateway"]["listen"] = f"{host}:{next(ports)}"
     doc["gateway"]["admin"] = f"{host}:{next(ports)}"
     doc["xds"]["listen"] = f"{host}:{next(ports)}"
@@ -145,6 +150,8 @@ def on_free_ports(doc: dict[str, Any], host: str = "127.0.0.1") -> dict[str, Any
     doc["xds"]["api_listen"] = f"{host}:{next(ports)}"
     doc["ext_proc"]["metrics_listen"] = f"{host}:{next(ports)}"
     doc["ext_proc"]["meter_listen"] = f"{host}:{next(ports)}"
+    for key in extras:
+        doc["ext_proc"][key] = [f"{host}:{next(ports)}" for _ in doc["ext_proc"][key]]
     # the moved addresses are dialable as they are: drop advertised ones naming the old ports
     for section, key in (
         ("xds", "advertise"),

@@ -25,7 +25,7 @@ import requests
 from prometheus_client.parser import text_string_to_metric_families
 
 from inferlb.config.schema import Config, HostPort
-from inferlb.ops.stack import admin_get, free_ports
+from inferlb.ops.stack import admin_get, free_ports, on_free_ports
 from tests.conftest import make_config_doc, redis_or_skip
 from tests.e2e.conftest import RunningStack, chat_body, http_request, in_mode, started_stack
 from tests.e2e.test_extproc_accounting import process_samples, settlements
@@ -58,6 +58,7 @@ def metered_doc(processes: int, redis_url: str | None) -> dict[str, Any]:
             extra_metrics_listen=[f"127.0.0.1:{p}" for p in ports[extra : 2 * extra]],
             extra_meter_listen=[f"127.0.0.1:{p}" for p in ports[2 * extra :]],
         )
+        on_free_ports(doc)  # every port again in one batch: two separate batches may share a port
     return doc
 
 

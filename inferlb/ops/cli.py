@@ -36,6 +36,7 @@ from xds_server.bootstrap import ADS_MODES, render_bootstrap_yaml
 
 if TYPE_CHECKING:
     from inferlb.ops.agent import Agent
+    from inferlb.ops.top import TopSample
 
 EXIT_OK, EXIT_FAIL, EXIT_INPUT = 0, 1, 2
 
@@ -171,6 +172,33 @@ def cmd_status(args: argparse.Namespace, out: Console) -> int:
         return EXIT_FAIL if args.weights else EXIT_OK
     wrows = weight_rows(weights, host_rows(cfg, data, only_models=False))
     out.print(weights_table(wrows, str(weights.get("mode", "?"))))
+    return EXIT_OK
+
+
+def cmd_top(args: argparse.Namespace, out: Console) -> int:
+    """``inferlb top``: each GPU's in-flight load per unit of capacity over time, a live heat map
+    (:mod:`inferlb.ops.top`), from Envoy's admin ``/clusters`` and, when the xDS API answers, the GPUs' own
+    queues (``GET /v1/weights``). Exit 1 when Envoy's admin cannot be reached."""
+    from inferlb.ops.stack import clusters_json  # noqa: PLC0415
+    from inferlb.ops.status import host_rows, weight_rows  # noqa: PLC0415
+    from inferlb.ops.top import run_top, samples_from  # noqa: PLC0415
+
+    cfg = _load(args.config)
+
+    def sample() -> list[TopSample]:
+        data = clusters_json(cfg)
+        weights, _ = _fetch_weights(cfg, args)
+        wrows = weight_rows(weights, host_rows(cfg, data, only_models=False)) if weights else []
+        return samples_from(cfg, host_rows(cfg, data), wrows)
+
+    try:
+        run_top(sample, out, interval_s=args.interval, width=args.width, iterations=args.iterations)
+    except (OSError, urllib.error.URLError) as exc:
+        out.print(
+            f"[red]cannot reach Envoy admin at http://{cfg.gateway.admin}[/red]: {exc}\n"
+            "Is the stack up (`inferlb up`)?"
+        )
+        return EXIT_FAIL
     return EXIT_OK
 
 
@@ -557,6 +585,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     s.add_argument("--timeout", type=float, default=5.0, help="HTTP timeout of the xDS API (s)")
     s.set_defaults(fn=cmd_status)
+
+    t = sub.add_parser("top", help="each GPU's load over time, a live heat map (Ctrl-C ends it)")
+    _config_arg(t, positional=False)
+    t.add_argument("--interval", type=float, default=1.0, help="seconds between samples (default 1)")
+    t.add_argument("--width", type=int, default=60, help="samples shown per row (default 60)")
+    t.add_argument("--iterations", type=int, default=None, help="stop after this many samples")
+    t.add_argument("--url", default=None, help="xDS server API base URL (default: http://<xds.api_listen>)")
+    t.add_argument(
+        "--token", default=None, help=f"xDS API bearer token (default: ${XDS_API_TOKEN_ENV}, xds.api_token)"
+    )
+    t.add_argument("--timeout", type=float, default=2.0, help="HTTP timeout of the xDS API (s)")
+    t.set_defaults(fn=cmd_top)
 
     r = sub.add_parser("replay", help="replay a TIMESTAMP,ContextTokens,GeneratedTokens trace")
     r.add_argument("trace", nargs="?", default=None, help="CSV trace (default: the bundled Azure 2023 trace)")

@@ -261,3 +261,40 @@ def test_status_json_lists_every_endpoint(shared_stack: RunningStack) -> None:
     assert code == 0
     rows = json.loads(buf.getvalue())
     assert {r["name"] for r in rows} == {e.display_name for e in shared_stack.config.endpoints}
+
+
+def test_top_draws_every_endpoints_load_and_request_share(shared_stack: RunningStack) -> None:
+    """``inferlb top`` samples Envoy while requests flow: every endpoint has a row, and the request shares
+    of the model's endpoints over the window add up to the whole (the requests sent during it)."""
+    import contextlib  # noqa: PLC0415
+    import io  # noqa: PLC0415
+    import re  # noqa: PLC0415
+    import threading  # noqa: PLC0415
+
+    from inferlb.ops.cli import main  # noqa: PLC0415
+
+    model = shared_stack.config.models[0]
+    cluster = model.cluster_name(model.versions[0].name)
+    argv = ["top", "--config", str(shared_stack.config_path), "--iterations", "4", "--interval", "0.4"]
+    buf = io.StringIO()
+    codes: list[int] = []
+    with contextlib.redirect_stdout(buf):
+        top = threading.Thread(target=lambda: codes.append(main(argv)))
+        top.start()
+        for _ in range(200):  # requests until the last sample is taken (bounded)
+            assert shared_stack.chat(model.name).status == 200
+            if not top.is_alive():
+                break
+        top.join(timeout=30)
+    assert codes == [0]
+    out = buf.getvalue()
+    assert "in-flight requests per unit of capacity" in out
+    for e in shared_stack.config.endpoints:
+        assert e.display_name in out
+    # each row of the model's cluster: weight share, then request share (or '-' for none in the window)
+    shares = [
+        int(m.group(2))
+        for line in out.splitlines()
+        if cluster in line and (m := re.search(r"(\d+)%\s*│\s*(\d+)%", line))
+    ]
+    assert shares and 97 <= sum(shares) <= 103  # rounded to whole percents

@@ -6,9 +6,9 @@ Routes (what vLLM's OpenAI server answers, in its shapes):
 * ``POST /v1/chat/completions``, ``POST /v1/completions``: streamed (SSE) or not; exactly ``max_tokens``
   (``max_completion_tokens``, else the model's ``default_max_tokens``) tokens per choice, ``n`` choices per
   prompt, as vLLM with ``ignore_eos`` (or, with the simulation's ``x-gpusim-eos-after: N`` request header,
-  at most ``N``: the answer's own length under a larger cap, :data:`EOS_AFTER_HEADER`). Time to first token = queueing + prefill; then one token per engine
-  step. Errors are OpenAI JSON: 400 malformed body, 404 unknown model (vLLM also answers 404), 503 with
-  ``retry-after`` when the queue is full.
+  at most ``N``: the answer's own length under a larger cap, :data:`EOS_AFTER_HEADER`). Time to first
+  token = queueing + prefill; then one token per engine step. Errors are OpenAI JSON: 400 malformed body,
+  404 unknown model (vLLM also answers 404), 503 with ``retry-after`` when the queue is full.
 * ``POST /v1/responses`` (the Responses API): the same generation (``max_output_tokens``, else the model's
   ``default_max_tokens``; one output message), as a ``response`` object with ``usage.input_tokens`` /
   ``output_tokens``, or streamed as typed events ending in ``response.incomplete``

@@ -56,16 +56,12 @@ def stack(tmp_path_factory: pytest.TempPathFactory, request_path: str) -> Iterat
     for name, extra in options.items():
         la = {"long_output_tokens": 100, "fast_min_relative_capacity": 1.5, **extra}
         doc["models"].append({"name": name, "cluster": {"length_aware": la}})
-        for i, gpu in enumerate(("A100", "V100", "V100", "V100")):
-            doc["endpoints"].append(
-                {
-                    "name": f"{name}-{gpu.lower()}-{i}",
-                    "address": f"{LOOPBACK}:{next(ports)}",
-                    "model": name,
-                    "gpu": gpu,
-                    "simulated": True,
-                }
-            )
+        gpus = ("A100", "V100", "V100", "V100")
+        where = {f"{name}-{g.lower()}-{i}": (g, f"{LOOPBACK}:{next(ports)}") for i, g in enumerate(gpus)}
+        doc["endpoints"] += [
+            {"name": n, "address": a, "model": name, "gpu": g, "simulated": True}
+            for n, (g, a) in where.items()
+        ]
     with started_stack(tmp_path_factory.mktemp("predict"), doc) as rs:
         yield rs
 

@@ -8,7 +8,9 @@ holds 1.7 / 4.7 = 36% of the capacity:
 
 - ``pred``: ``predict_output`` and ``capacity_guard_factor: 1.5``;
 - ``plain``: neither (classes by the cap: everything is long, everything on the A100);
-- ``guard``: the guard alone.
+- ``guard``: the guard alone;
+- ``picked``: both options on a model whose endpoints the request path picks (``endpoint_picking: load``;
+  the picker's class hosts, not Envoy's subsets, confine it).
 
 Placement is read from gpusim's ``x-inferlb-gpu`` response header.
 """
@@ -32,7 +34,7 @@ from tests.e2e.test_extproc_accounting import metric_samples
 
 pytestmark = pytest.mark.e2e
 
-PRED, PLAIN, GUARD = "pred", "plain", "guard"
+PRED, PLAIN, GUARD, PICKED = "pred", "plain", "guard", "picked"
 CAP = 1024
 SHORT_ANSWER, LONG_ANSWER = 40, 150
 FACTOR = 1.5
@@ -51,11 +53,15 @@ def stack(tmp_path_factory: pytest.TempPathFactory, request_path: str) -> Iterat
         PRED: {"predict_output": True, "capacity_guard_factor": FACTOR},
         PLAIN: {},
         GUARD: {"capacity_guard_factor": FACTOR},
+        PICKED: {"predict_output": True, "capacity_guard_factor": FACTOR},
     }
     ports = iter(free_ports(4 * len(options)))
     for name, extra in options.items():
         la = {"long_output_tokens": 100, "fast_min_relative_capacity": 1.5, **extra}
-        doc["models"].append({"name": name, "cluster": {"length_aware": la}})
+        model: dict[str, Any] = {"name": name, "cluster": {"length_aware": la}}
+        if name == PICKED:
+            model["endpoint_picking"] = {"mode": "load"}
+        doc["models"].append(model)
         gpus = ("A100", "V100", "V100", "V100")
         where = {f"{name}-{g.lower()}-{i}": (g, f"{LOOPBACK}:{next(ports)}") for i, g in enumerate(gpus)}
         doc["endpoints"] += [
@@ -119,19 +125,24 @@ def fast_share(served: Counter[str]) -> float:
     return served["A100"] / sum(served.values())
 
 
-def test_predicted_classes_keep_the_fast_tier_within_its_capacity_share(stack: RunningStack) -> None:
+@pytest.mark.parametrize("model", [PRED, PICKED], ids=["envoy-subsets", "endpoint-picking"])
+def test_predicted_classes_keep_the_fast_tier_within_its_capacity_share(
+    stack: RunningStack, model: str
+) -> None:
     client = stack.openai_client()
     taught = 0
     for i in range(WARMUP):
-        ask(client, PRED, i)
+        ask(client, model, i)
         taught += answer_tokens(i)
-    settled(stack, PRED, taught)
-    served = placements(stack, PRED, WARMUP)
+    settled(stack, model, taught)
+    served = placements(stack, model, WARMUP)
     assert fast_share(served) <= FACTOR * FAST_SHARE, served
     assert {"A100", "V100"} <= set(served), served
-    # the answers decided the classes (the cold start's by the cap), and the reservation stayed the cap
-    assert counter(stack, "inferlb_length_class_decisions_total", model=PRED, source="prediction") >= N
-    assert counter(stack, "inferlb_length_class_decisions_total", model=PRED, source="cap") >= 1
+    # the answers decided the classes (the cold start's by the cap)
+    assert counter(stack, "inferlb_length_class_decisions_total", model=model, source="prediction") >= N
+    assert counter(stack, "inferlb_length_class_decisions_total", model=model, source="cap") >= 1
+    if model == PICKED:  # the picker chose every host
+        assert counter(stack, "inferlb_endpoint_picks_total", model=model, outcome="picked") >= WARMUP + N
 
 
 def test_a_conversation_with_long_answers_is_placed_on_the_fast_tier(stack: RunningStack) -> None:

@@ -410,10 +410,17 @@ def guard_class_hosts(
     """The class (of ``classes``, longest first, or :data:`SHORT`) a request of class ``name`` is picked
     in under the capacity guard, from the book's endpoint states of ``cluster`` at ``now``; ``name`` when
     the book has no state for the cluster or the class is not among ``classes``."""
-    states = state.book.states(cluster, now)
-    if states is None or name not in classes:
+    if name not in classes:
         return name
-    sets, fleet = set_loads(states, [state.book.class_hosts(cluster, c) for c in classes])
+    hosts = [state.book.class_hosts(cluster, c) for c in classes]
+    columns = state.book.columns(cluster, now)
+    if columns is not None:  # a large cluster: summed over its columns, not its endpoint states
+        sets, fleet = [columns.set_load(h) for h in hosts], columns.set_load(None)
+    else:
+        states = state.book.states(cluster, now)
+        if states is None:
+            return name
+        sets, fleet = set_loads(states, hosts)
     k = guarded_class(sets, fleet, classes.index(name), factor)
     return classes[k] if k < len(classes) else SHORT
 

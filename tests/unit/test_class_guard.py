@@ -7,6 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from inferlb.policy.class_guard import SetLoad, guarded_class, nested_class_loads, set_loads, within_bound
+from inferlb.policy.columnar import FleetColumns
 from inferlb.policy.picker import EndpointState
 
 FLEET_CAPACITY = 10.0
@@ -81,3 +82,29 @@ def test_the_chosen_set_is_within_bound_or_the_request_is_short(
         heavier = [*sets]
         heavier[k] = SetLoad(load=sets[k].load + 1, capacity=sets[k].capacity)
         assert guarded_class(heavier, fleet, start, factor) >= k
+
+
+_endpoints = st.lists(
+    st.builds(
+        EndpointState,
+        address=st.sampled_from([f"10.0.0.{i}:80" for i in range(12)]),
+        weight=st.sampled_from([0.0, 1.0, 10.0, 34.0]),
+        healthy=st.booleans(),
+        in_flight=st.integers(0, 40),
+        waiting=st.floats(0, 20),
+    ),
+    min_size=1,
+    max_size=12,
+    unique_by=lambda e: e.address,
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(_endpoints, st.sets(st.sampled_from([f"10.0.0.{i}:80" for i in range(14)])))
+def test_the_columns_sum_a_set_as_the_endpoint_states_do(
+    endpoints: list[EndpointState], hosts: set[str]
+) -> None:
+    columns = FleetColumns(endpoints)
+    (by_states,), fleet = set_loads(endpoints, [hosts])
+    for got, want in ((columns.set_load(hosts), by_states), (columns.set_load(None), fleet)):
+        assert (got.load, got.capacity) == pytest.approx((want.load, want.capacity))

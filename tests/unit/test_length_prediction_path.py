@@ -21,6 +21,7 @@ from ext_proc.picking import Picked, PickingState, choose
 from ext_proc.state import ExtProcState
 from inferlb.config.schema import Config, parse_config
 from inferlb.errors import ConfigError
+from inferlb.policy.columnar import COLUMNAR_MIN_ENDPOINTS
 from inferlb.policy.endpoint_book import parse_picking_state
 from inferlb.policy.quota import Admitted, MemoryQuotaStore, QuotaBook, limits_from_config
 from inferlb.policy.settlement import MeterEntry
@@ -215,3 +216,28 @@ async def test_the_ext_authz_settler_releases_the_class_and_teaches_the_predicto
     # every hold released; eight metered answers taught (the unmetered one did not)
     assert state.length.in_flight() == {}
     assert state.length.decide(cfg, prepared(cfg, max_tokens=None), "v1").length_class == "short"
+
+
+def test_the_picker_guard_of_a_large_cluster_runs_over_its_columns() -> None:
+    """A cluster of COLUMNAR_MIN_ENDPOINTS or more is picked over columns: the guard sums those."""
+    cfg = config({"capacity_guard_factor": 1.5}, picking=True)
+    fast = [f"10.1.0.{i}:80" for i in range(8)]
+    slow = [f"10.2.0.{i}:80" for i in range(COLUMNAR_MIN_ENDPOINTS)]
+    rows = [
+        {"address": a, "weight": w, "healthy": True, "waiting": 0, "kv_usage": 0, "telemetry_age_ms": 0,
+         "length_classes": c}
+        for group, w, c in ((fast, 34, ["long"]), (slow, 10, []))
+        for a in group
+    ]  # fmt: skip
+    picking = PickingState(salt=b"test")
+    picking.book.update(parse_picking_state({"clusters": {CLUSTER: rows}, "stale_after_ms": 1e9}), now=0.0)
+    assert picking.book.columns(CLUSTER, 0.0) is not None
+    hosts = []
+    for _ in range(400):  # nothing settles: the fast set fills to its bound, then the class spills
+        out = choose(picking, prepared(cfg, max_tokens=1024), CLUSTER, ExtProcMetrics(), now=0.0)
+        assert isinstance(out, Picked), out
+        hosts.append(out.hosts[0])
+    on_fast = sum(h in fast for h in hosts)
+    share = 8 * 34 / (8 * 34 + COLUMNAR_MIN_ENDPOINTS * 10)
+    assert on_fast <= 1.5 * share * 400 + 1
+    assert hosts[0] in fast

@@ -69,8 +69,10 @@ class LengthState:
         self.metrics = metrics
         self.predictor = predictor if predictor is not None else OutputPredictor()
         self._in_flight: dict[tuple[str, str], int] = {}
-        self._capacities: dict[tuple[int, str, str], tuple[tuple[float, ...], float]] = {}
-        self._config_id = 0
+        #: (model, version) -> class_capacities() of the config ``_config`` (held, so its identity is not
+        #: reused by a later config)
+        self._capacities: dict[tuple[str, str], tuple[tuple[float, ...], float]] = {}
+        self._config: Config | None = None
 
     def in_flight(self) -> Mapping[tuple[str, str], int]:
         """``{(cluster, class): requests held}`` of the pairs with any."""
@@ -121,10 +123,10 @@ class LengthState:
     def _guard(self, config: Config, model: ModelConfig, version: str, name: str, factor: float) -> str:
         assert model.cluster.length_aware is not None
         classes = [c.name for c in confined_classes(model.cluster.length_aware)]
-        if id(config) != self._config_id:
+        if config is not self._config:
             self._capacities.clear()
-            self._config_id = id(config)
-        cache_key = (id(config), model.name, version)
+            self._config = config
+        cache_key = (model.name, version)
         capacities = self._capacities.get(cache_key)
         if capacities is None:
             capacities = self._capacities[cache_key] = class_capacities(config, model, version)

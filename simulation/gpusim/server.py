@@ -111,7 +111,8 @@ GPU_HEADER: Final = "x-inferlb-gpu"
 #: Request header of the simulation (never a model server's): the simulated model emits its end of
 #: sequence after this many tokens per choice, so the answer is ``min(cap, this)`` tokens long; without
 #: it every answer fills its cap (vLLM with ``ignore_eos``). Lets tests send clients' uninformative caps
-#: with answers of their own length, as real traffic has.
+#: with answers of their own length, as real traffic has. ``finish_reason`` stays "length" either way
+#: (the simulation does not tell an end of sequence from the cap).
 EOS_AFTER_HEADER: Final = "x-gpusim-eos-after"
 #: How many inference requests' headers ``GET /sim/requests`` keeps (the newest).
 RECORDED_REQUESTS: Final = 64

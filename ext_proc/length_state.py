@@ -29,11 +29,12 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 import msgspec
+from prometheus_client import Counter
 
 from ext_proc.handlers import PreparedRequest
 from ext_proc.metrics import ExtProcMetrics
 from inferlb.config.schema import Config, ModelConfig
-from inferlb.policy.affinity import prefix_key
+from inferlb.policy.affinity import conversation_opening
 from inferlb.policy.class_guard import ClassHold, guarded_class, nested_class_loads
 from inferlb.policy.length_aware import SHORT, confined_classes, length_class
 from inferlb.policy.output_predictor import LengthQuery, OutputPredictor, PredictionKey
@@ -69,6 +70,7 @@ class LengthState:
         self.metrics = metrics
         self.predictor = predictor if predictor is not None else OutputPredictor()
         self._in_flight: dict[tuple[str, str], int] = {}
+        self._decided: dict[tuple[str, str, str], Counter] = {}
         #: (model, version) -> class_capacities() of the config ``_config`` (held, so its identity is not
         #: reused by a later config)
         self._capacities: dict[tuple[str, str], tuple[tuple[float, ...], float]] = {}
@@ -80,10 +82,15 @@ class LengthState:
 
     def query(self, prepared: PreparedRequest) -> LengthQuery:
         """What the predictor is asked about ``prepared``: its key (tenant, model, endpoint kind), prompt
-        tokens, conversation (the session header, else ``user``, else the conversation opening's digest)
+        tokens, conversation (the session header, else ``user``, else a hash of a chat's opening)
         and per-choice cap."""
         request = prepared.request
-        conversation = prepared.pending.session or request.user or prefix_key(request)
+        conversation = prepared.pending.session or request.user
+        if conversation is None and request.messages:
+            # the conversation's opening names it (later turns repeat it); Python's hash suffices (and costs
+            # a tenth of a digest): the predictor lives and dies with this process
+            opening = conversation_opening(request.messages)
+            conversation = f"opening:{hash(opening):x}" if opening else None
         return LengthQuery(
             key=PredictionKey(
                 tenant=prepared.pending.tenant.name, model=prepared.model.name, kind=request.kind.value
@@ -111,7 +118,12 @@ class LengthState:
             tokens = estimate.output_tokens
             source = "prediction" if estimate.predicted else "cap"
         name = length_class(tokens, policy)
-        self.metrics.length_class_decisions.labels(model.name, name, source).inc()
+        decided = self._decided.get((model.name, name, source))
+        if decided is None:  # labels() validates and locks on every call: keep the children
+            decided = self._decided[model.name, name, source] = self.metrics.length_class_decisions.labels(
+                model.name, name, source
+            )
+        decided.inc()
         factor = policy.capacity_guard_factor
         if factor is not None and name != SHORT and not model.endpoint_picking.enabled:
             guarded = self._guard(config, model, version, name, factor)

@@ -13,9 +13,9 @@ What it learns, per **key** ``(tenant, model, endpoint kind)`` (:class:`Predicti
 * a decayed quantile sketch of the per-choice completion length (:class:`DecayedSketch`), for the key as a
   whole and per prompt-length bucket (:func:`prompt_bucket`: powers of four of the prompt's tokens; a
   long document to summarise and a short question of one client answer differently);
-* the last completions of each **conversation** (the session header, else the ``user`` field, else a digest
-  of the conversation's opening: :func:`inferlb.policy.affinity.prefix_key`), the strongest signal: a
-  conversation that writes code goes on writing code;
+* the last completions of each **conversation** (the caller's id: the session header, else the ``user``
+  field, else a hash of a chat's opening messages, :func:`inferlb.policy.affinity.conversation_opening`,
+  which later turns repeat), the strongest signal: a conversation that writes code goes on writing code;
 * the last caps the key sent, to tell when its cap carries no information (:meth:`OutputPredictor
   .cap_uninformative`).
 
@@ -66,9 +66,11 @@ from __future__ import annotations
 
 import math
 from array import array
+from bisect import bisect_left
 from collections import OrderedDict, deque
 from dataclasses import dataclass
-from typing import Final
+from itertools import accumulate
+from typing import Final, NamedTuple
 
 #: Default classing quantile (see the module docstring for why).
 DEFAULT_QUANTILE: Final = 0.75
@@ -98,19 +100,9 @@ _EDGES: Final[tuple[int, ...]] = _bin_edges()
 
 
 def bin_of(tokens: int) -> int:
-    """The sketch bin of a completion of ``tokens`` (>= 0): the first whose upper edge is at least it."""
-    if tokens <= _EDGES[0]:
-        return 0
-    lo, hi = 0, SKETCH_BINS - 1
-    if tokens >= _EDGES[hi]:
-        return hi
-    while hi - lo > 1:  # _EDGES[lo] < tokens <= _EDGES[hi]
-        mid = (lo + hi) // 2
-        if _EDGES[mid] < tokens:
-            lo = mid
-        else:
-            hi = mid
-    return hi
+    """The sketch bin of a completion of ``tokens`` (>= 0): the first whose upper edge is at least it (the
+    last for anything larger)."""
+    return min(bisect_left(_EDGES, tokens), SKETCH_BINS - 1)
 
 
 def bin_upper(index: int) -> int:
@@ -138,7 +130,7 @@ class DecayedSketch:
         ValueError: ``half_life`` not > 0.
     """
 
-    __slots__ = ("_growth", "_next", "_weights", "count", "total")
+    __slots__ = ("_cumulative", "_growth", "_next", "_weights", "count", "total")
 
     def __init__(self, half_life: float) -> None:
         if not half_life > 0:
@@ -146,6 +138,8 @@ class DecayedSketch:
         self._growth = 2.0 ** (1.0 / half_life)
         self._weights = array("d", bytes(8 * SKETCH_BINS))
         self._next = 1.0
+        #: the running sums of the weights, computed at the first quantile after an add
+        self._cumulative: list[float] | None = None
         #: summed weight of every bin
         self.total = 0.0
         #: observations taken (not decayed), for the minimum-sample rule
@@ -154,6 +148,7 @@ class DecayedSketch:
     def add(self, tokens: int) -> None:
         """Take one completion of ``tokens`` (>= 0; larger than :data:`SKETCH_MAX_TOKENS` counts there)."""
         w = self._next
+        self._cumulative = None
         self._weights[bin_of(max(0, tokens))] += w
         self.total += w
         self.count += 1
@@ -170,16 +165,12 @@ class DecayedSketch:
         None when empty."""
         if self.count == 0:
             return None
-        need = q * self.total
-        acc = 0.0
-        last = 0
-        for i, w in enumerate(self._weights):
-            if w > 0:
-                last = i
-                acc += w
-                if acc >= need * (1 - 1e-12):
-                    return _EDGES[i]
-        return _EDGES[last]
+        cumulative = self._cumulative
+        if cumulative is None:
+            cumulative = self._cumulative = list(accumulate(self._weights))
+        # the relative slack absorbs the rounding of the running sum (q = 1 must reach the last bin in use)
+        i = bisect_left(cumulative, q * cumulative[-1] * (1 - 1e-12))
+        return _EDGES[min(i, SKETCH_BINS - 1)]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -223,10 +214,10 @@ class PredictorParams:
             raise ValueError(f"completion_spread must be > 1, got {self.completion_spread}")
 
 
-@dataclass(frozen=True, kw_only=True, slots=True)
-class PredictionKey:
+class PredictionKey(NamedTuple):
     """Whose completions a prediction learns from: one tenant's requests to one model on one endpoint kind
-    (``chat.completions``, ``completions``, ``responses``)."""
+    (``chat.completions``, ``completions``, ``responses``). A named tuple: it keys the predictor's dicts
+    on every request, and a tuple hashes and compares in C."""
 
     tenant: str
     model: str
@@ -240,7 +231,7 @@ class LengthQuery:
     Attributes:
         key: its :class:`PredictionKey`.
         prompt_tokens: its counted prompt (tokens, >= 0).
-        conversation: its conversation id (session header, ``user``, or the opening's digest), or None.
+        conversation: its conversation id (session header, ``user``, or a chat's opening), or None.
         cap: the per-choice output cap the request set (tokens), None when it set none.
         default_cap: the model's ``default_max_tokens`` (tokens), what stands in for a missing cap.
         width: choices it generates (``n`` x prompts, >= 1).

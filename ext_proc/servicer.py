@@ -815,8 +815,8 @@ class ExternalProcessor(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc
             ex.picked = None
         if ex.length is not None:
             # only a reported usage teaches the predictor: a count or the reservation is not the answer's
-            reported = usage is not None and usage.source is UsageSource.REPORTED
-            self.state.length.release(ex.length, usage.completion_tokens if reported and usage else None)
+            reported = usage if usage is not None and usage.source is UsageSource.REPORTED else None
+            self.state.length.release(ex.length, None if reported is None else reported.completion_tokens)
             ex.length = None
         used = admitted.tokens if usage is None else usage.total_tokens
         metrics = self.state.metrics

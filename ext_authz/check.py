@@ -238,6 +238,7 @@ class CheckService:
         if isinstance(prepared, handlers.ImmediateReply):
             return self._refuse(prepared, first.pending.tenant.name, "")
         version = handlers.pick_version(gateway, prepared, state.rng)
+        prepared = state.length.decide(gateway.config, prepared, version)
         held = self._shed_or_hold(prepared, version)
         if isinstance(held, CheckAnswer):
             return held
@@ -264,7 +265,7 @@ class CheckService:
             self._release(held, picked)
             raise
         if isinstance(decision, Admitted):
-            metered = self._metered(prepared, decision, answer, held, picked)
+            metered = self._metered(prepared, decision, answer, held, picked, version=version)
             if metered is not None:
                 return metered
             self._release(held, picked)
@@ -289,6 +290,7 @@ class CheckService:
             if isinstance(prepared, handlers.ImmediateReply):
                 return self._refuse(prepared, pending.tenant.name, "")
             version = handlers.pick_version(gateway, prepared, state.rng)
+            prepared = state.length.decide(gateway.config, prepared, version)
             held = self._shed_or_hold(prepared, version)
             if isinstance(held, CheckAnswer):
                 return held
@@ -375,7 +377,7 @@ class CheckService:
                 self._release(held, picked)
                 raise
             metered = (
-                self._metered(prepared, decision, answer, held, picked)
+                self._metered(prepared, decision, answer, held, picked, version=version)
                 if isinstance(decision, Admitted)
                 else None
             )
@@ -401,13 +403,17 @@ class CheckService:
         answer: CheckAnswer,
         held: str | None,
         picked: Picked | None = None,
+        *,
+        version: str,
     ) -> CheckAnswer | None:
         """``answer`` with the request's meter id when its reservation waits for Envoy's access-log entry
         (a meter is set, ``account_responses`` is on, the request goes upstream); None when the caller
         settles the reservation at once (and releases ``held``). A degraded admission (the Redis store
         failing open) is metered too: its settlement changes nothing in the store, but its end leaves the
-        in-flight count ``held`` (the cluster :meth:`_shed_or_hold` counted it on) and the endpoint count
-        ``picked`` holds (:meth:`_pick`)."""
+        in-flight count ``held`` (the cluster :meth:`_shed_or_hold` counted it on), the endpoint count
+        ``picked`` holds (:meth:`_pick`) and its length class's count on ``version``'s cluster
+        (:meth:`ext_proc.length_state.LengthState.hold`, released with the predictor taught by
+        :mod:`ext_authz.meter`)."""
         meter = self.meter
         if meter is None or answer.status != 200:
             return None
@@ -419,6 +425,7 @@ class CheckService:
             prompt_tokens=prepared.prompt_tokens,
             in_flight=held,
             picked=None if picked is None else picked.held,
+            length=self.state.length.hold(prepared, prepared.model.cluster_name(version)),
         )
         return CheckAnswer(status=200, headers=(*answer.headers, (h.METER, meter_id)))
 

@@ -54,6 +54,7 @@ from collections.abc import Callable
 from typing import Final
 
 from ext_proc.state import ExtProcState
+from inferlb.policy.class_guard import ClassHold
 from inferlb.policy.quota import Admitted, MemoryQuotaStore, lease_ttl_s
 from inferlb.policy.settlement import (
     MeterEntry,
@@ -117,12 +118,14 @@ class Meter:
         prompt_tokens: int,
         in_flight: str | None = None,
         picked: str | None = None,
+        length: ClassHold | None = None,
     ) -> str:
         """Record an admitted request; returns its meter id (for the check answer's
         :data:`~inferlb.request.headers.METER` header). ``in_flight``: the cluster whose count in
         ``state.in_flight`` the request already holds (low-priority shedding); ``picked``: the endpoint
-        whose count in ``state.picking.book`` it holds (endpoint picking); its settlement, whatever
-        settles it, leaves both counts."""
+        whose count in ``state.picking.book`` it holds (endpoint picking); ``length``: its length class's
+        hold (:mod:`ext_proc.length_state`); its settlement, whatever settles it, leaves every count, and a
+        metered usage teaches the output predictor."""
         self._next += 1
         meter_id = f"{self._nonce}-{self._next}"
         self.ledger.ttl_s = ledger_ttl_s(lease_ttl_s(self.state.gateway.config))
@@ -134,6 +137,7 @@ class Meter:
             now=self.clock(),
             in_flight=in_flight,
             picked=picked,
+            length=length,
         )
         return meter_id
 
@@ -160,6 +164,11 @@ class Meter:
             self.state.in_flight.leave(s.reserved.in_flight)
         if s.reserved.picked is not None:
             self.state.picking.leave(s.reserved.picked)
+        if s.reserved.length is not None:
+            # only a reported usage teaches the output predictor: a count or the reservation is not the
+            # answer's length
+            completion = s.completion_tokens if s.outcome is Outcome.METERED else None
+            self.state.length.release(s.reserved.length, completion)
         metrics = self.state.metrics
         admitted = s.reserved.admitted
         metrics.meter_settlements.labels(s.outcome.value).inc()

@@ -41,6 +41,7 @@ from inferlb.config.schema import Config, EndpointPicking, ModelConfig, TenantCo
 from inferlb.errors import RequestError
 from inferlb.policy.affinity import HASH_LB_POLICIES, NO_KEYS, affinity_keys
 from inferlb.policy.length_aware import length_class
+from inferlb.policy.output_predictor import LengthQuery
 from inferlb.policy.quota import Admitted, Limit, QuotaBook, Refused
 from inferlb.policy.routing import (
     RoutingTable,
@@ -144,6 +145,13 @@ class PreparedRequest(msgspec.Struct, frozen=True, kw_only=True):
     #: the prompt's block keys for the endpoint picker's prefix index (:func:`picking_block_keys`); empty
     #: unless the model picks in mode ``approximate`` or ``precise``.
     block_keys: tuple[int, ...] = ()
+    #: its length class (``x-inferlb-length-class``) as the request path decided it
+    #: (:meth:`ext_proc.length_state.LengthState.decide`: the cap or the predicted output, then the
+    #: capacity guard); None: not decided, :func:`route` and the picker class it by its cap.
+    length_class: str | None = None
+    #: what the output predictor was asked about it, for its settlement to teach the answer (None when
+    #: the model does not predict).
+    length_query: LengthQuery | None = None
 
 
 class ContinueRequest(msgspec.Struct, frozen=True, kw_only=True):
@@ -668,8 +676,12 @@ def route(
     length_aware = prepared.model.cluster.length_aware
     if length_aware is not None:
         # the whole output cap (x n x prompts, as admission reserves): n choices share one GPU's batch
-        cap = prepared.request.output_token_cap(prepared.model.default_max_tokens)
-        headers = (*headers, (h.LENGTH_CLASS, length_class(cap, length_aware)))
+        name = prepared.length_class
+        if name is None:
+            name = length_class(
+                prepared.request.output_token_cap(prepared.model.default_max_tokens), length_aware
+            )
+        headers = (*headers, (h.LENGTH_CLASS, name))
     if destination is not None:
         # Envoy's override_host policy of the model's clusters reads it (and ext_proc's envoy.lb metadata)
         headers = (*headers, (h.DESTINATION_ENDPOINT, destination))

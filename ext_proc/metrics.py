@@ -114,6 +114,19 @@ class ExtProcMetrics:
             ("model", "outcome"),
             registry=r,
         )
+        self.length_class_decisions = Counter(
+            "inferlb_length_class_decisions",
+            "Requests of length-aware models by the length class decided and what decided it: the output "
+            "cap or the output-length prediction (before the capacity guard)",
+            ("model", "length_class", "source"),
+            registry=r,
+        )
+        self.length_class_spills = Counter(
+            "inferlb_length_class_spills",
+            "Requests of length-aware models the capacity guard sent to a wider length class than their own",
+            ("model", "from_class", "to_class"),
+            registry=r,
+        )
         self.endpoint_queue_waits = Histogram(
             "inferlb_endpoint_queue_wait_seconds",
             "Time waited in a model's fair queue for an endpoint with room, by outcome",

@@ -102,12 +102,13 @@ from ext_proc.metrics import ExtProcMetrics
 from inferlb.adapters.kv_events import KvEventsCollector, KvEventSubscriber
 from inferlb.config.schema import Config, EndpointPicking, ModelConfig, PickingQueue, Priority
 from inferlb.errors import RequestError
+from inferlb.policy.class_guard import guarded_class, set_loads
 from inferlb.policy.columnar import FleetColumns
 from inferlb.policy.endpoint_book import BookedEndpoint, EndpointBook, parse_picking_state
 from inferlb.policy.fair_queue import BAND_DEFAULT, BAND_HIGH, BAND_LOW
 from inferlb.policy.fair_wait import FairWaiters, QueueFull, Waiter
 from inferlb.policy.kv_index import PreciseKvIndex
-from inferlb.policy.length_aware import SHORT, length_class
+from inferlb.policy.length_aware import SHORT, confined_classes, length_class
 from inferlb.policy.picker import (
     EndpointState,
     NoEligibleEndpoint,
@@ -361,20 +362,67 @@ def no_eligible_endpoint(model: str, why: str) -> ImmediateReply:
     )
 
 
-def class_hosts(state: PickingState, prepared: PreparedRequest, cluster: str) -> frozenset[str] | None:
+def class_hosts(
+    state: PickingState,
+    prepared: PreparedRequest,
+    cluster: str,
+    *,
+    now: float | None = None,
+    metrics: ExtProcMetrics | None = None,
+) -> frozenset[str] | None:
     """The hosts of ``cluster`` that may serve ``prepared``'s length class, for a length-aware model
-    (:mod:`inferlb.policy.length_aware`: the class of its whole output cap, as its
-    ``x-inferlb-length-class`` header names it), from the book's ``length_classes``; None (every host)
+    (:mod:`inferlb.policy.length_aware`: the class the request path decided,
+    :attr:`~ext_proc.handlers.PreparedRequest.length_class`, else the class of its whole output cap, as
+    its ``x-inferlb-length-class`` header names it), from the book's ``length_classes``; None (every host)
     for a model that is not length-aware and for a short request. A confined class no host may serve now
     (no fast GPU in the cluster) is None too: Envoy's subsets fall back to every endpoint then
-    (``ANY_ENDPOINT``), and so does the pick."""
+    (``ANY_ENDPOINT``), and so does the pick.
+
+    With ``length_aware.capacity_guard_factor`` and ``now`` (monotonic s) the capacity guard
+    (:func:`inferlb.policy.class_guard.guarded_class`) runs over the book's endpoint states (this process's
+    in flight plus the servers' queues, capacity = EDS weight): a class whose hosts are loaded past the
+    factor over the fleet spills to the next wider class's hosts, or to every host; ``metrics`` counts the
+    spill."""
     policy = prepared.model.cluster.length_aware
     if policy is None:
         return None
-    name = length_class(prepared.request.output_token_cap(prepared.model.default_max_tokens), policy)
+    name = prepared.length_class
+    if name is None:
+        name = length_class(prepared.request.output_token_cap(prepared.model.default_max_tokens), policy)
     if name == SHORT:
         return None
+    factor = policy.capacity_guard_factor
+    if factor is not None and now is not None:
+        guarded = guard_class_hosts(
+            state, cluster, name, [c.name for c in confined_classes(policy)], factor=factor, now=now
+        )
+        if guarded != name and metrics is not None:
+            metrics.length_class_spills.labels(prepared.model.name, name, guarded).inc()
+        if guarded == SHORT:
+            return None
+        name = guarded
     return state.book.class_hosts(cluster, name) or None
+
+
+def guard_class_hosts(
+    state: PickingState, cluster: str, name: str, classes: list[str], *, factor: float, now: float
+) -> str:
+    """The class (of ``classes``, longest first, or :data:`SHORT`) a request of class ``name`` is picked
+    in under the capacity guard, from the book's endpoint states of ``cluster`` at ``now``; ``name`` when
+    the book has no state for the cluster or the class is not among ``classes``."""
+    if name not in classes:
+        return name
+    hosts = [state.book.class_hosts(cluster, c) for c in classes]
+    columns = state.book.columns(cluster, now)
+    if columns is not None:  # a large cluster: summed over its columns, not its endpoint states
+        sets, fleet = [columns.set_load(h) for h in hosts], columns.set_load(None)
+    else:
+        states = state.book.states(cluster, now)
+        if states is None:
+            return name
+        sets, fleet = set_loads(states, hosts)
+    k = guarded_class(sets, fleet, classes.index(name), factor)
+    return classes[k] if k < len(classes) else SHORT
 
 
 def saturated(endpoint: EndpointState, settings: PickingQueue) -> bool:
@@ -484,12 +532,14 @@ class PickQueue:
                 self.waiters.take_head(None, "no_state")
                 continue
             # room within the head's length class: room elsewhere could not take it
-            allowed = class_hosts(self.state, head.prepared, head.cluster)
+            allowed = class_hosts(self.state, head.prepared, head.cluster, now=now)
             healthy = [s for s in states if s.healthy and (allowed is None or s.address in allowed)]
             room = [s for s in healthy if not saturated(s, self.settings)]
             if healthy and not room:
                 return
-            self.waiters.take_head(_pick(self.state, head.prepared, head.cluster, room or states), "admitted")
+            self.waiters.take_head(
+                _pick(self.state, head.prepared, head.cluster, room or states, now=now), "admitted"
+            )
 
     def _expired(self, waiter: PickWaiter) -> PickDecision:
         return queue_timeout(self.model, self.settings.max_wait_ms)
@@ -537,7 +587,7 @@ def choose(
     columns = state.book.columns(cluster, now)
     queue = state.queue(model)
     if columns is not None and queue is None:
-        return _pick(state, prepared, cluster, columns, metrics)
+        return _pick(state, prepared, cluster, columns, metrics, now=now)
     states = state.book.states(cluster, now)
     if states is None:
         metrics.endpoint_picks.labels(model.name, "no_state").inc()
@@ -545,7 +595,7 @@ def choose(
     queue = state.queue(model)
     if queue is not None:
         # room within the request's length class: room elsewhere could not take it
-        allowed = class_hosts(state, prepared, cluster)
+        allowed = class_hosts(state, prepared, cluster, now=now)
         healthy = [s for s in states if s.healthy and (allowed is None or s.address in allowed)]
         room = [s for s in healthy if not saturated(s, queue.settings)]
         if healthy and (not room or len(queue)):
@@ -559,9 +609,10 @@ def choose(
             return waiter
         if room:
             if columns is not None:  # the same eligible endpoints, over the columns
-                return _pick(state, prepared, cluster, columns, metrics, subset={s.address for s in room})
+                subset = {s.address for s in room}
+                return _pick(state, prepared, cluster, columns, metrics, subset=subset, now=now)
             states = room
-    return _pick(state, prepared, cluster, columns if columns is not None else states, metrics)
+    return _pick(state, prepared, cluster, columns if columns is not None else states, metrics, now=now)
 
 
 def _pick(
@@ -572,6 +623,7 @@ def _pick(
     metrics: ExtProcMetrics | None = None,
     *,
     subset: set[str] | None = None,
+    now: float | None = None,
 ) -> Picked | ImmediateReply:
     model = prepared.model
     picking = model.endpoint_picking
@@ -585,7 +637,7 @@ def _pick(
     source = state.source(model)
     keys = prepared.block_keys
     matched = source.index.matched_blocks(keys, addresses) if keys else None
-    hosts_of_class = class_hosts(state, prepared, cluster)
+    hosts_of_class = class_hosts(state, prepared, cluster, now=now, metrics=metrics)
     try:
         hosts = score(
             prompt_blocks=len(keys),

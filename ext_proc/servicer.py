@@ -63,6 +63,7 @@ from ext_proc import handlers
 from ext_proc.picking import PickWaiter, choose, wait_for_pick
 from ext_proc.state import OFFLOAD_BODY_BYTES, ExtProcState
 from inferlb.config.schema import GatewayConfig
+from inferlb.policy.class_guard import ClassHold
 from inferlb.policy.quota import Admitted, Refused
 from inferlb.policy.settlement import COMPLETION_TOKENS_KEY, PROMPT_TOKENS_KEY, USAGE_NAMESPACE
 from inferlb.policy.shedding import counted
@@ -410,6 +411,7 @@ class _Exchange:
         "decided",
         "in_flight",
         "late_body_logged",
+        "length",
         "meter",
         "model",
         "passthrough",
@@ -435,6 +437,8 @@ class _Exchange:
         self.in_flight: str | None = None
         #: the endpoint whose in-flight count of endpoint picking this request holds until it is settled
         self.picked: str | None = None
+        #: the length class's in-flight hold of a length-aware model's request, released at its settlement
+        self.length: ClassHold | None = None
         #: the request body was answered: a body message after it is late (ignored, never re-admitted)
         self.body_seen = False
         self.late_body_logged = False
@@ -657,6 +661,7 @@ class ExternalProcessor(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc
             )
         version = handlers.pick_version(gateway, prepared, state.rng)
         cluster = prepared.model.cluster_name(version)
+        prepared = state.length.decide(gateway.config, prepared, version)
         held: str | None = None
         if cluster in gateway.low_priority_limits and counted(pending.tenant.priority):
             shed = handlers.shed_low_priority(gateway, prepared, cluster, state.in_flight.get(cluster))
@@ -703,6 +708,7 @@ class ExternalProcessor(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc
         ex.in_flight = held
         ex.picked = None if picked is None else picked.held
         ex.model = prepared.model.name
+        ex.length = state.length.hold(prepared, cluster)
         cont = handlers.route(
             gateway,
             prepared,
@@ -807,6 +813,11 @@ class ExternalProcessor(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc
         if ex.picked is not None:
             self.state.picking.leave(ex.picked)
             ex.picked = None
+        if ex.length is not None:
+            # only a reported usage teaches the predictor: a count or the reservation is not the answer's
+            reported = usage if usage is not None and usage.source is UsageSource.REPORTED else None
+            self.state.length.release(ex.length, None if reported is None else reported.completion_tokens)
+            ex.length = None
         used = admitted.tokens if usage is None else usage.total_tokens
         metrics = self.state.metrics
         tenant, model = admitted.tenant, ex.model

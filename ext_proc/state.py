@@ -11,6 +11,7 @@ import time
 from collections.abc import Callable
 
 from ext_proc import handlers
+from ext_proc.length_state import LengthState
 from ext_proc.metrics import ExtProcMetrics
 from ext_proc.picking import PickingState
 from inferlb.config.schema import Config
@@ -37,6 +38,8 @@ class ExtProcState:
         in_flight: DEFAULT-priority requests admitted and not ended, per cluster (kept across reloads).
         picking: endpoint picking's live endpoint state and in-flight counts per endpoint
             (:mod:`ext_proc.picking`; kept across reloads).
+        length: the output predictor and in-flight counts per length class (:mod:`ext_proc.length_state`;
+            kept across reloads).
     """
 
     def __init__(
@@ -60,6 +63,7 @@ class ExtProcState:
         self.in_flight = InFlight()
         self.picking = PickingState()
         self.picking.metrics = self.metrics
+        self.length = LengthState(self.metrics)
 
     def apply_config(self, config: Config) -> None:
         """Serve ``config`` from now on; quota state of tenants whose limits did not change is kept.

@@ -9,7 +9,8 @@ Shape (see README "Config reference" and ``examples/local.yaml``)::
     gpu_profiles: {H100: {relative_capacity: 3.4, ...}, ...}
     models:     [{name, aliases, context_length, versions: [{name, traffic_percent}],
                   cluster: {lb_policy, ..., length_aware: {long_output_tokens, fast_min_relative_capacity,
-                                 tiers: [{above_output_tokens, min_relative_capacity}]}},
+                                 tiers: [{above_output_tokens, min_relative_capacity}],
+                                 predict_output, capacity_guard_factor}},
                   endpoint_picking: {mode: off|load|approximate|precise, weights: {...}, block_size}}]
     endpoints:  [{address, model, version, gpu, region, zone, simulated,
                   kv_events: {endpoint, replay_endpoint, topic}}]   # kv_events: precise picking only
@@ -831,6 +832,18 @@ class LengthAwareRouting(_Frozen):
     fast_min_relative_capacity: Annotated[float, Field(strict=True, gt=0, le=100)] = 1.5
     #: Tiered form: the confined length classes, longest first (1 to 8); None: the two-tier form.
     tiers: Annotated[tuple[LengthTier, ...], Field(min_length=1, max_length=8)] | None = None
+    #: Class a request whose cap is uninformative (none set, the model's default, or one fixed value while
+    #: the answers vary) by a prediction learnt from the metered ``completion_tokens`` of earlier answers
+    #: (per tenant, model and endpoint kind; per conversation), not by the cap
+    #: (:mod:`inferlb.policy.output_predictor`). The reservation stays the cap. Needs
+    #: ``ext_proc.account_responses``. Off by default: it changes where the model's requests go, learnt
+    #: from traffic, which a deployment should turn on knowingly.
+    predict_output: bool = False
+    #: The live capacity guard (:mod:`inferlb.policy.class_guard`): a confined class whose GPU set holds
+    #: more than this multiple of the fleet's in-flight requests per unit of capacity spills to the next
+    #: wider set (> 1; 1.5 is a reasonable start). None (default): off, classes are always confined. Needs
+    #: ``ext_proc.account_responses`` (the count ends with the response).
+    capacity_guard_factor: Annotated[float, Field(strict=True, gt=1, le=100)] | None = None
 
     @field_validator("tiers")
     @classmethod
@@ -1441,6 +1454,30 @@ class Config(_Frozen):
             "turn account_responses on, drop the limit or use protocol ext_proc"
             for i, t in enumerate(self.tenants)
             if t.max_concurrent_requests is not None and not ep.account_responses
+        ]
+        if problems:
+            raise ValueError("; ".join(problems))
+        return self
+
+    @model_validator(mode="after")
+    def _check_length_aware_inputs(self) -> Self:
+        # the predictor learns from each answer's metered usage and the guard counts each request until
+        # its answer ends: without response accounting neither ever hears of an answer
+        if self.ext_proc.account_responses:
+            return self
+        problems = [
+            f"models[{i}].cluster.length_aware.{name}: needs ext_proc.account_responses ({why})"
+            for i, m in enumerate(self.models)
+            if (la := m.cluster.length_aware) is not None
+            for name, on, why in (
+                ("predict_output", la.predict_output, "it learns from each answer's metered usage"),
+                (
+                    "capacity_guard_factor",
+                    la.capacity_guard_factor is not None,
+                    "it counts each request in flight until its answer ends",
+                ),
+            )
+            if on
         ]
         if problems:
             raise ValueError("; ".join(problems))

@@ -4,6 +4,10 @@
 - :mod:`inferlb.policy.telemetry`: GPU (NVML/DCGM) and model-server metric values and their parsers.
 - :mod:`inferlb.policy.weights`: the telemetry weight policy (EWMA, hysteresis, slow start, stale fallback).
 - :mod:`inferlb.policy.length_aware`: length classes and their GPU tiers, static and live.
+- :mod:`inferlb.policy.output_predictor`: the online output-length predictor that classes requests whose
+  cap is uninformative (decayed quantile sketches per tenant, model and endpoint kind; conversations).
+- :mod:`inferlb.policy.class_guard`: the live capacity guard of length classes (a class whose GPU set is
+  loaded past a factor over the fleet spills to the next wider set).
 - :mod:`inferlb.policy.affinity`: prefix and session affinity keys.
 - :mod:`inferlb.policy.routing`: the routing table (model, alias, version by canary split).
 - :mod:`inferlb.policy.shedding`: ``priority: low`` shed before ``default`` (the per-cluster in-flight

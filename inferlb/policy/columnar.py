@@ -26,6 +26,7 @@ from typing import Final, TypeVar
 import numpy as np
 import numpy.typing as npt
 
+from inferlb.policy.class_guard import SetLoad
 from inferlb.policy.picker import (
     DEFAULT_BLOCK_TOKENS,
     DEFAULT_WEIGHTS,
@@ -152,6 +153,15 @@ class FleetColumns:
                 self._ties.clear()
             self._ties[salt] = col
         return col
+
+    def set_load(self, hosts: Collection[str] | None) -> SetLoad:
+        """The load and capacity of the eligible rows (healthy, positive weight) within ``hosts`` (every
+        eligible row with None): ``in_flight + waiting`` and ``weight`` summed, as
+        :func:`inferlb.policy.class_guard.set_loads` sums them over endpoint states (the capacity guard of
+        length classes)."""
+        mask = self._eligible(None, hosts)
+        load = float(self._in_flight[mask].sum()) + float(self._waiting[mask].sum())
+        return SetLoad(load=load, capacity=float(self._weight[mask].sum()))
 
     def _eligible(self, subset: Collection[str] | None, class_hosts: Collection[str] | None) -> _B:
         mask = self._ok

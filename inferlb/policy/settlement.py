@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Final
 
+from inferlb.policy.class_guard import ClassHold
 from inferlb.policy.quota import Admitted
 
 #: Dynamic-metadata namespace of the headers Envoy's ext_authz filter copies from the check answer
@@ -127,6 +128,8 @@ class Reserved:
         picked: the endpoint (``ip:port``) whose in-flight count of endpoint picking
             (:class:`inferlb.policy.endpoint_book.EndpointBook`) holds the request until it settles, None
             when its model does not pick endpoints.
+        length: for a length-aware model's request, its class's in-flight hold and the predictor's query
+            (:class:`inferlb.policy.class_guard.ClassHold`), released by its settlement; None otherwise.
     """
 
     admitted: Admitted
@@ -135,6 +138,7 @@ class Reserved:
     deadline: float
     in_flight: str | None = None
     picked: str | None = None
+    length: ClassHold | None = None
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -229,10 +233,11 @@ class SettlementLedger:
         now: float,
         in_flight: str | None = None,
         picked: str | None = None,
+        length: ClassHold | None = None,
     ) -> None:
         """Record ``admitted`` under ``meter_id`` (unique per reservation: the caller's ids never repeat);
-        ``in_flight`` and ``picked`` are carried to its :class:`Settlement` (:attr:`Reserved.in_flight`,
-        :attr:`Reserved.picked`).
+        ``in_flight``, ``picked`` and ``length`` are carried to its :class:`Settlement`
+        (:attr:`Reserved.in_flight`, :attr:`Reserved.picked`, :attr:`Reserved.length`).
 
         Raises:
             ValueError: ``meter_id`` is waiting or was settled and is still remembered.
@@ -247,6 +252,7 @@ class SettlementLedger:
             deadline=t + self.ttl_s,
             in_flight=in_flight,
             picked=picked,
+            length=length,
         )
 
     def entry(self, entry: MeterEntry, now: float) -> tuple[Outcome, Settlement | None]:

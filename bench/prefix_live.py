@@ -57,6 +57,10 @@ time averages, and the errors.
 
 Usage: ``.venv/bin/python bench/prefix_live.py --mooncake shared/traces/mooncake/mooncake_conversation_
 trace.jsonl --quick [--out DIR]`` (``--help`` for the rest; ``--quick``: 12 s cells at 90% only).
+``--prefill-ab`` puts each picking row beside its ``decode-priced`` twin, the same gateway with its GPU
+profiles' ``prefill_relative_capacity`` removed (its picker prices prefill by the decode weight, as before
+the picker had a prefill weight; the shared gpusim fleet keeps its speeds); ``--tokens-weights W ...`` adds
+each picking row with ``endpoint_picking.weights.tokens`` at ``W``.
 """
 
 from __future__ import annotations
@@ -70,6 +74,7 @@ import random
 import statistics
 import sys
 import time
+import urllib.request
 import zlib
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -105,6 +110,34 @@ INFERLB: list[tuple[str, dict[str, Any]]] = [
     ("inferlb pick approximate", {"endpoint_picking": {"mode": "approximate"}}),
     ("inferlb pick precise", {"endpoint_picking": {"mode": "precise"}}),
 ]
+#: the ``--prefill-ab`` twin of a picking row: its GPU profiles without ``prefill_relative_capacity``, so its
+#: picker prices prefill by the decode weight (the picker before the prefill weight; gpusim keeps its speeds)
+DECODE_PRICED = "decode-priced"
+
+
+def inferlb_rows(args: argparse.Namespace) -> list[tuple[str, dict[str, Any], bool]]:
+    """The inferlb gateways of this run: (name, model fields, decode-priced), from :data:`INFERLB` as
+    ``--policies`` selects, each picking row followed by its ``--tokens-weights`` variants and, with
+    ``--prefill-ab``, every one of them by its decode-priced twin."""
+    out: list[tuple[str, dict[str, Any], bool]] = []
+    for name, fields in INFERLB:
+        if name.split()[-1] not in args.policies:
+            continue
+        picking = fields.get("endpoint_picking")
+        if picking is None:
+            out.append((name, fields, False))
+            continue
+        variants = [(name, fields)] + [
+            (f"{name} tokens {w:g}", {"endpoint_picking": {**picking, "weights": {"tokens": w}}})
+            for w in args.tokens_weights
+        ]
+        for n, f in variants:
+            out.append((n, f, False))
+            if args.prefill_ab:
+                out.append((f"{n} {DECODE_PRICED}", f, True))
+    return out
+
+
 #: the peers: (gateway name, venv, requirement, executable, policy, vllm-router's spelling).
 PEERS: list[tuple[str, str, str, str, str, bool]] = [
     ("sglang-router cache_aware", "sglang", "sglang-router", "python", "cache_aware", False),
@@ -218,6 +251,17 @@ def start_gpusim(work: Path, fleet: dict[str, Any]) -> tuple[Child, list[str]]:
     child = Child("gpusim", [*argv, *gpusim_kv_events_args(cfg)], work / "gpusim.log")
     child.start({**os.environ, "PYTHONUNBUFFERED": "1"})
     urls = [f"http://{e['address']}" for e in fleet["endpoints"]]
+    # bound before the gateways' free ports are drawn, so that none is handed one of the servers' ports
+    deadline = time.monotonic() + 60
+    for u in urls:
+        while True:
+            try:
+                with urllib.request.urlopen(f"{u}/metrics", timeout=2):
+                    break
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"gpusim: {u}/metrics did not answer within 60 s") from None
+                time.sleep(0.2)
     return child, urls
 
 
@@ -546,10 +590,13 @@ async def bench(args: argparse.Namespace, console: Console) -> list[Cell]:
     sim, urls = start_gpusim(work, fleet)
     gateways: list[Gateway] = []
     try:
-        for i, (name, fields) in enumerate(INFERLB):
-            if name.split()[-1] not in args.policies:
-                continue
+        for i, (name, fields, decode_priced) in enumerate(inferlb_rows(args)):
             doc = inferlb_doc(fleet, fields)
+            if decode_priced:
+                doc["gpu_profiles"] = {
+                    g: {k: v for k, v in p.items() if k != "prefill_relative_capacity"}
+                    for g, p in doc["gpu_profiles"].items()
+                }
             stack = Stack(write(work, name.replace(" ", "-"), doc), workdir=work / name.replace(" ", "-"),
                           log_level="warning", base_id=(os.getpid() % 5000) * 10 + 100 + i)  # fmt: skip
             gateways.append(Gateway(name=name, stack=stack, url=f"http://{doc['gateway']['listen']}{CHAT}",
@@ -611,8 +658,9 @@ async def bench(args: argparse.Namespace, console: Console) -> list[Cell]:
         sim.stop()
 
 
-def merge(cells: list[Cell]) -> list[Cell]:
-    """One cell per (workload, load, gateway): the rounds' samples pooled, counters added."""
+def merge(cells: list[Cell], order: list[str]) -> list[Cell]:
+    """One cell per (workload, load, gateway): the rounds' samples pooled, counters added, in ``order`` of
+    the gateways' names."""
     out: dict[tuple[str, float, str], Cell] = {}
     for c in cells:
         k = (c.workload, c.load, c.gateway)
@@ -633,7 +681,6 @@ def merge(cells: list[Cell]) -> list[Cell]:
         m.in_flight_peak = max(m.in_flight_peak, c.in_flight_peak)
         for e, n in c.errors.items():
             m.errors[e] = m.errors.get(e, 0) + n
-    order = [n for n, _ in INFERLB] + [p[0] for p in PEERS]
     return sorted(out.values(), key=lambda c: (c.workload, c.load, order.index(c.gateway)))
 
 
@@ -667,6 +714,18 @@ def main() -> None:
         nargs="*",
         default=["sglang-cache_aware", "sglang-round_robin", "vllm-round_robin", "vllm-cache_aware"],
     )
+    ap.add_argument(
+        "--prefill-ab",
+        action="store_true",
+        help=f"each picking row beside its '{DECODE_PRICED}' twin (no prefill_relative_capacity)",
+    )
+    ap.add_argument(
+        "--tokens-weights",
+        type=float,
+        nargs="*",
+        default=[],
+        help="picking rows also with endpoint_picking.weights.tokens at each of these",
+    )
     ap.add_argument("--sample-ms", type=float, default=500.0)
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument(
@@ -681,7 +740,9 @@ def main() -> None:
     load1 = os.getloadavg()
     t0 = time.monotonic()
     Path(args.workdir).mkdir(parents=True, exist_ok=True)
-    cells = merge(asyncio.run(bench(args, console)))
+    cells = merge(
+        asyncio.run(bench(args, console)), [r[0] for r in inferlb_rows(args)] + [p[0] for p in PEERS]
+    )
     load2 = os.getloadavg()
     caption = (
         "8 gpusim servers (2 H100, 3 A100, 3 V100; local.yaml timing), "

@@ -3,8 +3,9 @@ Inference Extension's endpoint-picker protocol (ext_proc) over one pool of model
 
 The pool is the ``--endpoint`` addresses (repeatable, or comma-separated; weight 1 each), or the endpoints
 of one model of an inferlb config file (``--model``, needed when the file has several models), each
-weighted by its GPU profile's ``relative_capacity``. Every address must be an IP literal with a port: the
-gateway's ORIGINAL_DST cluster connects to it as written.
+weighted by its GPU profile's ``relative_capacity`` (and, for the picker's prefill term, by its
+``prefill_relative_capacity`` where the profile gives one). Every address must be an IP literal with a
+port: the gateway's ORIGINAL_DST cluster connects to it as written.
 
 Serves ext_proc and the gRPC health services on ``--listen`` (``127.0.0.1:9002``; port 0 picks a free
 one), Prometheus metrics on ``http://--metrics-listen/metrics`` (``127.0.0.1:9090``), scrapes every
@@ -59,7 +60,7 @@ from epp.server import add_to_server, make_server
 from inferlb.adapters.kv_events import KvEventsCollector, KvEventSubscriber
 from inferlb.config.schema import KvEventsSource, ModelConfig, load_config
 from inferlb.errors import ConfigError
-from inferlb.policy.capacity import WEIGHT_SCALE, capacity_weight
+from inferlb.policy.capacity import WEIGHT_SCALE, capacity_weight, prefill_ratio
 from inferlb.policy.kv_index import PreciseKvIndex
 from inferlb.policy.picker import PickerWeights
 from inferlb.request.blocks import DEFAULT_BLOCK_SIZE
@@ -172,7 +173,8 @@ def pool_endpoints(args: argparse.Namespace) -> list[PoolEndpoint]:
     out = [
         PoolEndpoint(
             address=parse_address(str(e.address), field=f"endpoints[{i}].address"),
-            weight=capacity_weight(config, e) / WEIGHT_SCALE,
+            weight=(w := capacity_weight(config, e) / WEIGHT_SCALE),
+            prefill_weight=w * prefill_ratio(config, e),
         )
         for i, e in enumerate(config.endpoints)
         if e.model == model

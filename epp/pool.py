@@ -62,10 +62,18 @@ class PoolEndpoint(msgspec.Struct, frozen=True, kw_only=True):
         address: ``ip:port`` (an IP literal: Envoy's ORIGINAL_DST cluster connects to the header's value as
             is, without resolving a name).
         weight: relative capacity (> 0; a V100 is 1.0 in the config's GPU profiles).
+        prefill_weight: relative prefill capacity in ``weight``'s unit (> 0; the GPU profile's
+            ``prefill_relative_capacity``, scaled as ``weight``), what the picker divides prefill tokens by;
+            None: ``weight``.
     """
 
     address: str
     weight: float = 1.0
+    prefill_weight: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.prefill_weight is not None and not self.prefill_weight > 0:
+            raise ValueError(f"prefill_weight must be > 0, got {self.prefill_weight}")
 
 
 def parse_address(text: str, *, field: str) -> str:
@@ -116,6 +124,7 @@ class _Live:
         "in_flight",
         "kv_usage",
         "last_ok",
+        "prefill_weight",
         "scraped",
         "since_scrape",
         "waiting",
@@ -125,6 +134,7 @@ class _Live:
     def __init__(self, endpoint: PoolEndpoint) -> None:
         self.address = endpoint.address
         self.weight = endpoint.weight
+        self.prefill_weight = endpoint.prefill_weight
         self.in_flight = 0
         self.waiting = 0.0
         self.kv_usage = 0.0
@@ -190,6 +200,7 @@ class Pool:
             EndpointState(
                 address=e.address,
                 weight=e.weight,
+                prefill_weight=e.prefill_weight,
                 healthy=e.last_ok is not None and now - e.last_ok <= self.stale_after_s,
                 in_flight=e.in_flight,
                 waiting=e.waiting,

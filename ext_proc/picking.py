@@ -164,11 +164,9 @@ def prefix_source(picking: EndpointPicking) -> PrefixSource:
 
 
 def picker_weights(picking: EndpointPicking) -> PickerWeights:
-    """The config's picker weights as :class:`~inferlb.policy.picker.PickerWeights`."""
-    w = picking.weights
-    return PickerWeights(
-        prefix=w.prefix, load=w.load, kv=w.kv, load_factor=w.load_factor, max_hosts=w.max_hosts
-    )
+    """The config's picker weights as :class:`~inferlb.policy.picker.PickerWeights` (the config's fields are
+    the picker's, of the same names)."""
+    return PickerWeights(**picking.weights.model_dump())
 
 
 class Picked(msgspec.Struct, frozen=True, kw_only=True):

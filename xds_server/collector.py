@@ -86,7 +86,7 @@ from prometheus_client.registry import Collector, CollectorRegistry
 
 from inferlb.config.schema import Config, EndpointConfig, HealthCheck, cluster_name
 from inferlb.errors import RequestError
-from inferlb.policy.capacity import capacity_weight
+from inferlb.policy.capacity import capacity_weight, prefill_ratio
 from inferlb.policy.length_aware import (
     ClassSetMember,
     PerformanceHold,
@@ -769,12 +769,14 @@ class TelemetryCollector:
         Shape: ``{"clusters": {cluster: [endpoint, ...]}, "stale_after_ms": weights.stale_after_ms}``, one
         entry per cluster of a model with ``endpoint_picking`` (an empty list when it has no endpoint), each
         endpoint ``{"address": "ip:port" as EDS sends it (IPv6 in brackets), "key", "name", "weight": the
-        served weight, "healthy": false while draining or failing its probe, "draining", "waiting",
-        "running", "kv_usage": from the last good scrape (null before one), "telemetry_age_ms": that
-        scrape's age (null before one), "kv_events": the endpoint's ``kv_events`` (``{"endpoint",
-        "replay_endpoint", "topic"}``, null when it has none), "length_classes": for a length-aware model,
-        the confined length classes it may serve (the live sets pushed, else its GPU profile's; null for
-        other models)}``.
+        served weight, "prefill_weight": the served weight times the GPU profile's
+        ``prefill_relative_capacity / relative_capacity`` (:func:`~inferlb.policy.capacity.prefill_ratio`;
+        the weight when the profile gives no prefill capacity), "healthy": false while draining or failing
+        its probe, "draining", "waiting", "running", "kv_usage": from the last good scrape (null before
+        one), "telemetry_age_ms": that scrape's age (null before one), "kv_events": the endpoint's
+        ``kv_events`` (``{"endpoint", "replay_endpoint", "topic"}``, null when it has none),
+        "length_classes": for a length-aware model, the confined length classes it may serve (the live sets
+        pushed, else its GPU profile's; null for other models)}``.
         """
         srv = self._server
         assert srv is not None
@@ -795,12 +797,14 @@ class TelemetryCollector:
             run = self.health.get(key)
             sample = self.servers.get(key)
             m = sample.metrics if sample is not None else None
+            weight = self.served_weight(cfg, e)
             rows.append(
                 {
                     "address": address,
                     "key": key,
                     "name": e.display_name,
-                    "weight": self.served_weight(cfg, e),
+                    "weight": weight,
+                    "prefill_weight": weight * prefill_ratio(cfg, e),
                     "healthy": not draining and (run is None or run.healthy),
                     "draining": draining,
                     "waiting": None if m is None else m.waiting_requests,

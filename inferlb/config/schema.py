@@ -646,9 +646,11 @@ class GpuProfile(_Frozen):
 
     relative_capacity: Annotated[float, Field(strict=True, gt=0, le=100)]
     memory_gb: Annotated[float, Field(strict=True, gt=0)] = 80.0
-    #: For the simulated servers: prefill (compute-bound, scales with dense FLOPs) and decode (memory-bound,
-    #: scales with HBM bandwidth) speed relative to a V100; unset: ``relative_capacity`` (see
-    #: ``simulation.gpusim.engine``; the bundled configs give datasheet-derived values and their sources).
+    #: Prefill (compute-bound, scales with dense FLOPs) and decode (memory-bound, scales with HBM bandwidth)
+    #: speed relative to a V100; unset: ``relative_capacity``. The simulated servers run at these speeds (see
+    #: ``simulation.gpusim.engine``; the bundled configs give datasheet-derived values and their sources);
+    #: the endpoint picker divides the prompt tokens an endpoint must prefill by its prefill capacity
+    #: (:mod:`inferlb.policy.picker`).
     prefill_relative_capacity: Annotated[float | None, Field(strict=True, gt=0, le=1000)] = None
     decode_relative_capacity: Annotated[float | None, Field(strict=True, gt=0, le=1000)] = None
 
@@ -964,6 +966,10 @@ class PickerWeightsConfig(_Frozen):
     load: Annotated[float, Field(strict=True, ge=0, le=1_000)] = 1.0
     #: Weight of an endpoint's KV-cache usage (0..1).
     kv: Annotated[float, Field(strict=True, ge=0, le=1_000)] = 0.5
+    #: Weight of an endpoint's prefill load: the request's uncached prompt tokens per unit of the endpoint's
+    #: prefill capacity (its served weight times its GPU profile's ``prefill_relative_capacity /
+    #: relative_capacity``), against the request's whole prompt.
+    tokens: Annotated[float, Field(strict=True, ge=0, le=1_000)] = 1.0
     #: The load guard's bound, a multiple of the mean load (> 1; Mirrokni et al.'s bounded-load hashing).
     load_factor: Annotated[float, Field(strict=True, gt=1, le=100)] = 2.0
     #: Endpoints listed per pick (the first is the choice, the rest Envoy's fallback order for retries).

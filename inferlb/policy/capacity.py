@@ -25,3 +25,19 @@ def capacity_weight(config: Config, endpoint: EndpointConfig) -> int:
     """
     cap = config.gpu_profiles[endpoint.gpu].relative_capacity
     return max(MIN_WEIGHT, min(MAX_WEIGHT, math.floor(cap * WEIGHT_SCALE + 0.5)))
+
+
+def prefill_ratio(config: Config, endpoint: EndpointConfig) -> float:
+    """How much faster the endpoint's GPU prefills than it decodes, relative to a V100: its profile's
+    ``prefill_relative_capacity / relative_capacity`` (1.0 when the profile gives no prefill capacity).
+
+    The endpoint picker's prefill weight is an endpoint's weight times this (an H100 in the embedded
+    config: 7.23 / 3.4 = 2.13; prefill is compute-bound and decode bandwidth-bound, see
+    :class:`inferlb.config.schema.GpuProfile`).
+
+    Raises:
+        KeyError: the endpoint's ``gpu`` has no profile (config validation prevents this).
+    """
+    profile = config.gpu_profiles[endpoint.gpu]
+    prefill = profile.prefill_relative_capacity
+    return 1.0 if prefill is None else prefill / profile.relative_capacity

@@ -74,6 +74,7 @@ class FleetColumns:
         "_kv",
         "_ok",
         "_prefill",
+        "_prefill_scale",
         "_sums",
         "_ties",
         "_waiting",
@@ -94,6 +95,8 @@ class FleetColumns:
         self._kv: _F = np.array([e.kv_usage for e in endpoints], dtype=np.float64)
         self._prefill: _F = np.array([e.prefill_tokens for e in endpoints], dtype=np.float64)
         self._decode: _F = np.array([e.decode_tokens for e in endpoints], dtype=np.float64)
+        # w / p_e per row: the prefill load's 1 / p_e in the score kept times w (pick()'s same quotient)
+        self._prefill_scale: _F = np.array([_prefill_scale(e) for e in endpoints], dtype=np.float64)
         self._ties: dict[bytes, npt.NDArray[np.uint64]] = {}
         # the eligible rows' in-flight total, kept as rows change; the float sums, cached until a row changes
         self._in_flight_ok = int(self._in_flight[self._ok].sum())
@@ -132,6 +135,7 @@ class FleetColumns:
         self._kv[i] = state.kv_usage
         self._prefill[i] = state.prefill_tokens
         self._decode[i] = state.decode_tokens
+        self._prefill_scale[i] = _prefill_scale(state)
         if self._ok[i]:
             self._in_flight_ok += state.in_flight
         self._sums = None
@@ -263,7 +267,8 @@ class FleetColumns:
             score = score + f_prefix * w * m
             if f_tokens:
                 miss = prompt - block_tokens * m
-                score = score - f_tokens * (take(self._prefill) + np.maximum(miss, 0))
+                queued = take(self._prefill) + np.maximum(miss, 0)
+                score = score - f_tokens * queued * take(self._prefill_scale)
         if f_decode:
             score = score - f_decode * take(self._decode)
         ties = self._tie_column(salt)
@@ -307,3 +312,9 @@ class FleetColumns:
         in_flight, waiting, weight = self._in_flight, self._waiting, self._weight
         drawn.sort(key=lambda r: ((int(in_flight[r]) + float(waiting[r])) / float(weight[r]), addresses[r]))
         return np.array(holders + drawn[:k], dtype=np.int64)
+
+
+def _prefill_scale(e: EndpointState) -> float:
+    """``w / p_e``: the factor :func:`~inferlb.policy.picker.pick` applies to an endpoint's prefill load
+    (1.0 exactly when it has no ``prefill_weight``, and for a row of no weight, never eligible)."""
+    return e.weight / (e.prefill_weight or e.weight) if e.weight > 0 else 1.0

@@ -39,6 +39,9 @@ class BookedEndpoint(msgspec.Struct, frozen=True, kw_only=True):
     Attributes:
         address: ``ip:port`` as EDS sends it (what Envoy's ``override_host`` matches).
         weight: the served EDS ``load_balancing_weight`` (> 0).
+        prefill_weight: the prefill capacity in ``weight``'s unit (> 0; the served weight times the GPU
+            profile's ``prefill_relative_capacity / relative_capacity``); None: ``weight`` (a server that
+            sends none).
         healthy: not draining and passing the server's health probes.
         waiting: requests in the model server's queue (None: never scraped).
         kv_usage: KV-cache usage 0..1 (None: never scraped, or not exported).
@@ -61,6 +64,7 @@ class BookedEndpoint(msgspec.Struct, frozen=True, kw_only=True):
     kv_events_replay: str | None = None
     kv_events_topic: str = ""
     length_classes: tuple[str, ...] | None = None
+    prefill_weight: float | None = None
 
 
 class BookedState(msgspec.Struct, frozen=True, kw_only=True):
@@ -102,6 +106,9 @@ def parse_picking_state(doc: Any) -> BookedState:
             assert weight is not None
             if weight <= 0:
                 raise ValueError(f"{where}.weight: expected > 0, got {weight:g}")
+            prefill = _number(row.get("prefill_weight"), f"{where}.prefill_weight")
+            if prefill is not None and prefill <= 0:
+                raise ValueError(f"{where}.prefill_weight: expected > 0, got {prefill:g}")
             if not isinstance(row.get("healthy"), bool):
                 raise ValueError(f"{where}.healthy: expected true or false")
             kv = row.get("kv_events")
@@ -121,6 +128,7 @@ def parse_picking_state(doc: Any) -> BookedState:
                 BookedEndpoint(
                     address=row["address"],
                     weight=weight,
+                    prefill_weight=prefill,
                     healthy=row["healthy"],
                     waiting=_number(row.get("waiting"), f"{where}.waiting"),
                     kv_usage=_number(row.get("kv_usage"), f"{where}.kv_usage"),
@@ -228,13 +236,16 @@ class EndpointBook:
             for r in endpoints:
                 for c in r.length_classes or ():
                     classes.setdefault((cluster, c), set()).add(r.address)
-                stale = EndpointState(address=r.address, weight=r.weight, healthy=r.healthy)
+                stale = EndpointState(
+                    address=r.address, weight=r.weight, healthy=r.healthy, prefill_weight=r.prefill_weight
+                )
                 if r.telemetry_age_ms is None:
                     out.append(_Row(stale, stale, -math.inf))
                     continue
                 fresh = EndpointState(
                     address=r.address,
                     weight=r.weight,
+                    prefill_weight=r.prefill_weight,
                     healthy=r.healthy,
                     waiting=r.waiting or 0.0,
                     kv_usage=r.kv_usage or 0.0,

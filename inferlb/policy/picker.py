@@ -26,14 +26,19 @@ weight ``W = sum w_e``:
   add up to at least ``load_factor * (T + 1) > T + 1``, some endpoint is always within the bound, so the
   first choice never exceeds ``load_factor * (T + 1) * w_e / W + 1`` requests: a hot prefix spills to other
   endpoints instead of piling onto the one that caches it, and an idle fleet has every endpoint within.
-* **Prefill load** in tokens: ``Q_e = (prefill_tokens_e + miss_e) / w_e``, the prompt tokens ``e`` would
+* **Prefill load** in tokens: ``Q_e = (prefill_tokens_e + miss_e) / p_e``, the prompt tokens ``e`` would
   have to prefill before this request's first token (those sent and not yet prefilled, plus this request's
-  own miss ``miss_e = max(prompt_tokens - block_tokens * matched_e, 0)``) per unit of capacity: an
-  estimate of the request's time to first token (prefill time is about linear in tokens at these lengths;
-  vLLM's chunked prefill runs a fixed token budget per step). It prices a cache hit and a queue in the
-  same unit, against ``Qbar = prompt_tokens``: the request's own cold prefill on a unit of capacity, so
-  a queue of several prompts outweighs any hit. When ``prompt_tokens`` is unknown (0), ``Qbar`` is the
-  fleet's mean queue ``sum prefill_tokens / W`` instead, and the term is 0 when that is 0 too.
+  own miss ``miss_e = max(prompt_tokens - block_tokens * matched_e, 0)``) per unit of *prefill* capacity
+  ``p_e`` (``prefill_weight``, in ``w_e``'s unit: the weight times the GPU profile's
+  ``prefill_relative_capacity / relative_capacity``, since prefill is compute-bound and decode
+  bandwidth-bound, an H100 prefills 7.2 V100s' worth but decodes 3.4; ``p_e = w_e`` when the profile
+  gives no prefill capacity): an estimate of the request's time to first token (prefill time is about
+  linear in tokens at these lengths; vLLM's chunked prefill runs a fixed token budget per step). It prices
+  a cache hit and a queue in the same unit, against ``Qbar = prompt_tokens``: the request's own cold
+  prefill on a unit of prefill capacity, so a queue of several prompts outweighs any hit. When
+  ``prompt_tokens`` is unknown (0), ``Qbar`` is the fleet's mean queue ``sum prefill_tokens / W`` instead,
+  and the term is 0 when that is 0 too. Only this term uses ``p_e``: request and decode load stay per unit
+  of ``w_e``.
 * **Decode load** ``D_e = decode_tokens_e / w_e`` (completion tokens still owed by the requests in flight,
   at most their ``max_tokens``), against ``Dbar = (sum decode_tokens + 1) / W``.
 * **Score** of an endpoint within the bound::
@@ -130,6 +135,9 @@ class EndpointState(msgspec.Struct, frozen=True, kw_only=True):
             yet (prefill still owed; tokens, >= 0), 0 if not counted.
         decode_tokens: completion tokens the requests in flight may still generate (each at most its
             ``max_tokens`` less the tokens seen; tokens, >= 0), 0 if not counted.
+        prefill_weight: relative prefill capacity in ``weight``'s unit (> 0; ``weight`` times the GPU
+            profile's ``prefill_relative_capacity / relative_capacity``), what the prefill load ``Q_e`` is
+            divided by; None: ``weight`` (prefill scales as decode).
     """
 
     address: str
@@ -140,6 +148,7 @@ class EndpointState(msgspec.Struct, frozen=True, kw_only=True):
     kv_usage: float = 0.0
     prefill_tokens: float = 0.0
     decode_tokens: float = 0.0
+    prefill_weight: float | None = None
 
 
 class PickerWeights(msgspec.Struct, frozen=True, kw_only=True):
@@ -280,7 +289,9 @@ def pick(
             score += f_prefix * w * m
             if f_tokens:
                 miss = prompt - block_tokens * m
-                score -= f_tokens * (e.prefill_tokens + (miss if miss > 0 else 0))
+                # the score is kept times w (divided below): w / p_e turns Q_e's 1 / p_e into 1 / w
+                pw = e.prefill_weight
+                score -= f_tokens * (e.prefill_tokens + (miss if miss > 0 else 0)) * (w / (pw or w))
         if f_decode:
             score -= f_decode * e.decode_tokens
         within.append((-score / w, i))

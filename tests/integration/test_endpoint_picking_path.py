@@ -240,6 +240,7 @@ def _xds_doc() -> dict[str, Any]:
         "xds": {"listen": f"127.0.0.1:{ports[0]}", "api_listen": f"127.0.0.1:{ports[1]}"},
         "simulation": {"prefill_tokens_per_s": 1_000_000, "decode_tokens_per_s": 2_000, "max_batch": 8},
         "telemetry": {"scrape_interval_ms": 100, "scrape_timeout_ms": 500},
+        "gpu_profiles": {"H100": {"relative_capacity": 3.4, "prefill_relative_capacity": 7.23}},
         "models": [
             {
                 "name": "llama",
@@ -295,6 +296,12 @@ async def test_the_poller_reads_the_xds_servers_state_and_keeps_it_while_the_ser
             assert set(doc_now["clusters"]) == {CLUSTER}  # "other" does not pick
             rows = {r["name"]: r for r in doc_now["clusters"][CLUSTER]}
             assert rows["h100"]["weight"] == 34 and rows["v100"]["weight"] == 10
+            # the prefill weight: the H100's profile prefills 7.23 V100s' worth, the V100's gives none
+            assert (
+                rows["h100"]["prefill_weight"] == pytest.approx(72.3) and rows["v100"]["prefill_weight"] == 10
+            )
+            by_address = {s.address: s.prefill_weight for s in states}
+            assert by_address[str(config.endpoints[0].address)] == pytest.approx(72.3)
             assert rows["h100"]["telemetry_age_ms"] is not None and rows["h100"]["waiting"] == 0
             # length-aware: each row names the classes it may serve, the book each class's hosts
             assert (rows["h100"]["length_classes"], rows["v100"]["length_classes"]) == (["long"], [])

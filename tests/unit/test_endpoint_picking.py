@@ -67,6 +67,11 @@ def test_the_config_weights_are_the_pickers_defaults() -> None:
     config = parse_config(_doc({"mode": "load"}))
     qwen = next(m for m in config.models if m.name == QWEN)
     assert picker_weights(qwen.endpoint_picking) == PickerWeights()
+    # every configured weight reaches the picker
+    set_ = {"prefix": 3.0, "load": 0.5, "kv": 0.25, "tokens": 10.0, "load_factor": 3.0, "max_hosts": 2}
+    config = parse_config(_doc({"mode": "load", "weights": set_}))
+    qwen = next(m for m in config.models if m.name == QWEN)
+    assert picker_weights(qwen.endpoint_picking) == PickerWeights(**set_)  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize(
@@ -106,6 +111,7 @@ def test_picking_without_its_inputs_is_refused(change: Any, named: str) -> None:
         ({"load_factor": 1.0}, "models[1].endpoint_picking.weights.load_factor"),
         ({"max_hosts": 0}, "models[1].endpoint_picking.weights.max_hosts"),
         ({"kv": -1}, "models[1].endpoint_picking.weights.kv"),
+        ({"tokens": -1}, "models[1].endpoint_picking.weights.tokens"),
     ],
 )
 def test_bad_picker_weights_are_refused_naming_the_field(weights: dict[str, Any], field: str) -> None:
@@ -212,8 +218,8 @@ def test_without_picking_ext_proc_receives_no_metadata_namespace() -> None:
 GOOD = {
     "clusters": {
         "m--v1": [
-            {"address": "10.0.0.1:80", "weight": 34, "healthy": True, "waiting": 3, "kv_usage": 0.5,
-             "telemetry_age_ms": 100},
+            {"address": "10.0.0.1:80", "weight": 34, "prefill_weight": 72.3, "healthy": True, "waiting": 3,
+             "kv_usage": 0.5, "telemetry_age_ms": 100},
             {"address": "10.0.0.2:80", "weight": 10, "healthy": False, "waiting": None, "kv_usage": None,
              "telemetry_age_ms": None},
         ],
@@ -234,11 +240,13 @@ def test_the_book_joins_the_servers_state_with_its_own_in_flight_counts() -> Non
         "10.0.0.1:80", 34, True, 2, 3, 0.5,
     )  # fmt: skip
     assert (b.healthy, b.in_flight, b.waiting, b.kv_usage) == (False, 0, 0.0, 0.0)
+    # the prefill weight, with telemetry or without; a server that sends none: the weight (None)
+    assert (a.prefill_weight, b.prefill_weight) == (72.3, None)
     assert book.states("empty--v1", 10.5) == []
     assert book.states("unknown--v1", 10.5) is None
     # telemetry past the bound (100 ms old at the server + 1 s since) is unknown; the list still serves
     [stale, _] = book.states("m--v1", 11.0) or []
-    assert (stale.waiting, stale.kv_usage, stale.healthy) == (0.0, 0.0, True)
+    assert (stale.waiting, stale.kv_usage, stale.healthy, stale.prefill_weight) == (0.0, 0.0, True, 72.3)
     assert book.age_s(11.0) == 1.0
     book.leave("10.0.0.1:80")
     book.leave("10.0.0.1:80")
@@ -259,6 +267,10 @@ def test_the_book_joins_the_servers_state_with_its_own_in_flight_counts() -> Non
          "clusters.c[0].healthy"),
         ({"clusters": {"c": [{"address": "a:1", "weight": 1, "healthy": True, "waiting": "x"}]},
           "stale_after_ms": 1}, "clusters.c[0].waiting"),
+        ({"clusters": {"c": [{"address": "a:1", "weight": 1, "prefill_weight": 0, "healthy": True}]},
+          "stale_after_ms": 1}, "clusters.c[0].prefill_weight"),
+        ({"clusters": {"c": [{"address": "a:1", "weight": 1, "prefill_weight": "7", "healthy": True}]},
+          "stale_after_ms": 1}, "clusters.c[0].prefill_weight"),
     ],
 )  # fmt: skip
 def test_a_bad_state_is_refused_naming_the_field(doc: dict[str, Any], field: str) -> None:

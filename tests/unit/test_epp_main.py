@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from epp.__main__ import _parser, main, pool_endpoints, queue_settings
-from epp.pool import PoolEndpoint, PoolError
+from epp.pool import Pool, PoolEndpoint, PoolError
 from tests.conftest import make_config_doc, write_config
 
 
@@ -30,8 +30,28 @@ def test_endpoints_of_one_model_weighted_by_their_gpu(tmp_path: Path) -> None:
     pool = _pool(["--config", str(path), "--model", "qwen2.5-7b-instruct"])
     by_gpu = {e["address"]: e["gpu"] for e in doc["endpoints"] if e["model"] == "qwen2.5-7b-instruct"}
     assert {e.address for e in pool} == set(by_gpu)
-    # the default profiles: H100 3.4, V100 1.0 (relative capacity)
+    # the embedded config's profiles: H100 3.4, V100 1.0 (relative capacity)
     assert sorted(e.weight for e in pool) == [1.0, 1.0, 3.4]
+    # ... and their prefill capacities (H100 7.23, V100 none: its weight), what the picker's prefill term
+    # divides by, carried to the picker by the pool's snapshot
+    assert sorted((e.weight, e.prefill_weight) for e in pool) == [
+        (1.0, 1.0),
+        (1.0, 1.0),
+        (3.4, pytest.approx(7.23)),
+    ]
+    assert sorted(s.prefill_weight or 0 for s in Pool(pool).snapshot()) == [1.0, 1.0, pytest.approx(7.23)]
+
+
+def test_without_prefill_capacities_the_prefill_weight_is_the_weight(tmp_path: Path) -> None:
+    doc: dict[str, Any] = make_config_doc()
+    doc["gpu_profiles"] = {
+        g: {"relative_capacity": c} for g, c in (("H100", 3.4), ("A100", 1.7), ("V100", 1.0))
+    }
+    path = write_config(tmp_path / "c.yaml", doc)
+    pool = _pool(["--config", str(path), "--model", "qwen2.5-7b-instruct"])
+    assert [e.prefill_weight for e in pool] == [e.weight for e in pool]
+    with pytest.raises(ValueError, match="prefill_weight"):
+        PoolEndpoint(address="10.0.0.1:80", prefill_weight=0.0)
 
 
 @pytest.mark.parametrize(

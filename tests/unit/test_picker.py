@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import msgspec
 import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
@@ -226,3 +227,135 @@ def test_sampled_candidates_keep_the_holders_and_are_deterministic() -> None:
     )
     with pytest.raises(ValueError, match="candidates"):
         PickerWeights(candidates=-1)
+
+
+# -- the prefill load per unit of prefill capacity --------------------------------------------------------
+
+# the embedded config's GPUs (inferlb/data/local.yaml) as EDS weights: (weight, prefill weight)
+H100, A100, V100 = (34.0, 34.0 * 7.23 / 3.4), (17.0, 17.0 * 1.87 / 1.7), (10.0, 10.0)
+
+
+def test_a_cold_prompt_goes_to_the_endpoint_that_prefills_it_soonest() -> None:
+    """Two idle endpoints, no prefix held: decode capacity alone ranks ``a`` first (1 / 2 of a cold prompt
+    per unit against 1 / 1.5), the prefill capacity ``b`` (its prompt done in 1 / 6 of a unit's time)."""
+    a, b = "127.0.0.1:8000", "127.0.0.1:8001"
+    by_decode = [EndpointState(address=a, weight=2.0), EndpointState(address=b, weight=1.5)]
+    assert pick(by_decode, prompt_blocks=450, prompt_tokens=7200)[0] == a
+    by_prefill = [
+        EndpointState(address=a, weight=2.0),
+        EndpointState(address=b, weight=1.5, prefill_weight=6.0),
+    ]
+    assert pick(by_prefill, prompt_blocks=450, prompt_tokens=7200)[0] == b
+    # only the miss is prefilled: a holder of the whole prompt stays first, however slow its prefill
+    held = {a: 450}
+    assert pick(by_prefill, prompt_blocks=450, matched_blocks=held, prompt_tokens=7200)[0] == a
+    # request load is still per unit of decode capacity: b's prefill weight does not make room for requests
+    busy = [
+        EndpointState(address=a, weight=2.0),
+        EndpointState(address=b, weight=1.5, prefill_weight=6.0, in_flight=1),
+    ]
+    assert pick(busy, prompt_blocks=450, prompt_tokens=7200)[0] == a
+
+
+def _documented_score(
+    e: EndpointState, eligible: list[EndpointState], w: PickerWeights, m: int, blocks: int, prompt: int
+) -> float:
+    """The module doc's score of an endpoint within the bound, term by term in real units."""
+    total = sum(x.weight for x in eligible)
+    lbar = (sum(x.in_flight + x.waiting for x in eligible) + 1) / total
+    dbar = (sum(x.decode_tokens for x in eligible) + 1) / total
+    q = (e.prefill_tokens + max(prompt - 16 * m, 0)) / (e.prefill_weight or e.weight)
+    return (
+        w.prefix * m / blocks
+        - w.load * (e.in_flight + e.waiting) / e.weight / lbar
+        - w.tokens * q / prompt
+        - w.decode * e.decode_tokens / e.weight / dbar
+        - w.kv * e.kv_usage
+    )
+
+
+_prefill_state = st.builds(
+    EndpointState,
+    address=st.sampled_from([f"127.0.0.1:{p}" for p in range(8000, 8012)]),
+    weight=st.sampled_from([H100[0], A100[0], V100[0], 1.0, 3.4]),
+    prefill_weight=st.sampled_from([None, H100[1], A100[1], 10.0, 2.13, 7.23]),
+    in_flight=st.integers(0, 6),
+    waiting=st.integers(0, 3).map(float),
+    kv_usage=st.floats(0, 1),
+    prefill_tokens=st.sampled_from([0.0, 0.0, 1200.0, 7200.0]),
+    decode_tokens=st.sampled_from([0.0, 32.0, 500.0]),
+)
+_fleets = st.lists(_prefill_state, min_size=1, max_size=10, unique_by=lambda e: e.address)
+_matches = st.dictionaries(
+    st.sampled_from([f"127.0.0.1:{p}" for p in range(8000, 8012)]), st.integers(0, 450)
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    fleet=_fleets,
+    matched=_matches,
+    prompt=st.sampled_from([1200, 7200, 16_000]),
+    tokens=st.sampled_from([1.0, 5.0, 20.0]),
+    decode=st.sampled_from([0.0, 1.0]),
+)
+def test_the_first_choice_has_the_documented_best_score(
+    fleet: list[EndpointState], matched: dict[str, int], prompt: int, tokens: float, decode: float
+) -> None:
+    """With the load guard out of the way, the first choice maximises the module doc's score (``Q_e`` per
+    unit of prefill capacity), up to rounding."""
+    w = PickerWeights(tokens=tokens, decode=decode, load_factor=100.0)
+    blocks = 450
+    first = pick(fleet, prompt_blocks=blocks, matched_blocks=matched, prompt_tokens=prompt, weights=w)[0]
+    scores = {
+        e.address: _documented_score(e, fleet, w, min(matched.get(e.address, 0), blocks), blocks, prompt)
+        for e in fleet
+    }
+    assert scores[first] >= max(scores.values()) - 1e-9
+
+
+@settings(max_examples=300, deadline=None)
+@given(fleet=_fleets, matched=_matches, prompt=st.sampled_from([0, 1200, 7200]), salt=st.binary(max_size=4))
+def test_without_prefill_capacities_the_picks_are_the_decode_weighted_ones(
+    fleet: list[EndpointState], matched: dict[str, int], prompt: int, salt: bytes
+) -> None:
+    """A prefill weight equal to the weight (what the xDS server and the EPP send for a GPU profile with no
+    ``prefill_relative_capacity``) picks exactly as none: every term bit for bit as before."""
+    kw: dict[str, object] = {
+        "prompt_blocks": 450,
+        "matched_blocks": matched,
+        "prompt_tokens": prompt,
+        "salt": salt,
+    }
+    none = [msgspec.structs.replace(e, prefill_weight=None) for e in fleet]
+    same = [msgspec.structs.replace(e, prefill_weight=e.weight * 1.0) for e in fleet]
+    assert pick(same, **kw) == pick(none, **kw)  # type: ignore[arg-type]
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    fleet=_fleets,
+    matched=_matches,
+    prompt=st.sampled_from([0, 1200, 7200]),
+    faster=st.sampled_from([1.5, 2.13, 10.0]),
+    salt=st.binary(max_size=4),
+)
+def test_a_faster_prefill_never_loses_an_endpoint_its_first_place(
+    fleet: list[EndpointState], matched: dict[str, int], prompt: int, faster: float, salt: bytes
+) -> None:
+    """Raising the first choice's prefill capacity lowers only its own prefill load (the means do not
+    depend on it): it stays first."""
+    kw: dict[str, object] = {
+        "prompt_blocks": 450,
+        "matched_blocks": matched,
+        "prompt_tokens": prompt,
+        "salt": salt,
+    }
+    first = pick(fleet, **kw)[0]  # type: ignore[arg-type]
+    boosted = [
+        msgspec.structs.replace(e, prefill_weight=(e.prefill_weight or e.weight) * faster)
+        if e.address == first
+        else e
+        for e in fleet
+    ]
+    assert pick(boosted, **kw)[0] == first  # type: ignore[arg-type]

@@ -19,6 +19,8 @@ _WEIGHTS = st.sampled_from([1.0, 1.0, 1.7, 3.4, 0.5, 0.0, -1.0])
 _LOADS = st.sampled_from([0.0, 0.0, 1.0, 2.0, 2.5, 7.0])
 _KV = st.one_of(st.sampled_from([0.0, 0.5, 1.0, -0.25, 1.5]), st.floats(-0.5, 1.5))
 _TOKENS = st.sampled_from([0.0, 0.0, 512.0, 2000.0, 6000.0])
+# the prefill capacity: none (the weight), equal to a weight, or a profile's prefill over decode ratio away
+_PREFILL_WEIGHTS = st.sampled_from([None, None, 1.0, 1.1, 2.13, 7.23, 0.5])
 
 
 @st.composite
@@ -32,6 +34,7 @@ def _endpoint(draw: st.DrawFn, i: int) -> EndpointState:
         kv_usage=draw(_KV),
         prefill_tokens=draw(_TOKENS),
         decode_tokens=draw(_TOKENS),
+        prefill_weight=draw(_PREFILL_WEIGHTS),
     )
 
 
@@ -148,6 +151,7 @@ def test_the_books_columns_pick_as_its_states(data: st.DataObject) -> None:
                     waiting=data.draw(st.none() | _LOADS),
                     kv_usage=data.draw(st.none() | _KV),
                     telemetry_age_ms=data.draw(ages),
+                    prefill_weight=data.draw(_PREFILL_WEIGHTS),
                 )
                 for i in range(n)
             ),

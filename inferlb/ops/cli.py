@@ -186,10 +186,9 @@ def cmd_top(args: argparse.Namespace, out: Console) -> int:
     cfg = _load(args.config)
 
     def sample() -> list[TopSample]:
-        data = clusters_json(cfg)
+        hosts = host_rows(cfg, clusters_json(cfg))
         weights, _ = _fetch_weights(cfg, args)
-        wrows = weight_rows(weights, host_rows(cfg, data, only_models=False)) if weights else []
-        return samples_from(cfg, host_rows(cfg, data), wrows)
+        return samples_from(cfg, hosts, weight_rows(weights, hosts) if weights else [])
 
     try:
         run_top(sample, out, interval_s=args.interval, width=args.width, iterations=args.iterations)

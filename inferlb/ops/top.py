@@ -174,24 +174,29 @@ class LoadHeatMap:
         """The highest load in the window (at least 1.0, so an idle fleet is not shaded as hot)."""
         return max([1.0, *(v for d in self._loads.values() for v in d if v is not None)])
 
-    def request_share(self, cluster: str, address: str) -> float | None:
-        """The endpoint's share (0..1) of its cluster's requests over the window, from the growth of
-        ``rq_total`` between the oldest and newest sample both hold; None before two samples or when the
-        cluster got no request in the window."""
+    def request_shares(self) -> dict[tuple[str, str], float | None]:
+        """Every endpoint's share (0..1) of its cluster's requests over the window, keyed ``(cluster,
+        address)``: the growth of its ``rq_total`` between the oldest and newest sample it holds over its
+        cluster's; None for an endpoint with fewer than two samples' growth to share in (the cluster got no
+        request in the window, or the map has one sample)."""
         grew: dict[tuple[str, str], int] = {}
+        per_cluster: dict[str, int] = {}
         for key, totals in self._totals.items():
-            if key[0] != cluster:
-                continue
             held = [t for t in totals if t is not None]
             # a restarted Envoy counts from 0 again: the window's growth is then unknown, counted as 0
-            grew[key] = max(0, held[-1] - held[0]) if len(held) >= 2 else 0
-        total = sum(grew.values())
-        return grew[(cluster, address)] / total if total and (cluster, address) in grew else None
+            n = grew[key] = max(0, held[-1] - held[0]) if len(held) >= 2 else 0
+            per_cluster[key[0]] = per_cluster.get(key[0], 0) + n
+        return {key: n / per_cluster[key[0]] if per_cluster[key[0]] else None for key, n in grew.items()}
+
+    def request_share(self, cluster: str, address: str) -> float | None:
+        """One endpoint's entry of :meth:`request_shares` (None, too, for an endpoint not in the map)."""
+        return self.request_shares().get((cluster, address))
 
     def render(self, *, interval_s: float) -> Table:
         """The map and its side columns as a rich table; ``interval_s`` (s) is the sample period the title
         states."""
         scale = self.scale()
+        shares = self.request_shares()
         table = Table(
             title=(
                 f"inferlb top: in-flight requests per unit of capacity, last {self.width} samples every "
@@ -213,7 +218,7 @@ class LoadHeatMap:
                 else:
                     glyph, colour = shade(v, scale)
                     cells.append(glyph, style=colour)
-            share = self.request_share(*key)
+            share = shares[key]
             table.add_row(
                 s.cluster,
                 s.name,

@@ -106,19 +106,15 @@ def set_loads(
     ``in_flight + waiting`` and capacity ``weight`` of the healthy endpoints of positive weight (those
     :func:`inferlb.policy.picker.pick` may choose), per set of addresses in ``class_sets``."""
     usable = [s for s in states if s.healthy and s.weight > 0]
-    fleet = SetLoad(
-        load=math.fsum(s.in_flight + s.waiting for s in usable), capacity=math.fsum(s.weight for s in usable)
+    sets = [_summed([s for s in usable if s.address in hosts]) for hosts in class_sets]
+    return sets, _summed(usable)
+
+
+def _summed(states: Sequence[EndpointState]) -> SetLoad:
+    """``in_flight + waiting`` and ``weight`` summed over ``states``."""
+    return SetLoad(
+        load=math.fsum(s.in_flight + s.waiting for s in states), capacity=math.fsum(s.weight for s in states)
     )
-    out = []
-    for hosts in class_sets:
-        members = [s for s in usable if s.address in hosts]
-        out.append(
-            SetLoad(
-                load=math.fsum(s.in_flight + s.waiting for s in members),
-                capacity=math.fsum(s.weight for s in members),
-            )
-        )
-    return out, fleet
 
 
 def nested_class_loads(

@@ -166,8 +166,11 @@ async def test_envoy_takes_config_weights_pushes_and_survives_a_nack(stack: Stac
         lambda s: (
             s.get("listener_manager.total_listeners_active") == 1
             and s.get("control_plane.connected_state") == 1
+            # a listener counts as active before the workers start accepting on it (connection
+            # refused in between): the workers' gauge says when the gateway port takes connections
+            and s.get("listener_manager.workers_started") == 1
         ),
-        "the listener to be active",
+        "the listener to be active on started workers",
     )
     cds_before = ready["cluster_manager.cds.update_success"]
     assert ready.get("cluster_manager.warming_clusters", 0) == 0

@@ -54,7 +54,10 @@ async def test_envoy_on_the_per_type_services_follows_config_changes(tmp_path: P
         )
         await _poll(
             stack.stats,
-            lambda s: s.get("listener_manager.total_listeners_active") == 1,
+            lambda s: (
+                s.get("listener_manager.total_listeners_active") == 1
+                and s.get("listener_manager.workers_started") == 1
+            ),
             "the listener (its routes over RDS) to be active",
         )
         # every stream is a per-type one (no ADS): CDS, LDS, RDS and one EDS stream or more

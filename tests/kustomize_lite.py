@@ -61,18 +61,27 @@ def load(directory: Path) -> list[dict[str, Any]]:
 
     Raises:
         ValueError: a field outside :data:`KNOWN_FIELDS`, or a generator option it does not know."""
+    return _load(directory)[0]
+
+
+def _load(directory: Path) -> tuple[list[dict[str, Any]], dict[str, str]]:
+    """:func:`load`'s objects and the generated ConfigMaps' renames (name -> hashed name), those of the
+    kustomizations it includes too: as in kustomize, an object of an overlay that mounts a ConfigMap its
+    base generates gets the hashed name."""
     k = yaml.safe_load((directory / "kustomization.yaml").read_text(encoding="utf-8"))
     unknown = set(k) - KNOWN_FIELDS
     if unknown:
         raise ValueError(f"{directory}: kustomization fields this loader does not render: {sorted(unknown)}")
     objects: list[dict[str, Any]] = []
+    renames: dict[str, str] = {}
     for res in k.get("resources", []):
         path = directory / res
         if path.is_dir():
-            objects += load(path)
+            included, their_renames = _load(path)
+            objects += included
+            renames |= their_renames
         else:
             objects += [d for d in yaml.safe_load_all(path.read_text(encoding="utf-8")) if d]
-    renames: dict[str, str] = {}
     for gen in k.get("configMapGenerator", []):
         if set(gen) - {"name", "files"}:
             raise ValueError(f"{directory}: configMapGenerator options not rendered here: {sorted(gen)}")
@@ -109,4 +118,4 @@ def load(directory: Path) -> list[dict[str, Any]]:
         if obj["kind"] == "Deployment" and obj["metadata"]["name"] in counts:
             obj["spec"]["replicas"] = counts[obj["metadata"]["name"]]
     _images(objects, k.get("images", []))
-    return objects
+    return objects, renames

@@ -16,12 +16,20 @@ from typing import Any
 
 import pytest
 import yaml
+from hypothesis import settings
 
 from inferlb.config.schema import default_config_path
 from inferlb.ops.redis_server import RedisServer, find_redis_server
 from inferlb.ops.stack import on_free_ports
 
 LOOPBACK = "127.0.0.1"
+
+# Every Hypothesis test, unless its own @settings says otherwise: no per-example deadline (speed is the
+# benchmarks' business; a loaded 2-core machine once took 322 ms over the default 200 ms deadline on an
+# example that runs in 12 ms) and derandomized, so a run of the suite is the same run every time (a
+# counterexample found while developing becomes an @example).
+settings.register_profile("inferlb", deadline=None, derandomize=True)
+settings.load_profile("inferlb")
 #: ``ext_proc.meter_flush_interval_ms`` of the fast test config (the default is 1,000): what the tests
 #: that use it check (each entry settled once, at its usage) does not depend on when a batch leaves Envoy;
 #: a test about the flush itself sets the interval it needs.

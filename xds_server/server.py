@@ -33,6 +33,7 @@ import asyncio
 import contextlib
 import hashlib
 import logging
+import ssl
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -44,6 +45,7 @@ import yaml
 from aiohttp import web
 
 from inferlb.adapters.state_redis import RedisDocument, SharedStateUnavailableError
+from inferlb.adapters.tls import PemFiles, Reloader, pem_reloader
 from inferlb.adapters.unix_socket import bind_unix_socket
 from inferlb.config.changes import StableContent, check_not_emptied
 from inferlb.config.checks import (
@@ -89,6 +91,26 @@ DEFAULT_GRACE_S = 2.0
 STOP_STEP_TIMEOUT_S = 10.0
 #: The drain timer looks at the wall clock at least this often (s), so a clock step is noticed.
 DRAIN_RECHECK_S = 1.0
+
+
+def _certificate_configuration(pem: PemFiles) -> grpc.ServerCertificateConfiguration:
+    return grpc.ssl_server_certificate_configuration(
+        [(pem.private_key, pem.cert_chain)], root_certificates=pem.client_ca
+    )
+
+
+def _reloading_credentials(reloader: Reloader[PemFiles]) -> grpc.ServerCredentials:
+    """``xds.tls``: mutual TLS server credentials whose files grpc fetches again before each new connection's
+    handshake, used when they changed (as :func:`ext_proc.grpc_tls.grpc_server_credentials`, which a service
+    layer apart from this one may not import)."""
+
+    def fetch() -> grpc.ServerCertificateConfiguration | None:
+        changed = reloader.poll()
+        return None if changed is None else _certificate_configuration(changed)
+
+    return grpc.dynamic_ssl_server_credentials(
+        _certificate_configuration(reloader.current), fetch, require_client_authentication=True
+    )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -217,6 +239,8 @@ class XdsServer:
         self.port = 0
         self.host = ""
         self.unix_path: str | None = None
+        #: ``xds.tls``: the certificate files' reloader (its ``reloads``/``failures`` counters); else None.
+        self.tls_reloader: Reloader[PemFiles] | None = None
         self.api_port = 0
         self.reload_errors = 0
         self.publish_errors = 0
@@ -294,7 +318,14 @@ class XdsServer:
             host, port = self._bind or (config.xds.listen.host, config.xds.listen.port)
             address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
             try:
-                bound = server.add_insecure_port(address)
+                if config.xds.tls is not None:  # mutual TLS, files read again when they change
+                    self.tls_reloader = pem_reloader(config.xds.tls, "xds.tls")
+                    credentials = _reloading_credentials(self.tls_reloader)
+                    bound = server.add_secure_port(address, credentials)
+                else:
+                    bound = server.add_insecure_port(address)
+            except (OSError, ssl.SSLError) as exc:
+                raise RuntimeError(f"xds.tls: cannot load the certificate files: {exc}") from None
             except RuntimeError as exc:
                 raise RuntimeError(f"cannot listen on {address}: {exc}") from None
             if bound == 0:  # older grpcio reports a failed bind as port 0

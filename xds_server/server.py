@@ -56,7 +56,14 @@ from inferlb.config.checks import (
     resolve_endpoint_hosts,
     system_resolve,
 )
-from inferlb.config.schema import Config, EndpointConfig, GrpcAddress, KubernetesDiscovery, parse_config
+from inferlb.config.schema import (
+    Config,
+    EndpointConfig,
+    GrpcAddress,
+    KubernetesDiscovery,
+    ServiceTls,
+    parse_config,
+)
 from inferlb.errors import ConfigError
 from xds_server.ads import AggregatedDiscoveryServicer, add_ads_to_server
 from xds_server.cache import DEFAULT_GROUP, SnapshotCache, SnapshotInconsistentError
@@ -258,6 +265,7 @@ class XdsServer:
         self._drainer: asyncio.Task[None] | None = None
         self._drain_wake = asyncio.Event()
         self._started_listen: GrpcAddress | None = None
+        self._started_tls: ServiceTls | None = None
         self._api: Any = None
         self._groups: dict[str, tuple[Config, LbEndpointCache]] = {}
         self._groups_owner: Config | None = None
@@ -306,6 +314,7 @@ class XdsServer:
             max_delay_s=config.xds.push_max_delay_ms / 1000,
         )
         self._started_listen = config.xds.grpc_address()
+        self._started_tls = config.xds.tls
         server = grpc.aio.server()
         add_ads_to_server(self.servicer, server)
         add_per_type_services(server, self.servicer, self.cache)
@@ -528,6 +537,9 @@ class XdsServer:
                 "xds.listen/listen_unix changed to %s: takes effect on restart",
                 loaded.config.xds.grpc_address(),
             )
+        if self._started_listen is not None and loaded.config.xds.tls != self._started_tls:
+            # the socket's credentials are made at start; a rotation of the same files needs nothing
+            log.warning("xds.tls changed: takes effect on restart (the port keeps the one it started with)")
         log.info("config %s accepted", self.config_path)
         self._changed()
         return loaded

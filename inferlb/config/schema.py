@@ -2,10 +2,13 @@
 
 Shape (see README "Config reference" and ``examples/local.yaml``)::
 
-    gateway:    {listen, admin, max_request_body_bytes, ...}   # the Envoy side
-    xds:        {listen, push_debounce_ms, push_max_delay_ms, api_listen, api_token, drain_period_ms,
-                 node_groups, state_file, state_redis_url, ...}
-    ext_proc:   {listen, message_timeout_ms, failure_mode_allow, account_responses, quota_backend, ...}
+    gateway:    {listen, admin, max_request_body_bytes, ..., tls: {cert_file, key_file, client_ca_file},
+                 upstream_tls: {cert_file, key_file, ca_file}, sds_dir}   # the Envoy side
+    xds:        {listen, tls: {cert_file, key_file, client_ca_file, server_name}, push_debounce_ms,
+                 push_max_delay_ms, api_listen, api_token, drain_period_ms, node_groups, state_file,
+                 state_redis_url, ...}
+    ext_proc:   {listen, tls: {...as xds.tls}, message_timeout_ms, failure_mode_allow, account_responses,
+                 quota_backend, ...}
     gpu_profiles: {H100: {relative_capacity: 3.4, ...}, ...}
     models:     [{name, aliases, context_length, versions: [{name, traffic_percent}],
                   cluster: {lb_policy, ..., length_aware: {long_output_tokens, fast_min_relative_capacity,

@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 
 from inferlb.config.schema import Config, parse_config
 from inferlb.errors import ConfigError
+from inferlb.ops import cli
 from tests.conftest import make_config_doc
 from tests.tls_certs import CertificateAuthority, replace_file
 from xds_server.bootstrap import XDS_CLUSTER, render_bootstrap, sds_files
@@ -337,3 +338,21 @@ def test_every_sds_file_envoy_is_told_to_read_is_one_that_is_written(
         doc["gateway"]["tls"]["cert_file"] = pki["client_crt"]
         doc["gateway"]["tls"]["key_file"] = pki["client_key"]
         assert set(sds_files(parse_config(doc))) != set(sds_files(cfg))
+
+
+def test_the_bootstrap_verb_writes_envoys_sds_files(
+    pki: dict[str, str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    config = tmp_path / "inferlb.yaml"
+    config.write_text(yaml.safe_dump(tls_doc(pki)), encoding="utf-8")
+    out = tmp_path / "envoy-host" / "sds"
+    assert cli.main(["bootstrap", str(config), "--sds-dir", str(out)]) == 0
+    printed = capsys.readouterr()
+    written = sorted(p.name for p in out.iterdir())
+    assert written == sorted(sds_files(parse_config(tls_doc(pki))))
+    assert all(f"wrote {out / name}" in printed.err for name in written)
+    (xds,) = yaml.safe_load(printed.out)["static_resources"]["clusters"]
+    assert xds["transport_socket"]["name"] == TLS_TRANSPORT_SOCKET
+    # without --sds-dir nothing is written
+    assert cli.main(["bootstrap", str(config)]) == 0
+    assert sorted(p.name for p in out.iterdir()) == written

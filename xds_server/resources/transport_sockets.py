@@ -15,8 +15,8 @@ files are also watched for updates"; measured on Envoy 1.40: an inline ``tls_cer
 volume's rotation (a rename of its ``..data`` link) is seen as well as a plain rename over the file.
 
 A file's name carries a digest of its contents: a config whose certificate paths change names new files
-(written by ``inferlb up`` or ``inferlb bootstrap --sds-dir``), and an Envoy that lacks one rejects that
-update and keeps the last good one.
+(written by ``inferlb up`` or ``inferlb bootstrap --sds-dir``), never a stale one; Envoy requires the file a
+``path_config_source`` names to exist when it loads the config (envoy/api ``PathConfigSource.path``).
 
 Pure: a config goes in, protos and file contents come out.
 """

@@ -318,7 +318,7 @@ class ServiceTls(TlsFiles):
     #: The name Envoy expects in the service's certificate (a DNS subject alternative name; sent as SNI),
     #: e.g. a Kubernetes Service's DNS name. None: the host Envoy dials (``advertise``, else ``listen``),
     #: an IP then checked as an IP subject alternative name.
-    server_name: Annotated[str, Field(pattern=r"^[A-Za-z0-9*]([A-Za-z0-9.*-]{0,252})$")] | None = None
+    server_name: Annotated[str, Field(pattern=r"^[A-Za-z0-9]([A-Za-z0-9.-]{0,252})$")] | None = None
 
     @model_validator(mode="after")
     def _check_files(self) -> Self:

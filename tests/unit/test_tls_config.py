@@ -247,7 +247,7 @@ def test_the_request_path_clusters_dial_mutual_tls(pki: dict[str, str], mode: st
         assert combined.validation_context_sds_secret_config.name == SERVICES_CA_SECRET
         (san,) = combined.default_validation_context.match_typed_subject_alt_names
         assert (san.san_type, san.matcher.exact) == (common_pb2.SubjectAltNameMatcher.DNS, "svc.test")
-        # gRPC needs h2 negotiated; ext_authz's HTTP/1.1 service takes no ALPN
+        # HTTP/2 over TLS offers h2 (RFC 7540 3.3); ext_authz's HTTP/1.1 service takes no ALPN
         assert list(common.alpn_protocols) == ([] if name == EXT_AUTHZ_CLUSTER else ["h2"])
     # the model clusters are not ours: they stay plain text
     assert not any(c.HasField("transport_socket") for n, c in clusters.items() if n not in dialled)

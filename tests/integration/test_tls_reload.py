@@ -6,7 +6,11 @@ without a restart."""
 from __future__ import annotations
 
 import asyncio
+import socket
 import ssl
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import grpc
@@ -15,8 +19,10 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from ext_proc.grpc_tls import grpc_server_credentials
 from inferlb.adapters.tls import ssl_server_context
-from inferlb.config.schema import ServiceTls
-from tests.tls_certs import CertificateAuthority, handshake, replace_file
+from inferlb.config.schema import HostPort, ServiceTls, parse_config
+from inferlb.ops.stack import port_open
+from tests.conftest import make_config_doc, write_config
+from tests.tls_certs import CertificateAuthority, client_context, handshake, replace_file
 
 SERVER_NAME = "svc.inferlb.test"
 
@@ -146,3 +152,61 @@ async def test_asyncio_mutual_tls_refuses_strangers_and_reloads(pki: dict[str, o
     finally:
         server.close()
         await server.wait_closed()
+
+
+def test_ext_proc_process_serves_only_mutual_tls(tmp_path: Path) -> None:
+    """``python -m ext_proc`` with ``ext_proc.tls``: a client with a certificate of the client CA gets the
+    gRPC server's HTTP/2 preface over TLS (ALPN h2); one without, or with a stranger's, is refused in the
+    handshake; and a plain-text client gets nothing."""
+    ca, envoy_ca = CertificateAuthority("services CA"), CertificateAuthority("envoy CA")
+    replace_file(tmp_path / "ca.crt", ca.cert_pem)
+    replace_file(tmp_path / "envoy-ca.crt", envoy_ca.cert_pem)
+    crt, key = ca.issue(SERVER_NAME).write(tmp_path, "server")
+    envoy = envoy_ca.issue("envoy", client=True).write(tmp_path, "envoy")
+    doc = make_config_doc()
+    doc["ext_proc"]["protocol"] = "ext_proc"
+    doc["ext_proc"]["tls"] = {
+        "cert_file": str(crt),
+        "key_file": str(key),
+        "client_ca_file": str(tmp_path / "envoy-ca.crt"),
+        "server_name": SERVER_NAME,
+    }
+    doc["gateway"].update(
+        upstream_tls={
+            "cert_file": str(envoy[0]),
+            "key_file": str(envoy[1]),
+            "ca_file": str(tmp_path / "ca.crt"),
+        },
+        sds_dir=str(tmp_path / "sds"),
+    )
+    config = write_config(tmp_path / "inferlb.yaml", doc)
+    port = parse_config(doc).ext_proc.listen.port
+    log = (tmp_path / "ext_proc.log").open("wb")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ext_proc", "--config", str(config)], stdout=log, stderr=subprocess.STDOUT
+    )
+    try:
+        deadline = time.monotonic() + 30
+        while not port_open(HostPort(host="127.0.0.1", port=port)):
+            assert proc.poll() is None, (tmp_path / "ext_proc.log").read_text()
+            assert time.monotonic() < deadline, "ext_proc not listening after 30 s"
+            time.sleep(0.1)
+        ok = client_context(tmp_path / "ca.crt", envoy)
+        assert handshake(port, ok, SERVER_NAME, alpn=("h2",)) > 0
+        stranger = CertificateAuthority("stranger").issue("envoy", client=True).write(tmp_path, "stranger")
+        for cert in (None, stranger):
+            with pytest.raises((ssl.SSLError, ConnectionError)):
+                handshake(port, client_context(tmp_path / "ca.crt", cert), SERVER_NAME, alpn=("h2",))
+        # a plain-text HTTP/2 client (Envoy without upstream TLS) gets no answer
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
+            s.sendall(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n")
+            s.settimeout(2)
+            try:
+                answer = s.recv(64)
+            except (TimeoutError, ConnectionError):
+                answer = b""
+            assert not answer.startswith(b"\x00"), answer  # no HTTP/2 frame: a TLS alert or nothing
+    finally:
+        proc.terminate()
+        proc.wait(10)
+        log.close()

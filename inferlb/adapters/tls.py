@@ -2,17 +2,17 @@
 the certificate, key and client CA read again when their files change, without a restart.
 
 - gRPC (the xDS server, ext_proc, the settler's access-log service): :func:`pem_reloader` gives the PEM
-  bytes for grpc's
-  ``dynamic_ssl_server_credentials`` with ``require_client_authentication``: grpc calls the fetcher
-  before every new connection's handshake (grpc ``dynamic_ssl_server_credentials`` docs), and it answers a
-  new configuration only when a file's identity (inode, size, mtime) changed.
+  bytes for grpc's ``dynamic_ssl_server_credentials`` with ``require_client_authentication``: grpc calls
+  the fetcher before every new connection's handshake (grpc ``dynamic_ssl_server_credentials`` docs), and
+  it answers a new configuration only when a file's identity (inode, size, mtime) changed. The grpc half
+  lives in the services (``xds_server.server``, :mod:`ext_proc.grpc_tls`): adapters import no grpc.
 - asyncio HTTP (ext_authz's service): :func:`ssl_server_context`, an ``ssl.SSLContext`` with
   ``CERT_REQUIRED`` whose ``sni_callback`` (run for every ClientHello, SNI or not) hands the handshake the
   context built from the current files.
 
 Both keep the last good files when new ones do not load (a key replaced before its certificate, say): the
-failure is logged, and the next handshake tries again. A peer without a certificate signed by
-``client_ca_file`` is refused in the handshake, before any request.
+failure is logged, and the files are tried again when one of them changes again. A peer without a
+certificate signed by ``client_ca_file`` is refused in the handshake, before any request.
 """
 
 from __future__ import annotations

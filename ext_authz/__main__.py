@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import ssl
 import sys
 from collections.abc import Sequence
 
@@ -34,6 +35,7 @@ from ext_authz.check import CheckService
 from ext_authz.meter import Meter
 from ext_authz.server import CheckServer
 from ext_proc.access_log import serve_access_log
+from ext_proc.grpc_tls import grpc_server_credentials
 from ext_proc.process import (
     StartUp,
     open_state,
@@ -43,6 +45,7 @@ from ext_proc.process import (
     service_arguments,
     until_stopped,
 )
+from inferlb.adapters.tls import ssl_server_context
 from inferlb.adapters.unix_socket import UnixSocketError
 from inferlb.config.schema import ExtProcConfig, GrpcAddress, HostPort, UnixSocket
 
@@ -77,12 +80,16 @@ async def serve(start: StartUp, poll_interval_s: float) -> int:
         return 1
     await quotas.start()
     settler: grpc.aio.Server | None = None
+    tls = config.ext_proc.tls  # mutual TLS on the check service and the settler; files reloaded on change
     try:
         if meter is not None:
             # before the checks: every metered request's entry must find the settler listening
             meter_listen = config.ext_proc.meter_addresses()[process]
             settler, meter_port = await serve_access_log(
-                meter_listen.host, meter_listen.port, meter.on_entries
+                meter_listen.host,
+                meter_listen.port,
+                meter.on_entries,
+                None if tls is None else grpc_server_credentials(tls, "ext_proc.tls")[0],
             )
             meter.start()
             settled_on = HostPort(host=meter_listen.host, port=meter_port)
@@ -91,8 +98,9 @@ async def serve(start: StartUp, poll_interval_s: float) -> int:
             await server.start_unix(listen.path)
             bound: GrpcAddress = listen
         else:
-            bound = HostPort(host=listen.host, port=await server.start(listen.host, listen.port))
-    except (OSError, UnixSocketError) as exc:
+            context = None if tls is None else ssl_server_context(tls, "ext_proc.tls")[0]
+            bound = HostPort(host=listen.host, port=await server.start(listen.host, listen.port, context))
+    except (OSError, UnixSocketError, ssl.SSLError) as exc:
         log.error("cannot listen on %s: %s", listen, exc)
         await _stop_settler(settler, meter)
         await release(state, metrics_server)

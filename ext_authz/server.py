@@ -30,6 +30,7 @@ import json
 import logging
 import os
 import socket
+import ssl
 from typing import Final, cast
 
 import httptools
@@ -277,14 +278,18 @@ class CheckServer:
         if not self.connections:
             self._none_left.set()
 
-    async def start(self, host: str, port: int) -> int:
-        """Listen on ``host:port`` (0: a free port) and return the bound port.
+    async def start(self, host: str, port: int, tls: ssl.SSLContext | None = None) -> int:
+        """Listen on ``host:port`` (0: a free port), over TLS with ``tls`` (``ext_proc.tls``:
+        :func:`inferlb.adapters.tls.ssl_server_context`, a client certificate required), and return the
+        bound port.
 
         Raises:
             OSError: the address cannot be bound.
         """
         loop = asyncio.get_running_loop()
-        self._server = await loop.create_server(lambda: CheckProtocol(self.service, self), host, port)
+        self._server = await loop.create_server(
+            lambda: CheckProtocol(self.service, self), host, port, ssl=tls
+        )
         sock = self._server.sockets[0]
         return int(sock.getsockname()[1])
 

@@ -7,6 +7,8 @@ behind Envoy's ext_authz filter.
 - :mod:`ext_proc.servicer`: the grpcio aio adapter (ProcessingRequest stream -> handlers -> responses).
 - :mod:`ext_proc.access_log`: Envoy's gRPC access-log service -> meter entries (the ext_authz settler's
   receiver).
+- :mod:`ext_proc.grpc_tls`: mutual TLS server credentials (``ext_proc.tls``) that reload changed
+  certificate files, for ext_proc's gRPC server and the settler's.
 - :mod:`ext_proc.stores`: the quota store (in-process or Redis) and the ``/metrics`` server from the config.
 - :mod:`ext_proc.metrics`: the service's Prometheus registry.
 - :mod:`ext_proc.poller`: the config-file poller.

@@ -22,9 +22,11 @@ from __future__ import annotations
 
 import argparse
 import logging
+import ssl
 import sys
 from collections.abc import Sequence
 
+from ext_proc.grpc_tls import grpc_server_credentials
 from ext_proc.poller import ConfigPoller
 from ext_proc.process import open_state, release, run_service, serve_metrics, service_arguments, until_stopped
 from ext_proc.servicer import MAX_CONFIGURABLE_BODY_BYTES, add_to_server, make_server
@@ -71,9 +73,12 @@ async def serve(
         if isinstance(listen, UnixSocket):
             bind_unix_socket(listen.path, "ext_proc.listen_unix", server.add_insecure_port)
             bound: GrpcAddress = listen
+        elif config.ext_proc.tls is not None:  # mutual TLS, files read again when they change
+            credentials, _ = grpc_server_credentials(config.ext_proc.tls, "ext_proc.tls")
+            bound = HostPort(host=listen.host, port=server.add_secure_port(str(listen), credentials))
         else:
             bound = HostPort(host=listen.host, port=server.add_insecure_port(str(listen)))
-    except (RuntimeError, UnixSocketError) as exc:
+    except (RuntimeError, UnixSocketError, OSError, ssl.SSLError) as exc:
         log.error("cannot listen on %s: %s", listen, exc)
         await quotas.aclose()
         return 1

@@ -95,9 +95,12 @@ class AccessLogReceiver(als_pb2_grpc.AccessLogServiceServicer):  # type: ignore[
         return als_pb2.StreamAccessLogsResponse()
 
 
-async def serve_access_log(host: str, port: int, sink: Sink) -> tuple[grpc.aio.Server, int]:
+async def serve_access_log(
+    host: str, port: int, sink: Sink, credentials: grpc.ServerCredentials | None = None
+) -> tuple[grpc.aio.Server, int]:
     """Start a gRPC server for the access-log service on ``host:port`` (port 0: a free one) and return it
-    with its bound port.
+    with its bound port; with ``credentials`` (``ext_proc.tls``'s,
+    :func:`inferlb.adapters.tls_grpc.grpc_server_credentials`) over mutual TLS.
 
     Raises:
         OSError: the address cannot be bound (grpc reports it as a RuntimeError; re-raised as OSError).
@@ -106,7 +109,10 @@ async def serve_access_log(host: str, port: int, sink: Sink) -> tuple[grpc.aio.S
     als_pb2_grpc.add_AccessLogServiceServicer_to_server(AccessLogReceiver(sink), server)
     listen = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
     try:
-        port = server.add_insecure_port(listen)
+        if credentials is not None:
+            port = server.add_secure_port(listen, credentials)
+        else:
+            port = server.add_insecure_port(listen)
     except RuntimeError as exc:
         raise OSError(f"cannot listen on {listen}: {exc}") from exc
     await server.start()

@@ -113,6 +113,9 @@ async def watch_config(
             log.warning(
                 "ext_proc.quota_backend changed to %s; it needs a restart", config.ext_proc.quota_backend
             )
+        if config.ext_proc.tls != state.gateway.config.ext_proc.tls:
+            # the socket's credentials are made at start; a rotation of the same files needs nothing
+            log.warning("ext_proc.tls changed; it needs a restart (still serving the one it started with)")
         try:
             state.apply_config(config)
         except ValueError as exc:

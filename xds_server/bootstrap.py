@@ -4,7 +4,8 @@ Everything else (listeners, routes, clusters, endpoints) comes over ADS from ``x
 static cluster is ``inferlb_xds``. Pure: a config goes in, a dict ready for ``yaml.safe_dump`` /
 ``json.dumps`` comes out. ``envoy/bootstrap-ads.yaml`` is :func:`render_bootstrap_yaml` of the default
 config (``inferlb bootstrap`` prints the same) and ``envoy/bootstrap-delta.yaml`` the same in Delta mode;
-a unit test keeps them from drifting.
+a unit test keeps them from drifting. With TLS (``gateway.tls``, ``gateway.upstream_tls``) Envoy also needs
+the SDS files of :func:`sds_files` in ``gateway.sds_dir``.
 
 Three modes (:data:`ADS_MODES`): ``sotw`` (ADS, state of the world, ``api_type: GRPC``: every response
 carries all resources of its type), ``delta`` (ADS, incremental, ``api_type: DELTA_GRPC``: only changed
@@ -23,6 +24,8 @@ from typing import Any, Final, Literal
 import yaml
 
 from inferlb.config.schema import Config, HostPort, UnixSocket
+from xds_server.resources import transport_sockets as tls_resources
+from xds_server.resources.transport_sockets import GRPC_ALPN, transport_socket_dict, upstream_tls_context
 
 #: Name of the static cluster that points Envoy at the xDS server.
 XDS_CLUSTER: Final = "inferlb_xds"
@@ -105,7 +108,8 @@ def render_bootstrap(
 
     Returns:
         a dict with ``node``, ``admin``, ``static_resources`` (the ``inferlb_xds`` HTTP/2 cluster, STATIC for
-        an IP or a Unix socket, LOGICAL_DNS for a host name) and ``dynamic_resources`` (ADS over gRPC, v3,
+        an IP or a Unix socket, LOGICAL_DNS for a host name, over mutual TLS with ``xds.tls``) and
+        ``dynamic_resources`` (ADS over gRPC, v3,
         node sent on the first message only, reconnect backoff :func:`reconnect_policy`, LDS and CDS from
         ADS; or for ``xds`` LDS and CDS on their own streams).
     """
@@ -145,6 +149,7 @@ def render_bootstrap(
                         "cluster_name": XDS_CLUSTER,
                         "endpoints": [{"lb_endpoints": [{"endpoint": {"address": xds_address}}]}],
                     },
+                    **_xds_tls(config, xds),
                 }
             ]
         },
@@ -152,6 +157,23 @@ def render_bootstrap(
             _per_type_dynamic_resources(config) if mode == "xds" else _ads_dynamic_resources(mode, config)
         ),
     }
+
+
+def _xds_tls(config: Config, dialled: HostPort) -> dict[str, Any]:
+    """``xds.tls``: the ``inferlb_xds`` cluster's ``transport_socket``, mutual TLS with Envoy's client
+    certificate and ALPN ``h2`` (:func:`~xds_server.resources.transport_sockets.upstream_tls_context`,
+    its certificates from SDS files Envoy watches); without it, nothing (plain text)."""
+    if config.xds.tls is None:
+        return {}
+    context = upstream_tls_context(config, config.xds.tls, (dialled,), alpn=GRPC_ALPN)
+    return {"transport_socket": transport_socket_dict(context)}
+
+
+def sds_files(config: Config) -> dict[str, str]:
+    """``{file name: YAML text}`` of the SDS files an Envoy of ``config`` reads in ``gateway.sds_dir``
+    (:func:`~xds_server.resources.transport_sockets.sds_files`; empty without TLS): what ``inferlb up``
+    and ``inferlb bootstrap --sds-dir`` write beside the bootstrap."""
+    return tls_resources.sds_files(config)
 
 
 def _duration(ms: int) -> str:

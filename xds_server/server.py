@@ -33,6 +33,7 @@ import asyncio
 import contextlib
 import hashlib
 import logging
+import ssl
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -44,6 +45,7 @@ import yaml
 from aiohttp import web
 
 from inferlb.adapters.state_redis import RedisDocument, SharedStateUnavailableError
+from inferlb.adapters.tls import PemFiles, Reloader, pem_reloader
 from inferlb.adapters.unix_socket import bind_unix_socket
 from inferlb.config.changes import StableContent, check_not_emptied
 from inferlb.config.checks import (
@@ -54,7 +56,14 @@ from inferlb.config.checks import (
     resolve_endpoint_hosts,
     system_resolve,
 )
-from inferlb.config.schema import Config, EndpointConfig, GrpcAddress, KubernetesDiscovery, parse_config
+from inferlb.config.schema import (
+    Config,
+    EndpointConfig,
+    GrpcAddress,
+    KubernetesDiscovery,
+    ServiceTls,
+    parse_config,
+)
 from inferlb.errors import ConfigError
 from xds_server.ads import AggregatedDiscoveryServicer, add_ads_to_server
 from xds_server.cache import DEFAULT_GROUP, SnapshotCache, SnapshotInconsistentError
@@ -89,6 +98,26 @@ DEFAULT_GRACE_S = 2.0
 STOP_STEP_TIMEOUT_S = 10.0
 #: The drain timer looks at the wall clock at least this often (s), so a clock step is noticed.
 DRAIN_RECHECK_S = 1.0
+
+
+def _certificate_configuration(pem: PemFiles) -> grpc.ServerCertificateConfiguration:
+    return grpc.ssl_server_certificate_configuration(
+        [(pem.private_key, pem.cert_chain)], root_certificates=pem.client_ca
+    )
+
+
+def _reloading_credentials(reloader: Reloader[PemFiles]) -> grpc.ServerCredentials:
+    """``xds.tls``: mutual TLS server credentials whose files grpc fetches again before each new connection's
+    handshake, used when they changed (as :func:`ext_proc.grpc_tls.grpc_server_credentials`, which a service
+    layer apart from this one may not import)."""
+
+    def fetch() -> grpc.ServerCertificateConfiguration | None:
+        changed = reloader.poll()
+        return None if changed is None else _certificate_configuration(changed)
+
+    return grpc.dynamic_ssl_server_credentials(
+        _certificate_configuration(reloader.current), fetch, require_client_authentication=True
+    )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -217,6 +246,8 @@ class XdsServer:
         self.port = 0
         self.host = ""
         self.unix_path: str | None = None
+        #: ``xds.tls``: the certificate files' reloader (its ``reloads``/``failures`` counters); else None.
+        self.tls_reloader: Reloader[PemFiles] | None = None
         self.api_port = 0
         self.reload_errors = 0
         self.publish_errors = 0
@@ -234,6 +265,7 @@ class XdsServer:
         self._drainer: asyncio.Task[None] | None = None
         self._drain_wake = asyncio.Event()
         self._started_listen: GrpcAddress | None = None
+        self._started_tls: ServiceTls | None = None
         self._api: Any = None
         self._groups: dict[str, tuple[Config, LbEndpointCache]] = {}
         self._groups_owner: Config | None = None
@@ -282,6 +314,7 @@ class XdsServer:
             max_delay_s=config.xds.push_max_delay_ms / 1000,
         )
         self._started_listen = config.xds.grpc_address()
+        self._started_tls = config.xds.tls
         server = grpc.aio.server()
         add_ads_to_server(self.servicer, server)
         add_per_type_services(server, self.servicer, self.cache)
@@ -294,7 +327,14 @@ class XdsServer:
             host, port = self._bind or (config.xds.listen.host, config.xds.listen.port)
             address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
             try:
-                bound = server.add_insecure_port(address)
+                if config.xds.tls is not None:  # mutual TLS, files read again when they change
+                    self.tls_reloader = pem_reloader(config.xds.tls, "xds.tls")
+                    credentials = _reloading_credentials(self.tls_reloader)
+                    bound = server.add_secure_port(address, credentials)
+                else:
+                    bound = server.add_insecure_port(address)
+            except (OSError, ssl.SSLError) as exc:
+                raise RuntimeError(f"xds.tls: cannot load the certificate files: {exc}") from None
             except RuntimeError as exc:
                 raise RuntimeError(f"cannot listen on {address}: {exc}") from None
             if bound == 0:  # older grpcio reports a failed bind as port 0
@@ -497,6 +537,9 @@ class XdsServer:
                 "xds.listen/listen_unix changed to %s: takes effect on restart",
                 loaded.config.xds.grpc_address(),
             )
+        if self._started_listen is not None and loaded.config.xds.tls != self._started_tls:
+            # the socket's credentials are made at start; a rotation of the same files needs nothing
+            log.warning("xds.tls changed: takes effect on restart (the port keeps the one it started with)")
         log.info("config %s accepted", self.config_path)
         self._changed()
         return loaded

@@ -2,10 +2,13 @@
 
 Shape (see README "Config reference" and ``examples/local.yaml``)::
 
-    gateway:    {listen, admin, max_request_body_bytes, ...}   # the Envoy side
-    xds:        {listen, push_debounce_ms, push_max_delay_ms, api_listen, api_token, drain_period_ms,
-                 node_groups, state_file, state_redis_url, ...}
-    ext_proc:   {listen, message_timeout_ms, failure_mode_allow, account_responses, quota_backend, ...}
+    gateway:    {listen, admin, max_request_body_bytes, ..., tls: {cert_file, key_file, client_ca_file},
+                 upstream_tls: {cert_file, key_file, ca_file}, sds_dir}   # the Envoy side
+    xds:        {listen, tls: {cert_file, key_file, client_ca_file, server_name}, push_debounce_ms,
+                 push_max_delay_ms, api_listen, api_token, drain_period_ms, node_groups, state_file,
+                 state_redis_url, ...}
+    ext_proc:   {listen, tls: {...as xds.tls}, message_timeout_ms, failure_mode_allow, account_responses,
+                 quota_backend, ...}
     gpu_profiles: {H100: {relative_capacity: 3.4, ...}, ...}
     models:     [{name, aliases, context_length, versions: [{name, traffic_percent}],
                   cluster: {lb_policy, ..., length_aware: {long_output_tokens, fast_min_relative_capacity,
@@ -31,6 +34,7 @@ import ipaddress
 import itertools
 import os
 import re
+import ssl
 from collections.abc import Mapping, Sequence
 from enum import StrEnum
 from pathlib import Path
@@ -219,6 +223,124 @@ class AccessLogConfig(_Frozen):
         return value
 
 
+def _read_pem(field: str, path: str, what: str) -> bytes:
+    """The bytes of the PEM file ``path`` (``field`` names it in errors): it must be readable and hold at
+    least one ``-----BEGIN`` block."""
+    try:
+        data = Path(path).read_bytes()
+    except OSError as e:
+        raise ValueError(f"{field}: cannot read {path!r}: {e.strerror or type(e).__name__}") from None
+    if b"-----BEGIN " not in data:
+        raise ValueError(f"{field}: {path!r} holds no PEM block (expected {what})")
+    return data
+
+
+def _check_absolute_file(value: str) -> str:
+    if not value.startswith("/"):
+        raise ValueError(f"expected an absolute file path (Envoy and each service read it), got {value!r}")
+    if "\0" in value:
+        raise ValueError("a file path holds no NUL byte")
+    return value
+
+
+#: A directory given as an absolute path.
+AbsoluteDir = Annotated[str, Field(min_length=2, max_length=3900), AfterValidator(_check_absolute_file)]
+
+#: A certificate, key or CA file: an absolute path (each process reads it from its own working directory).
+PemFile = Annotated[str, Field(min_length=2, max_length=4096), AfterValidator(_check_absolute_file)]
+
+
+class TlsFiles(_Frozen):
+    """A certificate chain and its private key, and the CA that signs the peers' certificates, as PEM files.
+
+    Read when the config is loaded (at start and on each reload): a file that is missing, unreadable, holds
+    no PEM, or a key that does not match its certificate is refused naming the field, and a reload keeps the
+    last good config. The processes that use them (Envoy, the services) read them again themselves when
+    they change (README "TLS and mutual TLS"), so a rotation needs no reload.
+    """
+
+    #: The certificate chain (leaf first), PEM.
+    cert_file: PemFile
+    #: The private key of ``cert_file``'s leaf, PEM (unencrypted).
+    key_file: PemFile
+
+    def _check_pair(self) -> None:
+        _read_pem("cert_file", self.cert_file, "a certificate")
+        _read_pem("key_file", self.key_file, "a private key")
+        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        try:
+            ctx.load_cert_chain(self.cert_file, self.key_file)
+        except (OSError, ssl.SSLError) as e:
+            raise ValueError(
+                f"key_file: {self.key_file!r} and cert_file {self.cert_file!r} do not load as a certificate "
+                f"chain and its key ({getattr(e, 'reason', None) or e})"
+            ) from None
+
+    @staticmethod
+    def _check_ca(field: str, path: str) -> None:
+        _read_pem(field, path, "CA certificates")
+        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        try:
+            ctx.load_verify_locations(cafile=path)
+        except (OSError, ssl.SSLError) as e:
+            raise ValueError(
+                f"{field}: {path!r} does not load as CA certificates ({getattr(e, 'reason', None) or e})"
+            ) from None
+
+
+class GatewayTls(TlsFiles):
+    """``gateway.tls``: TLS on the gateway listener (``gateway.listen``), the certificate Envoy presents to
+    clients. Envoy reads the files itself (through the SDS files of
+    :func:`~xds_server.resources.transport_sockets.sds_files`) and serves a rotated certificate on new
+    connections without a restart."""
+
+    #: Clients must present a certificate signed by one of these CAs (PEM); None: any client (no client
+    #: certificate asked for).
+    client_ca_file: PemFile | None = None
+
+    @model_validator(mode="after")
+    def _check_files(self) -> Self:
+        self._check_pair()
+        if self.client_ca_file is not None:
+            self._check_ca("client_ca_file", self.client_ca_file)
+        return self
+
+
+class ServiceTls(TlsFiles):
+    """``xds.tls`` / ``ext_proc.tls``: mutual TLS between Envoy and one of inferlb's services. The service
+    presents ``cert_file`` and refuses, in the handshake, every client without a certificate signed by
+    ``client_ca_file`` (Envoy's is ``gateway.upstream_tls.cert_file``); Envoy checks that the service's
+    certificate is signed by ``gateway.upstream_tls.ca_file`` and names ``server_name``. The service re-reads
+    its files when they change (on the next handshake)."""
+
+    #: CA(s) that sign the clients' (Envoy's) certificates, PEM.
+    client_ca_file: PemFile
+    #: The name Envoy expects in the service's certificate (a DNS subject alternative name; sent as SNI),
+    #: e.g. a Kubernetes Service's DNS name. None: the host Envoy dials (``advertise``, else ``listen``),
+    #: an IP then checked as an IP subject alternative name.
+    server_name: Annotated[str, Field(pattern=r"^[A-Za-z0-9]([A-Za-z0-9.-]{0,252})$")] | None = None
+
+    @model_validator(mode="after")
+    def _check_files(self) -> Self:
+        self._check_pair()
+        self._check_ca("client_ca_file", self.client_ca_file)
+        return self
+
+
+class UpstreamTls(TlsFiles):
+    """``gateway.upstream_tls``: Envoy's side of the mutual TLS to inferlb's services (``xds.tls``,
+    ``ext_proc.tls``): the client certificate Envoy presents and the CA it trusts for their certificates."""
+
+    #: CA(s) that sign the services' certificates, PEM.
+    ca_file: PemFile
+
+    @model_validator(mode="after")
+    def _check_files(self) -> Self:
+        self._check_pair()
+        self._check_ca("ca_file", self.ca_file)
+        return self
+
+
 class GatewayConfig(_Frozen):
     """The Envoy side: the listener clients call and the admin interface."""
 
@@ -291,6 +413,28 @@ class GatewayConfig(_Frozen):
     zone: str = "a"
     #: One JSON access-log line per request (:class:`AccessLogConfig`); none by default.
     access_log: AccessLogConfig | None = None
+    #: TLS on ``listen`` (:class:`GatewayTls`: certificate, key, optional client CA); None: plain text.
+    tls: GatewayTls | None = None
+    #: Envoy's client certificate and trusted CA for the mutual TLS to inferlb's services
+    #: (:class:`UpstreamTls`); needed when ``xds.tls`` or ``ext_proc.tls`` is set.
+    upstream_tls: UpstreamTls | None = None
+    #: A directory on Envoy's host holding Envoy's SDS files (needed with ``tls`` or ``upstream_tls``): small
+    #: YAML files naming the certificate files, through which Envoy watches them and loads a rotated
+    #: certificate without a restart (:func:`~xds_server.resources.transport_sockets.sds_files`).
+    #: ``inferlb up`` writes them; for an Envoy elsewhere ``inferlb bootstrap --sds-dir DIR`` does. Each
+    #: file's name carries a digest of its contents, so a changed certificate path is a new file, never a
+    #: stale one.
+    sds_dir: AbsoluteDir | None = None
+
+    @model_validator(mode="after")
+    def _check_sds_dir(self) -> Self:
+        if self.sds_dir is None and (self.tls is not None or self.upstream_tls is not None):
+            which = "tls" if self.tls is not None else "upstream_tls"
+            raise ValueError(
+                f"sds_dir: gateway.{which} needs a directory on Envoy's host for its SDS files (Envoy "
+                "watches the certificate files through them); set gateway.sds_dir"
+            )
+        return self
 
     @model_validator(mode="after")
     def _check_downstream_idle_outlives_an_attempt(self) -> Self:
@@ -335,6 +479,10 @@ class XdsConfig(_Frozen):
     #: 0600 (only the user running the xDS server, and so Envoy run as that user, may connect); Envoy's
     #: bootstrap then dials it as a ``pipe`` address. None: TCP on ``listen``.
     listen_unix: UnixListen | None = None
+    #: Mutual TLS on ``listen`` (:class:`ServiceTls`): the xDS server presents ``cert_file`` and takes only
+    #: clients with a certificate signed by ``client_ca_file``; the bootstrap's ``inferlb_xds`` cluster
+    #: dials it with ``gateway.upstream_tls``. None: plain text. Not with ``listen_unix``. On restart.
+    tls: ServiceTls | None = None
     #: Where Envoy dials the xDS server (its bootstrap's ``inferlb_xds`` cluster, and so every xDS stream):
     #: ``host:port``, a DNS name allowed (a Kubernetes Service: ``xds.inferlb.svc.cluster.local:18000``).
     #: None: ``listen`` itself (or ``listen_unix``'s socket). Lets ``listen`` bind ``0.0.0.0``, which cannot
@@ -465,6 +613,12 @@ class ExtProcConfig(_Frozen):
     #: address is its own endpoint of the ``inferlb_ext_proc`` cluster. Envoy opens one HTTP/2 connection per
     #: endpoint per worker, so processes behind one SO_REUSEPORT address would not share the load.
     extra_listen: tuple[HostPort, ...] = ()
+    #: Mutual TLS on every request-path address (:class:`ServiceTls`): ``listen`` and ``extra_listen``
+    #: (ext_proc's gRPC, or ext_authz's HTTP service) and the settlers' ``meter_listen`` addresses, each
+    #: presenting ``cert_file`` and taking only clients with a certificate signed by ``client_ca_file``;
+    #: the ``inferlb_ext_proc`` / ``inferlb_ext_authz`` / ``inferlb_meter*`` clusters dial them with
+    #: ``gateway.upstream_tls``. None: plain text. Not with ``listen_unix``. On restart.
+    tls: ServiceTls | None = None
     #: Envoy ``message_timeout`` per ext_proc message (ms). Envoy's 200 ms default breaks big bodies.
     message_timeout_ms: Annotated[int, Field(strict=True, ge=10, le=60_000)] = 5_000
     #: Envoy ``failure_mode_allow``: on an ext_proc failure (process down, gRPC error, ``message_timeout``),
@@ -1424,6 +1578,31 @@ class Config(_Frozen):
                 taken[str(hp)] = field
         if problems:
             raise ValueError("; ".join(problems))
+        return self
+
+    @model_validator(mode="after")
+    def _check_tls(self) -> Self:
+        # Envoy's client certificate is what the services' mutual TLS checks; a Unix socket is already
+        # private to its user (and Envoy's pipe addresses carry no TLS here)
+        problems = []
+        for section, tls, unix in (
+            ("xds", self.xds.tls, self.xds.listen_unix),
+            ("ext_proc", self.ext_proc.tls, self.ext_proc.listen_unix),
+        ):
+            if tls is None:
+                continue
+            if unix is not None:
+                problems.append(
+                    f"{section}.tls: cannot be combined with {section}.listen_unix (a Unix socket is already "
+                    "private to its user), drop one"
+                )
+            if self.gateway.upstream_tls is None:
+                problems.append(
+                    f"gateway.upstream_tls: {section}.tls asks Envoy for a client certificate, so set "
+                    "gateway.upstream_tls (Envoy's cert_file and key_file, and the services' ca_file)"
+                )
+        if problems:
+            raise ValueError("; ".join(dict.fromkeys(problems)))
         return self
 
     @model_validator(mode="after")

@@ -80,9 +80,16 @@ def cmd_validate(args: argparse.Namespace, out: Console) -> int:
 
 
 def cmd_bootstrap(args: argparse.Namespace, out: Console) -> int:
-    """``inferlb bootstrap [CONFIG]``: print the Envoy bootstrap (YAML) for a config."""
+    """``inferlb bootstrap [CONFIG] [--sds-dir DIR]``: print the Envoy bootstrap (YAML) for a config; with
+    ``--sds-dir``, also write Envoy's SDS files (``gateway.tls``, ``gateway.upstream_tls``) into DIR, which
+    should be ``gateway.sds_dir`` as Envoy's host sees it."""
     cfg = _load(args.config)
     source = args.config or "inferlb/data/local.yaml"
+    if args.sds_dir is not None:  # an Envoy on another host: its SDS files, written where it reads them
+        from inferlb.ops.stack import write_sds_files  # noqa: PLC0415 - CLI-only import
+
+        for path in write_sds_files(cfg, Path(args.sds_dir)):
+            print(f"wrote {path}", file=sys.stderr)
     sys.stdout.write(render_bootstrap_yaml(cfg, source=source, node_id=args.node_id, mode=args.ads_mode))
     return EXIT_OK
 
@@ -563,6 +570,12 @@ def build_parser() -> argparse.ArgumentParser:
         default="sotw",
         help="sotw: ADS, state of the world; delta: Delta (incremental) ADS; xds: one gRPC stream per type "
         "(LDS, CDS, RDS, EDS), no ADS",
+    )
+    b.add_argument(
+        "--sds-dir",
+        default=None,
+        help="also write Envoy's SDS files (gateway.tls, gateway.upstream_tls) into this directory: "
+        "gateway.sds_dir as Envoy's host sees it",
     )
     b.set_defaults(fn=cmd_bootstrap)
 

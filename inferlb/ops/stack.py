@@ -42,7 +42,33 @@ import yaml
 from inferlb.adapters.unix_socket import unix_socket_open
 from inferlb.config.schema import Config, GrpcAddress, HostPort, UnixSocket, load_config
 from inferlb.errors import InferlbError
-from xds_server.bootstrap import render_bootstrap
+from xds_server.bootstrap import render_bootstrap, sds_files
+
+
+def write_sds_files(config: Config, directory: Path | None = None) -> list[Path]:
+    """Write Envoy's SDS files of ``config`` (:func:`~xds_server.resources.transport_sockets.sds_files`:
+    one YAML file per certificate or CA that ``gateway.tls`` / ``gateway.upstream_tls`` name) into
+    ``directory`` (default ``gateway.sds_dir``, created if missing), each replaced atomically; returns
+    their paths (none without TLS). Files of earlier configs are left: an Envoy may still hold a listener
+    that names one.
+
+    Raises:
+        OSError: the directory cannot be made or written."""
+    files = sds_files(config)
+    if not files:
+        return []
+    where = directory or Path(config.gateway.sds_dir or ".")
+    where.mkdir(parents=True, exist_ok=True)
+    out = []
+    for name, text in files.items():
+        fd, tmp = tempfile.mkstemp(dir=where, prefix=f".{name}.")
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.chmod(tmp, 0o644)  # file names only, no secret; Envoy may run as another user
+        os.replace(tmp, where / name)
+        out.append(where / name)
+    return out
+
 
 #: The Python module each service of the stack runs as (``python -m MODULE --config FILE``);
 #: docker-compose.yml runs the same modules (a test keeps the two in step).
@@ -349,8 +375,10 @@ class Stack:
         return Child(name, [*argv, *extra], self.workdir / f"{name}.log")
 
     def bootstrap_path(self) -> Path:
-        """Write the Envoy bootstrap for this config into ``workdir`` and return its path."""
+        """Write the Envoy bootstrap for this config into ``workdir`` (and its SDS files into
+        ``gateway.sds_dir``: :func:`write_sds_files`) and return its path."""
         path = self.workdir / "envoy-bootstrap.yaml"
+        write_sds_files(self.config)  # gateway.tls / upstream_tls: the files Envoy watches certificates by
         path.write_text(yaml.safe_dump(render_bootstrap(self.config), sort_keys=False), encoding="utf-8")
         return path
 

@@ -14,11 +14,13 @@ import yaml
 from envoy.config.cluster.v3 import cluster_pb2
 from envoy.config.core.v3 import base_pb2
 from envoy.config.endpoint.v3 import endpoint_pb2
+from envoy.config.listener.v3 import listener_pb2
 from envoy.service.discovery.v3 import ads_pb2_grpc, discovery_pb2
 from google.rpc import status_pb2
 
 from inferlb.config.schema import default_config_path
 from tests.conftest import wait_until
+from tests.tls_certs import CertificateAuthority
 from xds_server import resources as r
 from xds_server.resources.common import EXT_AUTHZ_CLUSTER, METER_CLUSTER
 from xds_server.server import XdsServer
@@ -359,3 +361,33 @@ async def test_cancelled_streams_are_cleaned_up_quietly(
     await _until(lambda: server.cache.watcher_count == 0, "watchers to be removed")
     assert server.servicer.stats.streams_opened == 3
     assert not [rec for rec in caplog.records if rec.levelno >= logging.ERROR]
+
+
+async def test_gateway_tls_with_a_missing_file_is_refused_and_a_good_one_is_pushed(
+    server: XdsServer,
+    connect: Callable[[], AdsClient],
+    config_file: Path,
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.ERROR, logger="xds_server")
+    client = connect()
+    await client.send(r.LISTENER_TYPE, node=True)
+    first = await client.recv()
+    await client.ack(first)
+    ca = CertificateAuthority()
+    crt, key = ca.issue("127.0.0.1").write(tmp_path, "gateway")
+    doc = _doc()
+    tls = {"cert_file": str(tmp_path / "missing.crt"), "key_file": str(key)}
+    doc["gateway"].update(tls=tls, sds_dir=str(tmp_path / "sds"))
+    _write(config_file, doc)
+    await _until(_refused(server, 1), "the config naming a missing certificate to be refused")
+    assert any("gateway.tls.cert_file: cannot read" in rec.getMessage() for rec in caplog.records)
+    await client.expect_silence(0.3)  # the last good listener keeps serving
+    tls["cert_file"] = str(crt)
+    _write(config_file, doc)
+    pushed = await client.recv()
+    (listener,) = [listener_pb2.Listener.FromString(a.value) for a in pushed.resources]
+    socket = listener.filter_chains[0].transport_socket
+    assert socket.name == "envoy.transport_sockets.tls"
+    assert not first.resources[0].value.count(b"envoy.transport_sockets.tls")

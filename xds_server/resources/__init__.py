@@ -10,6 +10,9 @@ One module per Envoy resource, each importing only the ones before it:
 - :mod:`xds_server.resources.common`: the type URLs and :data:`PUSH_ORDER`, the resource names,
   :class:`XdsResources`, and the proto helpers the others share (durations, ``Any`` packing, addresses,
   the ADS config source).
+- :mod:`xds_server.resources.transport_sockets`: the TLS transport sockets (the gateway listener's
+  ``DownstreamTlsContext``, the ``UpstreamTlsContext`` of the clusters that dial inferlb's services) and
+  Envoy's SDS files they read the certificate files through.
 - :mod:`xds_server.resources.endpoints`: one ClusterLoadAssignment per model-version cluster; endpoint
   keys, :class:`EndpointOverride`, the :class:`LbEndpointCache` memo, locality priorities, the endpoint
   address check.

@@ -41,6 +41,7 @@ from xds_server.resources.common import (
     meter_cluster_name,
     pack,
 )
+from xds_server.resources.transport_sockets import GRPC_ALPN, transport_socket, upstream_tls_context
 
 #: The ext_proc cluster carries one HTTP/2 stream per client request: Envoy's default circuit breaker
 #: (1024 requests) would 503 the gateway before any model cluster is saturated, so lift it.
@@ -375,6 +376,17 @@ def _static_endpoints(name: str, addresses: Sequence[GrpcAddress]) -> endpoint_p
     )
 
 
+def _service_tls(
+    config: Config, dialled: Sequence[GrpcAddress], *, alpn: Sequence[str]
+) -> base_pb2.TransportSocket | None:
+    """The mutual TLS of a cluster that dials the request-path processes (``ext_proc.tls``; None without
+    it): :func:`xds_server.resources.transport_sockets.upstream_tls_context` over ``dialled``."""
+    tls = config.ext_proc.tls
+    if tls is None:
+        return None
+    return transport_socket(upstream_tls_context(config, tls, dialled, alpn=alpn))
+
+
 def build_ext_proc_cluster(config: Config) -> cluster_pb2.Cluster:
     """The ``inferlb_ext_proc`` cluster: HTTP/2 (Envoy 1.40 500s every request over HTTP/1.1, measured
     here), one endpoint per ext_proc process where Envoy dials it (``ext_proc.advertise``, else ``listen``;
@@ -416,6 +428,7 @@ def build_ext_proc_cluster(config: Config) -> cluster_pb2.Cluster:
         ),
         outlier_detection=request_path_outlier_detection(),
         load_assignment=_static_endpoints(name, addresses),
+        transport_socket=_service_tls(config, addresses, alpn=() if authz else GRPC_ALPN),
     )
 
 
@@ -458,6 +471,7 @@ def build_meter_clusters(config: Config) -> list[cluster_pb2.Cluster]:
                 connect_timeout=duration_ms(EXT_PROC_CONNECT_TIMEOUT_MS),
                 typed_extension_protocol_options=_http2_protocol_options(),
                 load_assignment=_static_endpoints(name, (addr,)),
+                transport_socket=_service_tls(config, (addr,), alpn=GRPC_ALPN),
             )
         )
     return out

@@ -93,6 +93,7 @@ from xds_server.resources.common import (
     pack,
     socket_address,
 )
+from xds_server.resources.transport_sockets import downstream_tls_context, transport_socket
 
 # -- header mutation -----------------------------------------------------------------------------------
 #: The HCM early header mutation extension that strips client-sent routing headers.
@@ -1272,6 +1273,7 @@ def build_listener(config: Config) -> listener_pb2.Listener:
             ),
         ],
     )
+    downstream = downstream_tls_context(config)
     return listener_pb2.Listener(
         name=LISTENER_NAME,
         address=socket_address(gw.listen),
@@ -1282,7 +1284,9 @@ def build_listener(config: Config) -> listener_pb2.Listener:
                     listener_components_pb2.Filter(
                         name="envoy.filters.network.http_connection_manager", typed_config=pack(hcm)
                     )
-                ]
+                ],
+                # gateway.tls: the certificate comes from an SDS file Envoy watches (rotation, no restart)
+                transport_socket=None if downstream is None else transport_socket(downstream),
             )
         ],
     )

@@ -150,10 +150,12 @@ class LengthState:
         self.metrics = metrics
         self.predictor = predictor if predictor is not None else OutputPredictor()
         self.clock = clock
-        #: cluster -> its thresholds, kept across reloads that leave its policy and shares alike
-        self._thresholds: dict[str, ClusterThresholds] = {}
-        #: cluster -> the config under which it has no configured capacity (static thresholds, unchecked)
-        self._no_capacity: dict[str, Config] = {}
+        #: (model, version) -> its cluster's thresholds, kept across reloads that leave its policy and
+        #: shares alike
+        self._thresholds: dict[tuple[str, str], ClusterThresholds] = {}
+        #: (model, version) -> the config under which its cluster has no configured capacity (static
+        #: thresholds, unchecked)
+        self._no_capacity: dict[tuple[str, str], Config] = {}
         self._in_flight: dict[tuple[str, str], int] = {}
         self._decided: dict[tuple[str, str, str], Counter] = {}
         #: (model, version) -> class_capacities() of the config ``_config`` (held, so its identity is not
@@ -202,7 +204,9 @@ class LengthState:
             estimate = self.predictor.estimate(query)
             tokens = estimate.output_tokens
             source = "prediction" if estimate.predicted else "cap"
-        cluster = self._cluster_thresholds(config, model, version)
+        cluster = self._thresholds.get((model.name, version))
+        if cluster is None or cluster.config is not config:
+            cluster = self._cluster_thresholds(config, model, version)
         if cluster is None:
             name = length_class(tokens, policy)
         else:
@@ -212,7 +216,7 @@ class LengthState:
             name = class_by_thresholds(tokens, cluster.static if learnt is None else learnt, cluster.names)
             learner.observe(
                 tokens,
-                request_work(prepared.prompt_tokens, tokens, prompt_token_work=cluster.prompt_token_work),
+                request_work(prepared.prompt_tokens, tokens, cluster.prompt_token_work),
                 now,
             )
             if now >= cluster.next_review_s:
@@ -231,10 +235,10 @@ class LengthState:
                 name = guarded
         return msgspec.structs.replace(prepared, length_class=name, length_query=query)
 
-    def thresholds_of(self, cluster: str) -> ClusterThresholds | None:
-        """The threshold state of ``cluster`` (None before its first request, or without configured
-        capacity)."""
-        return self._thresholds.get(cluster)
+    def thresholds_of(self, model: str, version: str) -> ClusterThresholds | None:
+        """The threshold state of ``model``'s ``version`` cluster (None before its first request, or without
+        configured capacity)."""
+        return self._thresholds.get((model, version))
 
     def _capacities_of(
         self, config: Config, model: ModelConfig, version: str
@@ -252,18 +256,19 @@ class LengthState:
     def _cluster_thresholds(
         self, config: Config, model: ModelConfig, version: str
     ) -> ClusterThresholds | None:
-        cluster = model.cluster_name(version)
-        entry = self._thresholds.get(cluster)
+        key = (model.name, version)
+        entry = self._thresholds.get(key)
         if entry is not None and entry.config is config:
             return entry
-        if self._no_capacity.get(cluster) is config:
+        if self._no_capacity.get(key) is config:
             return None
+        cluster = model.cluster_name(version)
         policy = model.cluster.length_aware
         assert policy is not None
         sets, fleet = self._capacities_of(config, model, version)
         if not fleet > 0:
-            self._thresholds.pop(cluster, None)
-            self._no_capacity[cluster] = config
+            self._thresholds.pop(key, None)
+            self._no_capacity[key] = config
             return None
         shares = tuple(min(1.0, s / fleet) for s in sets)
         if entry is not None and entry.policy == policy and entry.shares == shares:
@@ -277,7 +282,7 @@ class LengthState:
         labels = [(model.name, cluster, n) for n in names]
         for share, lv in zip(shares, labels, strict=True):
             m.length_class_set_share.labels(*lv).set(share)
-        entry = self._thresholds[cluster] = ClusterThresholds(
+        entry = self._thresholds[key] = ClusterThresholds(
             config=config,
             model=model.name,
             cluster=cluster,

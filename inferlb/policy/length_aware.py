@@ -149,9 +149,9 @@ def class_by_thresholds(output_cap_tokens: int, thresholds: Sequence[int], names
     :func:`static_thresholds` or :class:`inferlb.policy.threshold_learner.ThresholdLearner`): ``names[k]``
     for the first ``k`` whose threshold the cap exceeds, else :data:`SHORT`. With the static thresholds and
     the :func:`confined_classes` names it is :func:`length_class`."""
-    for threshold, name in zip(thresholds, names, strict=True):
+    for k, threshold in enumerate(thresholds):
         if output_cap_tokens > threshold:
-            return name
+            return names[k]
     return SHORT
 
 

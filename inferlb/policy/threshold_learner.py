@@ -57,13 +57,13 @@ DEFAULT_PROMPT_TOKEN_WORK: Final = 0.12
 
 
 def request_work(
-    prompt_tokens: int, output_tokens: int, *, prompt_token_work: float = DEFAULT_PROMPT_TOKEN_WORK
+    prompt_tokens: int, output_tokens: int, prompt_token_work: float = DEFAULT_PROMPT_TOKEN_WORK
 ) -> float:
     """One request's GPU work in generated-token equivalents: ``output_tokens + prompt_token_work x
-    prompt_tokens`` (tokens; ``prompt_token_work`` as :data:`DEFAULT_PROMPT_TOKEN_WORK`). Proportional to
-    the fleet simulator's prefill-plus-decode seconds at full batch when ``prompt_token_work`` is the
-    model's ratio of prefill to decode throughput; negative counts count as 0."""
-    return max(output_tokens, 0) + prompt_token_work * max(prompt_tokens, 0)
+    prompt_tokens`` (counts >= 0, tokens; ``prompt_token_work`` as :data:`DEFAULT_PROMPT_TOKEN_WORK`).
+    Proportional to the fleet simulator's prefill-plus-decode seconds at full batch when
+    ``prompt_token_work`` is the model's ratio of prefill to decode throughput."""
+    return output_tokens + prompt_token_work * prompt_tokens
 
 
 class ThresholdLearner:
@@ -87,9 +87,10 @@ class ThresholdLearner:
     """
 
     __slots__ = (
-        "_count_at",
+        "_at",
         "_current",
         "_derived_at",
+        "_dirty",
         "_fraction",
         "_hysteresis",
         "_min_samples",
@@ -97,7 +98,6 @@ class ThresholdLearner:
         "_ring",
         "_set_shares",
         "_window",
-        "_work_at",
     )
 
     def __init__(
@@ -135,10 +135,13 @@ class ThresholdLearner:
         self._hysteresis = hysteresis
         self._ring: deque[tuple[int, float]] = deque()
         #: work and requests per distinct cap of the ring (a cap leaves both when its last request does)
-        self._work_at: dict[int, float] = {}
-        self._count_at: dict[int, int] = {}
+        #: cap -> [requests, work] of the ring's requests of that cap (one lookup per update: this is the
+        #: request path's cost)
+        self._at: dict[int, list[float]] = {}
         self._current: tuple[int, ...] | None = None
         self._derived_at = -math.inf
+        #: whether the window changed since the last derivation (an unchanged one derives the same)
+        self._dirty = False
 
     @property
     def set_shares(self) -> tuple[float, ...]:
@@ -153,7 +156,7 @@ class ThresholdLearner:
     @property
     def distinct_caps(self) -> int:
         """Distinct caps in the window now (<= ``window``)."""
-        return len(self._work_at)
+        return len(self._at)
 
     def observe(self, cap_tokens: int, work: float, now_s: float) -> None:
         """One request the gateway saw: its output cap as classed (tokens, >= 0) and its estimated GPU work
@@ -165,22 +168,28 @@ class ThresholdLearner:
         """
         if cap_tokens < 0:
             raise ValueError(f"cap_tokens must be >= 0, got {cap_tokens}")
-        if not (work >= 0 and math.isfinite(work)):
+        if not 0.0 <= work < math.inf:
             raise ValueError(f"work must be a finite number >= 0, got {work}")
         ring = self._ring
+        at = self._at
         if len(ring) >= self._window:
             old_cap, old_work = ring.popleft()
-            left = self._count_at[old_cap] - 1
-            if left:
-                self._count_at[old_cap] = left
-                # float sums and differences may leave a hair below the true sum: never below 0
-                self._work_at[old_cap] = max(0.0, self._work_at[old_cap] - old_work)
+            old = at[old_cap]
+            if old[0] <= 1:
+                del at[old_cap]
             else:
-                del self._count_at[old_cap]
-                del self._work_at[old_cap]
+                old[0] -= 1
+                # float sums and differences may leave a hair below the true sum: never below 0
+                left = old[1] - old_work
+                old[1] = left if left > 0.0 else 0.0
         ring.append((cap_tokens, work))
-        self._work_at[cap_tokens] = self._work_at.get(cap_tokens, 0.0) + work
-        self._count_at[cap_tokens] = self._count_at.get(cap_tokens, 0) + 1
+        entry = at.get(cap_tokens)
+        if entry is None:
+            at[cap_tokens] = [1, work]
+        else:
+            entry[0] += 1
+            entry[1] += work
+        self._dirty = True
         if now_s - self._derived_at >= self._rederive_every_s:
             self._derive(now_s)
 
@@ -188,8 +197,8 @@ class ThresholdLearner:
         """The thresholds in use at ``now_s`` (s): ``T_1 >= T_2 >= ...`` (tokens), one per class, longest
         first (a request whose cap exceeds ``T_k``, and no ``T_j`` of a longer class, is of class ``k``);
         None until ``min_samples`` requests were seen (and while the window carries no work). Derives them
-        anew first when the last derivation is ``rederive_every_s`` or more old."""
-        if now_s - self._derived_at >= self._rederive_every_s:
+        anew first when the last derivation is ``rederive_every_s`` or more old and requests came since."""
+        if self._dirty and now_s - self._derived_at >= self._rederive_every_s:
             self._derive(now_s)
         return self._current
 
@@ -197,19 +206,20 @@ class ThresholdLearner:
         """The window's work share (0..1) above each of ``thresholds`` (tokens): what the requests confined
         to each class's set (caps above its threshold, longer classes included, as the sets nest) would
         take of the work. None when the window carries no work."""
-        work = self._work_at
-        total = math.fsum(work.values())
+        at = self._at
+        total = math.fsum(e[1] for e in at.values())
         if not total > 0:
             return None
-        return tuple(math.fsum(w for c, w in work.items() if c > t) / total for t in thresholds)
+        return tuple(math.fsum(e[1] for c, e in at.items() if c > t) / total for t in thresholds)
 
     def _derive(self, now_s: float) -> None:
         self._derived_at = now_s
+        self._dirty = False
         if len(self._ring) < self._min_samples:
             return
-        work = self._work_at
-        caps = sorted(work)
-        weights = [work[c] for c in caps]
+        at = self._at
+        caps = sorted(at)
+        weights = [at[c][1] for c in caps]
         total = math.fsum(weights)
         if not total > 0:
             return

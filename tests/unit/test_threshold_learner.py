@@ -199,7 +199,7 @@ def test_sets_of_zero_share_confine_nothing_and_equal_sets_get_equal_thresholds(
 
 def test_request_work_prices_prompt_tokens_at_a_fraction_of_a_generated_token() -> None:
     assert request_work(1000, 100, prompt_token_work=0.1) == 200.0
-    assert request_work(-5, -1) == 0.0
+    assert request_work(0, 1024) == 1024.0
 
 
 @pytest.mark.parametrize(

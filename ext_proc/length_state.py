@@ -62,7 +62,7 @@ from inferlb.policy.length_aware import (
     static_thresholds,
 )
 from inferlb.policy.output_predictor import LengthQuery, OutputPredictor, PredictionKey
-from inferlb.policy.threshold_learner import ThresholdLearner, request_work
+from inferlb.policy.threshold_learner import MAX_CAP_TOKENS, ThresholdLearner, request_work
 
 log = logging.getLogger(__name__)
 
@@ -210,6 +210,7 @@ class LengthState:
         if cluster is None:
             name = length_class(tokens, policy)
         else:
+            tokens = min(tokens, MAX_CAP_TOKENS)  # as the learner counts it
             now = self.clock()
             learner = cluster.learner
             learnt = learner.thresholds(now) if cluster.learn else None

@@ -5,15 +5,16 @@ Why: the static thresholds of length-aware placement (:func:`inferlb.policy.leng
 over a training window) are fitted on what requests *generate*. The gateway classes them by what clients
 *declare*, an upper bound, and many clients send one default cap (every request ``max_tokens: 1024``): with
 thresholds fitted on true lengths every such request looks long and the whole model's work goes to the fast
-tier (in the 1,000-GPU discrete-event fleet, p99 1.8-2.2x that of plain least request). The same rule
-applied to the caps the gateway sees is harmless by construction: one fixed cap confines nothing (no request
-is above the largest cap seen), and caps that vary still separate the long requests from the short.
+tier, which saturates while the rest idles. The same rule applied to the caps the gateway sees is harmless by
+construction: one fixed cap confines nothing (no request is above the largest cap seen), and caps that vary
+still separate the long requests from the short.
 
-The rule: :class:`ThresholdLearner` keeps the last ``window`` requests' ``(cap, work)`` (a ring, with the
-work summed per distinct cap beside it, so memory is bounded by ``window`` and a derivation costs
-``O(distinct caps)``, not ``O(window)``), and every ``rederive_every_s`` at most derives
-``T_1 >= T_2 >= ...`` by :func:`~inferlb.policy.length_aware.tier_thresholds` over that window: ``T_k`` is the
-smallest cap seen such that the requests above it carry at most ``fraction x share_k`` of the window's work.
+The rule: :class:`ThresholdLearner` keeps the last ``window`` requests' ``(cap, work)`` (a ring of two
+arrays, 16 bytes a request, with the work summed per distinct cap beside it, so memory is bounded by
+``window`` and a derivation costs ``O(distinct caps)``, not ``O(window)``), and every ``rederive_every_s``
+at most derives ``T_1 >= T_2 >= ...`` by :func:`~inferlb.policy.length_aware.tier_thresholds` over that
+window: ``T_k`` is the smallest cap seen such that the requests above it carry at most ``fraction x
+share_k`` of the window's work.
 A new set of thresholds replaces the one in use only when it moves some class's confined work share (the
 window's work above ``T_k``, over the window's work) by more than ``hysteresis``, so thresholds do not flap
 with the sampling noise of a stationary mix, and follow a real shift of it. Everything is deterministic: the
@@ -21,16 +22,18 @@ same calls give the same thresholds.
 
 What a request's ``work`` is: what the request path knows when it decides the class, the prompt tokens
 and the output cap, priced by :func:`request_work` in generated-token equivalents (the shares the rule
-compares do not depend on the unit). The cap, not the completion the server will write: the thresholds must
-be known before the answer exists, and pricing a request at its cap over-states the long (capped) requests'
-share of the work, so the learnt thresholds confine at most the share the rule allows (the safe side).
+compares do not depend on the unit). The cap, not the completion the server will write: the class is needed
+before the answer exists. The shares are therefore of the *declared* work: where every cap overstates its
+answer alike they are the real shares; where the long caps overstate more (a large default beside tight
+caps) the confined sets get less than their budget; where the short caps overstate more, more. The live
+capacity guard (:mod:`inferlb.policy.class_guard`) bounds a set's load either way.
 """
 
 from __future__ import annotations
 
 import math
+from array import array
 from bisect import bisect_right
-from collections import deque
 from collections.abc import Sequence
 from itertools import pairwise
 from typing import Final
@@ -54,6 +57,12 @@ DEFAULT_HYSTERESIS: Final = 0.05
 #: :class:`inferlb.config.schema.Simulation`, of the order of a 7-8B model in vLLM). The same ratio as the
 #: fleet simulator's ``request_service_seconds`` (prefill seconds plus decode at full batch), in tokens.
 DEFAULT_PROMPT_TOKEN_WORK: Final = 0.12
+
+
+#: Caps above this count as it (tokens, 2**62): the window is an array of signed 64-bit integers. No
+#: generation comes near it; a caller that classes by the learnt thresholds clamps its caps alike, so one
+#: fixed cap beyond it still confines nothing.
+MAX_CAP_TOKENS: Final = 2**62
 
 
 def request_work(
@@ -88,16 +97,19 @@ class ThresholdLearner:
 
     __slots__ = (
         "_at",
+        "_caps",
         "_current",
         "_derived_at",
         "_dirty",
         "_fraction",
+        "_head",
         "_hysteresis",
         "_min_samples",
         "_rederive_every_s",
-        "_ring",
+        "_samples",
         "_set_shares",
         "_window",
+        "_works",
     )
 
     def __init__(
@@ -133,10 +145,13 @@ class ThresholdLearner:
         self._min_samples = min_samples
         self._rederive_every_s = rederive_every_s
         self._hysteresis = hysteresis
-        self._ring: deque[tuple[int, float]] = deque()
-        #: work and requests per distinct cap of the ring (a cap leaves both when its last request does)
-        #: cap -> [requests, work] of the ring's requests of that cap (one lookup per update: this is the
-        #: request path's cost)
+        # the window: a ring of (cap, work) in two arrays, 16 bytes a request; _head is the next slot
+        self._caps = array("q", bytes(8 * window))
+        self._works = array("d", bytes(8 * window))
+        self._head = 0
+        self._samples = 0
+        #: cap -> [requests, work] of the window's requests of that cap, gone with its last request (one
+        #: lookup per update: this is the request path's cost)
         self._at: dict[int, list[float]] = {}
         self._current: tuple[int, ...] | None = None
         self._derived_at = -math.inf
@@ -151,7 +166,7 @@ class ThresholdLearner:
     @property
     def samples(self) -> int:
         """Requests in the window now (<= ``window``)."""
-        return len(self._ring)
+        return self._samples
 
     @property
     def distinct_caps(self) -> int:
@@ -170,10 +185,11 @@ class ThresholdLearner:
             raise ValueError(f"cap_tokens must be >= 0, got {cap_tokens}")
         if not 0.0 <= work < math.inf:
             raise ValueError(f"work must be a finite number >= 0, got {work}")
-        ring = self._ring
+        cap_tokens = min(cap_tokens, MAX_CAP_TOKENS)
         at = self._at
-        if len(ring) >= self._window:
-            old_cap, old_work = ring.popleft()
+        i = self._head
+        if self._samples >= self._window:
+            old_cap, old_work = self._caps[i], self._works[i]
             old = at[old_cap]
             if old[0] <= 1:
                 del at[old_cap]
@@ -182,7 +198,12 @@ class ThresholdLearner:
                 # float sums and differences may leave a hair below the true sum: never below 0
                 left = old[1] - old_work
                 old[1] = left if left > 0.0 else 0.0
-        ring.append((cap_tokens, work))
+        else:
+            self._samples += 1
+        self._caps[i] = cap_tokens
+        self._works[i] = work
+        i += 1
+        self._head = i if i < self._window else 0
         entry = at.get(cap_tokens)
         if entry is None:
             at[cap_tokens] = [1, work]
@@ -215,7 +236,7 @@ class ThresholdLearner:
     def _derive(self, now_s: float) -> None:
         self._derived_at = now_s
         self._dirty = False
-        if len(self._ring) < self._min_samples:
+        if self._samples < self._min_samples:
             return
         at = self._at
         caps = sorted(at)

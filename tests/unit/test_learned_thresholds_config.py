@@ -31,10 +31,10 @@ TIERS = [
 ]
 
 
-def config(length_aware: dict[str, Any]) -> Config:
+def config(length_aware: dict[str, Any], **model: Any) -> Config:
     return parse_config(
         {
-            "models": [{"name": "llama", "cluster": {"length_aware": length_aware}}],
+            "models": [{"name": "llama", "cluster": {"length_aware": length_aware}, **model}],
             "endpoints": [
                 {"address": f"10.0.0.{i}:80", "model": "llama", "gpu": g}
                 for i, g in enumerate(("H100", "A100", "V100", "V100"), start=1)
@@ -207,3 +207,13 @@ def test_a_reload_that_keeps_the_cluster_alike_keeps_what_it_learnt() -> None:
     assert classes(length, same, [1024]) == ["short"]
     changed = config({**doc, "long_output_tokens": 200})  # a new policy: learns anew
     assert classes(length, changed, [1024]) == ["long"]
+
+
+def test_one_absurd_cap_is_not_confined_either() -> None:
+    """A cap beyond the learner's 64-bit window (a model whose context_length lets it through) counts as
+    its bound on both sides: one such cap for every request still confines nothing."""
+    doc = {"long_output_tokens": 100, "learn_thresholds": {**LEARN, "rederive_every_s": 0}}
+    cfg = config(doc, context_length=10**22)
+    length = LengthState(ExtProcMetrics(), clock=Clock())
+    got = classes(length, cfg, [10**20] * 25)
+    assert got == ["long"] * 20 + ["short"] * 5

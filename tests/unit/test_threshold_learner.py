@@ -12,7 +12,7 @@ from hypothesis import example, given
 from hypothesis import strategies as st
 
 from inferlb.policy.length_aware import tier_thresholds
-from inferlb.policy.threshold_learner import ThresholdLearner, request_work
+from inferlb.policy.threshold_learner import MAX_CAP_TOKENS, ThresholdLearner, request_work
 
 caps = st.integers(0, 20_000)
 works = st.floats(0.0, 1e4, allow_nan=False)
@@ -224,3 +224,11 @@ def test_bad_parameters_are_refused_by_name(shares: list[float], kw: dict[str, f
 def test_bad_observations_are_refused(cap: int, work: float, field: str) -> None:
     with pytest.raises(ValueError, match=field):
         learner([0.5]).observe(cap, work, 0.0)
+
+
+def test_caps_beyond_the_window_arrays_count_as_their_bound() -> None:
+    lr = learner([0.5], window=4)
+    for i in range(6):
+        lr.observe(2**70, 1.0, float(i))
+    assert lr.thresholds(6.0) == (MAX_CAP_TOKENS,)
+    assert lr.samples == 4 and lr.distinct_caps == 1

@@ -82,6 +82,34 @@ def test_bad_values_are_refused_naming_the_field(learn: Any, field: str) -> None
         config({"tiers": TIERS, "learn_thresholds": learn})
 
 
+@given(
+    window=st.integers(-5, 2_000_000),
+    min_samples=st.one_of(st.none(), st.integers(-5, 2_000_000)),
+    hysteresis=st.floats(-0.5, 1.5, allow_nan=False),
+)
+def test_the_block_is_accepted_exactly_within_its_ranges(
+    window: int, min_samples: int | None, hysteresis: float
+) -> None:
+    learn: dict[str, Any] = {"window": window, "min_samples": min_samples, "hysteresis": hysteresis}
+    problems = []
+    if not 16 <= window <= 1_000_000:
+        problems.append("window")
+    if min_samples is not None and not 1 <= min_samples <= 1_000_000:
+        problems.append("min_samples")
+    if not 0 <= hysteresis < 1:
+        problems.append("hysteresis")
+    if not problems and min_samples is not None and min_samples > window:
+        problems.append("min_samples")
+    if not problems:
+        la = config({"learn_thresholds": learn}).models[0].cluster.length_aware
+        assert la is not None and la.learn_thresholds is not None
+        assert 1 <= la.learn_thresholds.samples_before_use <= window
+        return
+    with pytest.raises(ConfigError) as err:
+        config({"learn_thresholds": learn})
+    assert all(p in str(err.value) for p in problems), err.value
+
+
 @given(cap=st.integers(0, 10_000), two_tier=st.booleans())
 def test_the_static_thresholds_class_as_length_class(cap: int, two_tier: bool) -> None:
     policy = LengthAwareRouting() if two_tier else LengthAwareRouting.model_validate({"tiers": TIERS})

@@ -1,13 +1,18 @@
 """The request path's CPU cost of live length classes per request (:mod:`ext_proc.length_state`); prints a
 table.
 
-For one length-aware model in three settings (classes by the cap; ``predict_output``; ``predict_output``
-with ``capacity_guard_factor``), it times :meth:`~ext_proc.length_state.LengthState.decide`,
+For one length-aware model in six settings, it times :meth:`~ext_proc.length_state.LengthState.decide`,
 :meth:`~ext_proc.length_state.LengthState.hold` and :meth:`~ext_proc.length_state.LengthState.release`
 (with a 40-token answer, so the predictor learns every answer) over ``--requests`` prepared chat requests,
 each a new conversation capped at ``max_tokens`` 1,024, the cells interleaved round by round so machine
-noise lands on every cell alike, and reports the median microseconds per request of ``--rounds`` rounds
-(``time.process_time``: CPU, not wall). Parsing and counting the requests is outside the timing.
+noise lands on every cell alike, and reports the median and the least microseconds per request of
+``--rounds`` rounds (``time.process_time``: CPU, not wall). Parsing and counting the requests is outside
+the timing; a last row times it (:func:`ext_proc.handlers.prepare_body`) in the same rounds, for scale.
+
+The settings: classes by the cap without the per-cluster threshold state (the request path before learnt
+thresholds); by the cap, the static thresholds checked against the caps seen (the default);
+``predict_output``; ``predict_output`` with ``capacity_guard_factor``; ``learn_thresholds`` with its
+defaults (a derivation every 10 s at most); and with a derivation at every request (the worst case).
 
 Usage: ``.venv/bin/python bench/length_prediction.py [--rounds 7] [--requests 2000]``.
 """
@@ -32,10 +37,18 @@ from inferlb.config.schema import Config, parse_config
 from inferlb.request.parsing import EndpointKind
 
 CASES: dict[str, dict[str, Any]] = {
+    "cap only, unchecked": {},
     "cap only": {},
     "predict_output": {"predict_output": True},
     "predict + guard": {"predict_output": True, "capacity_guard_factor": 1.5},
+    "learn_thresholds": {"learn_thresholds": True},
+    "learn, derive each request": {"learn_thresholds": {"rederive_every_s": 0, "min_samples": 16}},
 }
+
+
+#: Cases timed without the per-cluster threshold state (no learner, no check of the static thresholds): the
+#: request path as it was before learnt thresholds, for the cost of the check.
+UNCHECKED: frozenset[str] = frozenset({"cap only, unchecked"})
 
 
 def config(length_aware: dict[str, Any]) -> Config:
@@ -54,23 +67,32 @@ def config(length_aware: dict[str, Any]) -> Config:
     )
 
 
-def requests(cfg: Config, n: int) -> list[PreparedRequest]:
-    """``n`` prepared chat requests, each its own question, capped at 1,024 tokens."""
-    gateway = Gateway.from_config(cfg)
+def bodies(n: int) -> list[bytes]:
+    """``n`` chat request bodies, each its own question, capped at 1,024 tokens."""
+    return [
+        json.dumps(
+            {"model": "llama", "messages": [{"role": "user", "content": f"question {i}"}], "max_tokens": 1024}
+        ).encode()
+        for i in range(n)
+    ]
+
+
+def prepare(gateway: Gateway, cfg: Config, raw: list[bytes]) -> list[PreparedRequest]:
+    """``raw`` parsed and counted by the request path (:func:`ext_proc.handlers.prepare_body`)."""
     pending = PendingRequest(
         tenant=cfg.tenants[0], kind=EndpointKind.CHAT_COMPLETIONS, path="/v1/chat/completions"
     )
     out = []
-    for i in range(n):
-        body = {
-            "model": "llama",
-            "messages": [{"role": "user", "content": f"question {i}"}],
-            "max_tokens": 1024,
-        }
-        p = handlers.prepare_body(gateway, pending, json.dumps(body).encode())
+    for body in raw:
+        p = handlers.prepare_body(gateway, pending, body)
         assert isinstance(p, PreparedRequest), p
         out.append(p)
     return out
+
+
+def requests(cfg: Config, n: int) -> list[PreparedRequest]:
+    """``n`` prepared chat requests, each its own question, capped at 1,024 tokens."""
+    return prepare(Gateway.from_config(cfg), cfg, bodies(n))
 
 
 def main() -> None:
@@ -82,9 +104,18 @@ def main() -> None:
     setups = {}
     for name, la in CASES.items():
         cfg = config(la)
-        setups[name] = (cfg, LengthState(ExtProcMetrics()), requests(cfg, args.requests))
-    cells: dict[str, list[float]] = {name: [] for name in CASES}
+        length = LengthState(ExtProcMetrics())
+        if name in UNCHECKED:
+            length._cluster_thresholds = lambda *_: None  # type: ignore[method-assign]
+        setups[name] = (cfg, length, requests(cfg, args.requests))
+    scale = "for scale: prepare_body (parse + count)"
+    cells: dict[str, list[float]] = {name: [] for name in [*CASES, scale]}
+    scale_cfg = config({})
+    scale_gateway, raw = Gateway.from_config(scale_cfg), bodies(args.requests)
     for _ in range(args.rounds):
+        started = time.process_time()
+        prepare(scale_gateway, scale_cfg, raw)
+        cells[scale].append((time.process_time() - started) / len(raw) * 1e6)
         for name, (cfg, length, prepared) in setups.items():
             cluster = cfg.models[0].cluster_name("v1")
             started = time.process_time()
@@ -98,11 +129,11 @@ def main() -> None:
         title=f"decide + hold + release per request (us CPU, median of {args.rounds} interleaved rounds "
         f"x {args.requests}; load {os.getloadavg()[0]:.1f})"
     )
-    for col in ("length_aware", "us/request", "x cap only"):
+    for col in ("length_aware", "us/request", "least", "x cap only"):
         table.add_column(col, justify="left" if col == "length_aware" else "right")
     for name, values in cells.items():
         m = statistics.median(values)
-        table.add_row(name, f"{m:.1f}", f"{m / base:.1f}")
+        table.add_row(name, f"{m:.1f}", f"{min(values):.1f}", f"{m / base:.2f}")
     Console().print(table)
 
 

@@ -15,8 +15,9 @@ behind Envoy's ext_authz filter.
 - :mod:`ext_proc.state`: the mutable state a process serves from (config, quota store, metrics).
 - :mod:`ext_proc.picking`: endpoint picking on the request path (the pick, the live endpoint state polled
   from the xDS server, in-flight counts per endpoint).
-- :mod:`ext_proc.length_state`: each request's length class, live (output prediction, the capacity guard
-  over per-class in-flight counts, the predictor fed at settlement).
+- :mod:`ext_proc.length_state`: each request's length class, live (output prediction, thresholds learnt
+  from the caps seen or the static ones checked against them, the capacity guard over per-class in-flight
+  counts, the predictor fed at settlement).
 - :mod:`ext_proc.process`: the command line, event loop and config watch loop ``__main__`` shares with
   ``python -m ext_authz``.
 - ``__main__``: the process (``python -m ext_proc --config PATH``).

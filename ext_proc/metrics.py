@@ -22,6 +22,15 @@ bounded by the config. A request refused before its tenant or model is known is 
 - ``inferlb_endpoint_picks_total{model, outcome}``: endpoint picking's requests by outcome (``picked``;
   ``no_state``: no endpoint state yet, Envoy's fallback balanced it; ``no_eligible``: 503, no endpoint
   healthy; ``queued``: waited in the model's fair queue, ``endpoint_picking.queue``; ``queue_full``: 429);
+- ``inferlb_length_class_decisions_total{model, length_class, source}``: length classes decided, by what
+  decided them (``cap``, ``prediction``); ``inferlb_length_class_spills_total{model, from_class,
+  to_class}``: the capacity guard's spills;
+- ``inferlb_length_class_threshold_tokens{model, cluster, length_class}``: the output-cap threshold a
+  class uses now (learnt with ``length_aware.learn_thresholds``, else configured);
+  ``inferlb_length_class_confined_work_share{...}``: the recent requests' work share above it (the work
+  confined to its GPU set), ``inferlb_length_class_set_share{...}``: that set's capacity share, and
+  ``inferlb_length_class_overcommitted_total{...}``: checks that found the first above the second
+  (:mod:`ext_proc.length_state`);
 - ``inferlb_endpoint_queue_wait_seconds{model, outcome}``: time waited in a model's fair queue, by how the
   wait ended (``admitted``, ``expired``: 429 ``queue_timeout``, ``cancelled``: the client went away,
   ``no_state``);
@@ -125,6 +134,34 @@ class ExtProcMetrics:
             "inferlb_length_class_spills",
             "Requests of length-aware models the capacity guard sent to a wider length class than their own",
             ("model", "from_class", "to_class"),
+            registry=r,
+        )
+        self.length_class_threshold = Gauge(
+            "inferlb_length_class_threshold_tokens",
+            "Output-cap threshold a length class of a cluster uses now (tokens): the learnt one with "
+            "length_aware.learn_thresholds once enough requests were seen, else the configured one",
+            ("model", "cluster", "length_class"),
+            registry=r,
+        )
+        self.length_class_confined_share = Gauge(
+            "inferlb_length_class_confined_work_share",
+            "Share of the recent requests' work (estimated from prompt tokens and output caps) whose cap "
+            "is above the length class's threshold: the work confined to its GPU set (longer classes "
+            "included)",
+            ("model", "cluster", "length_class"),
+            registry=r,
+        )
+        self.length_class_set_share = Gauge(
+            "inferlb_length_class_set_share",
+            "Capacity share of a length class's GPU set in its cluster (configured endpoints)",
+            ("model", "cluster", "length_class"),
+            registry=r,
+        )
+        self.length_class_overcommitted = Counter(
+            "inferlb_length_class_overcommitted",
+            "Checks (one per re-derivation interval) that found a length class's confined work share "
+            "above its GPU set's capacity share: at full load that set saturates",
+            ("model", "cluster", "length_class"),
             registry=r,
         )
         self.endpoint_queue_waits = Histogram(

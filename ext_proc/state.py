@@ -29,7 +29,8 @@ class ExtProcState:
 
     Args:
         config: the initial config.
-        clock: monotonic seconds (injected for tests), for the default in-process store.
+        clock: monotonic seconds (injected for tests), for the default in-process store and the length
+            classes' threshold learners.
         rng: randomness for version choice when a request names no user.
         quotas: the quota store; default an in-process :class:`~inferlb.policy.quota.MemoryQuotaStore`.
         metrics: the metric families; default a fresh :class:`~ext_proc.metrics.ExtProcMetrics`.
@@ -63,7 +64,7 @@ class ExtProcState:
         self.in_flight = InFlight()
         self.picking = PickingState()
         self.picking.metrics = self.metrics
-        self.length = LengthState(self.metrics)
+        self.length = LengthState(self.metrics, clock=clock)
 
     def apply_config(self, config: Config) -> None:
         """Serve ``config`` from now on; quota state of tenants whose limits did not change is kept.

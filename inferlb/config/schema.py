@@ -13,7 +13,9 @@ Shape (see README "Config reference" and ``examples/local.yaml``)::
     models:     [{name, aliases, context_length, versions: [{name, traffic_percent}],
                   cluster: {lb_policy, ..., length_aware: {long_output_tokens, fast_min_relative_capacity,
                                  tiers: [{above_output_tokens, min_relative_capacity}],
-                                 predict_output, capacity_guard_factor}},
+                                 predict_output, capacity_guard_factor,
+                                 learn_thresholds: true | {window, min_samples, rederive_every_s,
+                                                           hysteresis, fraction, prompt_token_work}}},
                   endpoint_picking: {mode: off|load|approximate|precise, weights: {...}, block_size}}]
     endpoints:  [{address, model, version, gpu, region, zone, simulated,
                   kv_events: {endpoint, replay_endpoint, topic}}]   # kv_events: precise picking only
@@ -963,6 +965,47 @@ class LengthTier(_Frozen):
     min_relative_capacity: Annotated[float, Field(strict=True, gt=0, le=100)]
 
 
+class LearnedThresholds(_Frozen):
+    """Length-class thresholds learnt from the output caps the request path sees
+    (:class:`inferlb.policy.threshold_learner.ThresholdLearner`), per request-path process: the tiered
+    threshold rule (:func:`inferlb.policy.length_aware.tier_thresholds`) over the last ``window`` requests of
+    the cluster, re-derived every ``rederive_every_s`` at most, replaced only past the ``hysteresis``. The
+    static thresholds (``long_output_tokens``, or each tier's ``above_output_tokens``) serve until
+    ``min_samples`` requests were seen. Defaults are the learner's (:data:`~inferlb.policy.threshold_learner.
+    DEFAULT_WINDOW` and the others, where each is explained)."""
+
+    #: Requests the thresholds are derived from, the most recent.
+    window: Annotated[int, Field(strict=True, ge=16, le=1_000_000)] = 4096
+    #: Requests seen before the learnt thresholds replace the static ones (at most ``window``); None
+    #: (default): 256 or the window, the smaller (:attr:`samples_before_use`).
+    min_samples: Annotated[int, Field(strict=True, ge=1, le=1_000_000)] | None = None
+    #: Least seconds between two derivations (0: at every request; for tests).
+    rederive_every_s: Annotated[float, Field(strict=True, ge=0, le=86_400)] = 10.0
+    #: The least change of a class's confined work share (of the window's work) that replaces the
+    #: thresholds in use (0: every derivation does).
+    hysteresis: Annotated[float, Field(strict=True, ge=0, lt=1)] = 0.05
+    #: The share of a class's GPU set capacity its confined requests may take
+    #: (:data:`~inferlb.policy.length_aware.DEFAULT_TIER_WORK_FRACTION`).
+    fraction: Annotated[float, Field(strict=True, gt=0, le=1)] = 0.75
+    #: GPU work of one prompt token relative to one generated token
+    #: (:data:`~inferlb.policy.threshold_learner.DEFAULT_PROMPT_TOKEN_WORK`).
+    prompt_token_work: Annotated[float, Field(strict=True, ge=0, le=100)] = 0.12
+
+    @property
+    def samples_before_use(self) -> int:
+        """``min_samples``, else the smaller of 256 (the learner's ``DEFAULT_MIN_SAMPLES``) and ``window``."""
+        return self.min_samples if self.min_samples is not None else min(256, self.window)
+
+    @model_validator(mode="after")
+    def _check_min_samples(self) -> Self:
+        if self.min_samples is not None and self.min_samples > self.window:
+            raise ValueError(
+                f"min_samples ({self.min_samples}) must not exceed window ({self.window}): the window never "
+                "holds more"
+            )
+        return self
+
+
 class LengthAwareRouting(_Frozen):
     """Length-aware placement for one model (:mod:`inferlb.policy.length_aware`), in one of two forms.
 
@@ -1000,6 +1043,21 @@ class LengthAwareRouting(_Frozen):
     #: wider set (> 1; 1.5 is a reasonable start). None (default): off, classes are always confined. Needs
     #: ``ext_proc.account_responses`` (the count ends with the response).
     capacity_guard_factor: Annotated[float, Field(strict=True, gt=1, le=100)] | None = None
+    #: Learn the thresholds from the output caps this model's requests declare (:class:`LearnedThresholds`;
+    #: ``true`` for the defaults), both forms: the static thresholds are the start and the fallback. None
+    #: (default): the static thresholds, checked against the caps seen (a class whose caps carry more work
+    #: than its GPU set's capacity share is logged and counted).
+    learn_thresholds: LearnedThresholds | None = None
+
+    @field_validator("learn_thresholds", mode="before")
+    @classmethod
+    def _learn_thresholds_shorthand(cls, value: object) -> object:
+        # ``learn_thresholds: true`` asks for the defaults, ``false`` for none
+        if value is True:
+            return {}
+        if value is False:
+            return None
+        return value
 
     @field_validator("tiers")
     @classmethod

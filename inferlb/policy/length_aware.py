@@ -138,6 +138,23 @@ def length_class(output_cap_tokens: int, policy: LengthAwareRouting) -> str:
     return SHORT
 
 
+def static_thresholds(policy: LengthAwareRouting) -> tuple[int, ...]:
+    """The configured thresholds of ``policy``'s confined classes, longest first (tokens):
+    ``(long_output_tokens,)`` (two tiers) or each tier's ``above_output_tokens``."""
+    return tuple(c.above_output_tokens for c in confined_classes(policy))
+
+
+def class_by_thresholds(output_cap_tokens: int, thresholds: Sequence[int], names: Sequence[str]) -> str:
+    """The length class of a cap under ``thresholds`` (tokens, longest class first, as
+    :func:`static_thresholds` or :class:`inferlb.policy.threshold_learner.ThresholdLearner`): ``names[k]``
+    for the first ``k`` whose threshold the cap exceeds, else :data:`SHORT`. With the static thresholds and
+    the :func:`confined_classes` names it is :func:`length_class`."""
+    for k, threshold in enumerate(thresholds):
+        if output_cap_tokens > threshold:
+            return names[k]
+    return SHORT
+
+
 def gpu_tier(config: Config, gpu: str, policy: LengthAwareRouting) -> str:
     """:data:`FAST_TIER` when GPU type ``gpu``'s profile has ``relative_capacity >=
     policy.fast_min_relative_capacity``, else :data:`STANDARD_TIER` (the two-tier form).

@@ -10,7 +10,9 @@ holds 1.7 / 4.7 = 36% of the capacity:
 - ``plain``: neither (classes by the cap: everything is long, everything on the A100);
 - ``guard``: the guard alone;
 - ``picked``: both options on a model whose endpoints the request path picks (``endpoint_picking: load``;
-  the picker's class hosts, not Envoy's subsets, confine it).
+  the picker's class hosts, not Envoy's subsets, confine it);
+- ``learnt``: ``learn_thresholds`` (the threshold learnt from the caps seen: 1,024, the only one, confines
+  nothing).
 
 Placement is read from gpusim's ``x-inferlb-gpu`` response header.
 """
@@ -34,7 +36,7 @@ from tests.e2e.test_extproc_accounting import metric_samples
 
 pytestmark = pytest.mark.e2e
 
-PRED, PLAIN, GUARD, PICKED = "pred", "plain", "guard", "picked"
+PRED, PLAIN, GUARD, PICKED, LEARNT = "pred", "plain", "guard", "picked", "learnt"
 CAP = 1024
 SHORT_ANSWER, LONG_ANSWER = 40, 150
 FACTOR = 1.5
@@ -54,6 +56,8 @@ def stack(tmp_path_factory: pytest.TempPathFactory, request_path: str) -> Iterat
         PLAIN: {},
         GUARD: {"capacity_guard_factor": FACTOR},
         PICKED: {"predict_output": True, "capacity_guard_factor": FACTOR},
+        # a derivation at every request, after 8 of them (per request-path process)
+        LEARNT: {"learn_thresholds": {"window": 64, "min_samples": 8, "rederive_every_s": 0}},
     }
     ports = iter(free_ports(4 * len(options)))
     for name, extra in options.items():
@@ -165,3 +169,30 @@ def test_the_guard_alone_spills_the_confined_class_under_load(stack: RunningStac
     served = placements(stack, GUARD, 0)
     assert "V100" in served, served
     assert counter(stack, "inferlb_length_class_spills_total", model=GUARD) >= served["V100"]
+
+
+def gauges(rs: RunningStack, name: str, **labels: str) -> list[float]:
+    """The values of ``name`` (a request-path gauge) with ``labels``, one per process that has it."""
+    return [
+        s.value
+        for s in metric_samples(rs.config)
+        if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())
+    ]
+
+
+def test_learnt_thresholds_do_not_confine_one_default_cap(stack: RunningStack) -> None:
+    client = stack.openai_client()
+    tokens = 4  # short answers: the test is about placement, not decoding
+    # the configured threshold (100) serves until a process has seen min_samples requests; then the learnt
+    # one: 1,024, the only cap seen, confines nothing
+    for i in range(40):
+        ask(client, LEARNT, i, tokens=tokens)
+        learnt = gauges(stack, "inferlb_length_class_threshold_tokens", model=LEARNT)
+        if i >= 8 and learnt and all(t == CAP for t in learnt):
+            break
+    else:
+        raise AssertionError(f"the threshold was never learnt: {learnt}")
+    with ThreadPoolExecutor(8) as pool:
+        served = Counter(pool.map(lambda i: ask(client, LEARNT, i, tokens=tokens), range(100, 132)))
+    assert "V100" in served, served
+    assert counter(stack, "inferlb_length_class_decisions_total", model=LEARNT, length_class="short") >= 32

@@ -249,10 +249,11 @@ class TieredBalancer:
     request falls back to the next wider set, and so on to the whole fleet (Envoy has no such fallback:
     ``fallbacks`` counts how often the model departs from it); with ``spill=False`` it never does, as in
     Envoy, whose subset is fixed by the route's ``metadata_match``. ``class_picks[k]`` counts the requests of
-    class ``k`` (the last entry: the unconfined ones).
+    class ``k`` (the last entry: the unconfined ones). With no confined class (a fleet of one GPU class has
+    no faster tier to confine to) every request balances over all hosts: plain weighted least request.
 
     Raises:
-        ValueError: ``n_hosts < 1``, no class, thresholds and sets of different lengths, an empty set,
+        ValueError: ``n_hosts < 1``, thresholds and sets of different lengths, an empty set,
             a host out of range, sets not nested, thresholds negative or increasing, or
             ``saturation_active`` not of length ``n_hosts``.
     """
@@ -271,8 +272,8 @@ class TieredBalancer:
     ) -> None:
         if n_hosts < 1:
             raise ValueError(f"n_hosts must be >= 1, got {n_hosts}")
-        if not class_hosts or len(class_hosts) != len(thresholds):
-            raise ValueError("need one threshold per confined class, and at least one class")
+        if len(class_hosts) != len(thresholds):
+            raise ValueError("need one threshold per confined class")
         if any(not hosts for hosts in class_hosts):
             raise ValueError("the fast set is empty: no GPU reaches the capacity asked for long requests")
         sets = [tuple(sorted(set(hosts))) for hosts in class_hosts]
@@ -454,7 +455,9 @@ def make_balancer(
 
     For ``tiered``: a :class:`TieredBalancer` whose class sets are the nested tier sets of
     :func:`inferlb.policy.length_aware.tier_capacity_shares` (the fastest tier, the two fastest, ...), with
-    ``tier_thresholds`` (one per set, longest first).
+    ``tier_thresholds`` (one per set, longest first). A fleet of one GPU class has no tier set, and a
+    ``length_aware`` fast set that no GPU reaches is no set: the balancer then confines nothing (plain
+    weighted least request with the telemetry weights), and ``tier_thresholds`` must be empty.
 
     For ``ring_hash``: a :class:`RingHashBalancer` over the GPUs' ``relative_capacity``, keyed on the first
     ``scenario.affinity_blocks`` block ids, bounded by ``scenario.hash_balance_factor``. For
@@ -465,8 +468,8 @@ def make_balancer(
     :class:`SpeculativeCacheIndex`).
 
     Raises:
-        ValueError: for ``length_aware``, no GPU in the fast set; for ``tiered``, not one threshold per
-            tier set; for ``precise``, not one cache per GPU.
+        ValueError: for ``tiered``, not one threshold per tier set; for ``precise``, not one cache per
+            GPU.
     """
     n = len(gpus)
     bounds = saturation_active if saturation_active is not None else [16] * n
@@ -501,10 +504,9 @@ def make_balancer(
             class_hosts = [[g.index for g in gpus if g.relative_capacity >= c] for c, _ in tiers]
             thresholds = tuple(tier_thresholds)
         else:  # two tiers: the fast set and the rest
-            class_hosts = [
-                [g.index for g in gpus if g.relative_capacity >= scenario.long_min_relative_capacity]
-            ]
-            thresholds = (long_output_threshold,)
+            fast = [g.index for g in gpus if g.relative_capacity >= scenario.long_min_relative_capacity]
+            class_hosts = [fast] if fast else []
+            thresholds = (long_output_threshold,) if fast else ()
         tb = TieredBalancer(
             n,
             class_hosts=class_hosts,
@@ -832,9 +834,9 @@ class PickerBalancer:
                 self._index.add(request, chosen, keys)
         miss = float(max(row.prompt_tokens - bt * m, 0))
         self._pending_prefill[request] = miss
-        self._pending_decode[request] = float(row.output_tokens)
+        self._pending_decode[request] = float(row.output_cap)
         self._prefill[g] += miss
-        self._decode[g] += row.output_tokens
+        self._decode[g] += row.output_cap
         self._set(g)
         return g
 

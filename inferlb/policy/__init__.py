@@ -6,6 +6,8 @@
 - :mod:`inferlb.policy.length_aware`: length classes and their GPU tiers, static and live.
 - :mod:`inferlb.policy.output_predictor`: the online output-length predictor that classes requests whose
   cap is uninformative (decayed quantile sketches per tenant, model and endpoint kind; conversations).
+- :mod:`inferlb.policy.threshold_learner`: length-class thresholds learnt online from the output caps the
+  gateway sees (the tiered threshold rule over a bounded window of recent requests, with hysteresis).
 - :mod:`inferlb.policy.class_guard`: the live capacity guard of length classes (a class whose GPU set is
   loaded past a factor over the fleet spills to the next wider set).
 - :mod:`inferlb.policy.affinity`: prefix and session affinity keys.

@@ -41,7 +41,9 @@ completions, except the contrast row ``tiered_truefit`` (thresholds fitted on th
 before caps were modelled, while the clients send the mode's caps). ``tiered_predicted`` classes a request
 whose cap is uninformative by :class:`inferlb.policy.output_predictor.OutputPredictor`'s prediction (taught
 every true completion as it finishes; ``Scenario.predict_lengths``), its thresholds fitted on the values the
-training window is classed by (:func:`simulation.fleetsim.workload.predicted_caps`). Every table gives each
+training window is classed by (:func:`simulation.fleetsim.workload.predicted_caps`). ``tiered_auto`` learns
+its thresholds online from the caps it sees (:class:`inferlb.policy.threshold_learner.ThresholdLearner`,
+``Scenario.learn_thresholds``), confining nothing until its first derivation. Every table gives each
 policy's latency per true output-length class (the longest 30% of completions against the rest), so the
 cost to short requests shows. ``--trace`` takes an Azure CSV or a Mooncake JSONL trace (``.jsonl``; its
 block ids are dropped: these engines have no prefix cache).
@@ -89,9 +91,15 @@ DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "inferlb" / "data" / "
 
 
 #: The benchmark's policy names: the simulator's, ``tiered_live`` (``tiered`` with live class sets),
-#: ``tiered_predicted`` (classed by predicted lengths where caps are uninformative) and ``tiered_truefit``
-#: (thresholds fitted on the true completions: the contrast).
-BENCH_POLICIES: tuple[str, ...] = (*POLICIES, "tiered_live", "tiered_predicted", "tiered_truefit")
+#: ``tiered_predicted`` (classed by predicted lengths where caps are uninformative), ``tiered_truefit``
+#: (thresholds fitted on the true completions: the contrast) and ``tiered_auto`` (thresholds learnt online).
+BENCH_POLICIES: tuple[str, ...] = (
+    *POLICIES,
+    "tiered_live",
+    "tiered_predicted",
+    "tiered_truefit",
+    "tiered_auto",
+)
 
 
 #: A run's figures with its load (label) and the benchmark's policy name.
@@ -167,6 +175,7 @@ def _long_cell(r: FleetRunResult) -> str:
         counts = "/".join(f"{c:,}" for c in r.class_requests[:-1])
         live = f", sets changed {r.class_set_changes}x" if r.live_classes else ""
         pred = f", predicted {r.predicted_requests:,}" if r.predicted_requests else ""
+        pred += f", learnt {r.threshold_changes}x" if r.threshold_changes else ""
         return f"{ts}: {counts} ({r.long_fallbacks:,}){live}{pred}"
     if r.long_output_threshold is None:
         return "-"
@@ -537,6 +546,7 @@ def _scenario(
         tier_thresholds=thresholds,
         spill=not args.no_spill,
         predict_lengths=policy == "tiered_predicted",
+        learn_thresholds=policy == "tiered_auto",
         default_max_tokens=args.default_cap,
     )
 

@@ -341,6 +341,19 @@ class TieredBalancer:
                     self._sets[k].set_weights([self._weights[h] for h in hosts], _SubsetActive(hosts, active))
         self.class_hosts = tuple(sets)
 
+    def set_thresholds(self, thresholds: Sequence[int]) -> None:
+        """New class thresholds (one per class, non-increasing, >= 0), as the request path applies learnt
+        ones (:class:`inferlb.policy.threshold_learner.ThresholdLearner`); the host sets stay.
+
+        Raises:
+            ValueError: not one threshold per class, a negative one, or thresholds that increase.
+        """
+        if len(thresholds) != len(self.class_hosts):
+            raise ValueError("need one threshold per confined class")
+        if any(t < 0 for t in thresholds) or any(a < b for a, b in pairwise(thresholds)):
+            raise ValueError("thresholds must be >= 0 and must not increase (longest class first)")
+        self.thresholds = tuple(thresholds)
+
     def length_class(self, completion_tokens: int) -> int:
         """The class of a request with this completion cap: the first ``k`` with ``cap > thresholds[k]``,
         else ``len(thresholds)`` (anywhere)."""

@@ -27,6 +27,7 @@ from inferlb.policy.length_aware import (
     tier_capacity_shares,
 )
 from inferlb.policy.output_predictor import LengthQuery, OutputPredictor
+from inferlb.policy.threshold_learner import ThresholdLearner, request_work
 from inferlb.policy.weights import WeightParams, WeightState, fleet_reference_rate, step, target_weight
 from inferlb.traces import TraceRow, percentile
 from simulation.fleetsim.balancers import PickerBalancer, RingHashBalancer, TieredBalancer, make_balancer
@@ -69,6 +70,9 @@ def _kind(event: object) -> int:
         _KIND_OF_TYPE[t] = k
     return k
 
+
+#: A threshold no cap exceeds: the learnt-threshold run confines nothing before its first derivation.
+_NEVER_CONFINED = 2**62
 
 # heap entry kinds, in the order they run at equal times: completions free capacity before anything else
 _ENGINE, _FAULT, _MARK, _TELEMETRY, _APPLY = 0, 1, 2, 3, 4
@@ -168,6 +172,13 @@ class _FleetRun:
         )
         self.queries: dict[int, LengthQuery] = {}
         self.predicted = 0
+        # learnt thresholds: the learner (None without a confined class), and the thresholds it set
+        self.learner: ThresholdLearner | None = None
+        self.threshold_changes = 0
+        if scenario.learn_thresholds and self.by_length is not None and self.by_length.class_hosts:
+            shares = [share for _, share in tier_capacity_shares([g.relative_capacity for g in gpus])]
+            self.learner = ThresholdLearner(shares)
+            self.by_length.set_thresholds([_NEVER_CONFINED] * len(shares))
         self.holds: list[PerformanceHold | None] = [None] * n
         self.pending_sets: dict[int, list[list[int]]] = {}
         self.class_set_changes = 0
@@ -335,6 +346,8 @@ class _FleetRun:
         elif by_length is None:
             g = self.balancer.pick(active)
         elif self.predictor is None:
+            if self.learner is not None:
+                self._learn(r, t, by_length)
             g = by_length.pick_for(active, r.output_cap)
         else:
             q = length_query(r, self.scenario.default_max_tokens)
@@ -365,6 +378,15 @@ class _FleetRun:
                 self.by_request.finished(g, ai)
         self._handle(g, eng.advance(t))
         self._reschedule(g)
+
+    def _learn(self, r: TraceRow, t: float, by_length: TieredBalancer) -> None:
+        """The learner sees arrival ``r``'s cap; its thresholds, once it has any, replace the balancer's."""
+        assert self.learner is not None
+        self.learner.observe(r.output_cap, request_work(r.prompt_tokens, r.output_cap), t)
+        learnt = self.learner.thresholds(t)
+        if learnt is not None and learnt != by_length.thresholds:
+            by_length.set_thresholds(learnt)
+            self.threshold_changes += 1
 
     def _engine_transition(self, g: int, t: float) -> None:
         """GPU ``g``'s engine reached a transition queued for ``t`` (ignored when superseded since)."""
@@ -536,7 +558,10 @@ class _FleetRun:
             long_output_threshold=self.threshold,
             long_requests=0 if by_length is None else by_length.confined_picks,
             long_fallbacks=0 if by_length is None else by_length.fallbacks,
-            tier_thresholds=self.tiers if scenario.policy == "tiered" else None,
+            tier_thresholds=(
+                by_length.thresholds if by_length is not None and scenario.policy == "tiered" else None
+            ),
+            threshold_changes=self.threshold_changes,
             class_requests=() if by_length is None else tuple(by_length.class_picks),
             class_set_changes=self.class_set_changes,
             live_classes=self.live,

@@ -118,6 +118,8 @@ class FleetRunResult:
             ``long`` (:class:`LengthClassLatency`; empty when none finished).
         predicted_requests: for a run that classes by predicted lengths (``Scenario.predict_lengths``):
             arrivals whose class was decided on a prediction, not on their cap.
+        threshold_changes: for a run with learnt thresholds (``Scenario.learn_thresholds``): how many times
+            the learner's thresholds replaced the balancer's (``tier_thresholds``: the last ones).
     """
 
     policy: Policy
@@ -160,6 +162,7 @@ class FleetRunResult:
     mean_in_flight: tuple[float, ...] = ()
     by_length: tuple[LengthClassLatency, ...] = ()
     predicted_requests: int = 0
+    threshold_changes: int = 0
 
     def length_class(self, name: str) -> LengthClassLatency | None:
         """The :attr:`by_length` entry named ``name`` (``short``, ``long``), None when absent."""

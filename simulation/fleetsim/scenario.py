@@ -78,6 +78,11 @@ class Scenario:
             ``completion_tokens``). Starts cold: until a tenant has answers, its requests class by cap.
         default_max_tokens: the model's ``default_max_tokens`` (tokens), the cap of a request that sets
             none (the predictor's uninformative-cap rule).
+        learn_thresholds: for ``tiered``: the thresholds are learnt online from the caps the gateway sees
+            (:class:`inferlb.policy.threshold_learner.ThresholdLearner` with its defaults, each arrival
+            observed with its cap and :func:`inferlb.policy.threshold_learner.request_work` of its prompt and
+            cap), not fixed: until the learner's first derivation no class is confined, then each
+            derivation it keeps replaces the balancer's thresholds at once (``tier_thresholds`` is unused).
 
     Raises:
         ValueError: a non-positive duration, period, factor or default cap, a negative delay, a warm-up not
@@ -109,6 +114,7 @@ class Scenario:
     block_tokens: int = MOONCAKE_BLOCK_TOKENS
     predict_lengths: bool = False
     default_max_tokens: int = 256
+    learn_thresholds: bool = False
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES + PREFIX_POLICIES:

@@ -288,3 +288,26 @@ def test_the_bound_fails_for_thresholds_fitted_on_true_lengths_without_spill() -
     assert not within_bound("fixed", 1024, 1, fit_on_caps=False, spill=False)
     assert within_bound("fixed", 1024, 1, fit_on_caps=True, spill=False)
     assert not math.isnan(plain(1).e2e_p99_s)
+
+
+# -- thresholds learnt online ------------------------------------------------------------------------------
+
+
+def test_learnt_thresholds_confine_nothing_under_one_default_cap_and_separate_exact_caps() -> None:
+    # 16 GPUs at 80% bring the learner its 256 first requests well before its second derivation (10 s)
+    fleet = fleet_mix(config(), 16)
+    rows = arrivals(fleet, load=0.8, duration=15.0)
+    fixed = run(fleet, client_caps(rows, "fixed"), "tiered", duration=15.0, learn_thresholds=True)
+    assert fixed.threshold_changes >= 1
+    assert fixed.tier_thresholds == (1024, 1024) and fixed.long_requests == 0
+    exact = run(fleet, client_caps(rows, "exact"), "tiered", duration=15.0, learn_thresholds=True)
+    assert exact.threshold_changes >= 1 and exact.tier_thresholds is not None
+    assert 0 < exact.long_requests < len(rows) // 2
+    assert max(exact.tier_thresholds) < max(r.output_tokens for r in rows)
+
+
+def test_learnt_thresholds_on_one_gpu_class_confine_nothing() -> None:
+    fleet = one_class_fleet("A100")
+    rows = client_caps(arrivals(fleet, load=0.8, duration=10.0), "exact")
+    got = run(fleet, rows, "tiered", duration=10.0, learn_thresholds=True)
+    assert got.tier_thresholds == () and got.threshold_changes == 0 and got.long_requests == 0

@@ -251,6 +251,9 @@ class TieredBalancer:
     Envoy, whose subset is fixed by the route's ``metadata_match``. ``class_picks[k]`` counts the requests of
     class ``k`` (the last entry: the unconfined ones). With no confined class (a fleet of one GPU class has
     no faster tier to confine to) every request balances over all hosts: plain weighted least request.
+    The whole fleet's schedule draws from ``rng``, the class sets' from ``subset_rng`` (default: ``rng``):
+    with a separate one, a run in which no request is confined (every cap at or below the thresholds)
+    makes exactly the picks of plain weighted least request on ``rng``.
 
     Raises:
         ValueError: ``n_hosts < 1``, thresholds and sets of different lengths, an empty set,
@@ -269,6 +272,7 @@ class TieredBalancer:
         active_request_bias: float = 1.0,
         choice_count: int = 2,
         spill: bool = True,
+        subset_rng: random.Random | None = None,
     ) -> None:
         if n_hosts < 1:
             raise ValueError(f"n_hosts must be >= 1, got {n_hosts}")
@@ -288,7 +292,7 @@ class TieredBalancer:
         if len(saturation_active) != n_hosts:
             raise ValueError(f"expected {n_hosts} saturation bounds, got {len(saturation_active)}")
         self._n = n_hosts
-        self._rng = rng
+        self._rng = rng if subset_rng is None else subset_rng
         self._bias = active_request_bias
         self._choices = choice_count
         self._weights: tuple[int, ...] | None = None
@@ -300,7 +304,7 @@ class TieredBalancer:
         )
         self._sets = [
             LeastRequestBalancer(
-                len(s), rng=rng, active_request_bias=active_request_bias, choice_count=choice_count
+                len(s), rng=self._rng, active_request_bias=active_request_bias, choice_count=choice_count
             )
             for s in sets
         ]
@@ -529,6 +533,8 @@ def make_balancer(
             active_request_bias=scenario.active_request_bias,
             choice_count=scenario.choice_count,
             spill=scenario.spill,
+            # the sets' own stream: with nothing confined, the picks are plain weighted least request's
+            subset_rng=random.Random(f"{scenario.seed}/class-sets"),
         )
         tb.set_weights([g.static_weight for g in gpus], [0] * n)
         return tb

@@ -205,11 +205,24 @@ def main() -> None:
     ap.add_argument("--fixed-cap", type=int, default=1024)
     ap.add_argument("--default-cap", type=int, default=None, help="tokens; default: the config's")
     ap.add_argument("--noise-sigma", type=float, default=0.5)
+    ap.add_argument(
+        "--some-modes",
+        nargs="+",
+        default=[],
+        metavar="POLICY=MODE,MODE",
+        help="run POLICY only with these cap modes (the rest: every --cap-modes entry), to fit a time budget",
+    )
     ap.add_argument("--no-spill", action="store_true")
     ap.add_argument("--out", type=Path, default=Path("bench/out"))
     ap.add_argument("--stem", default=None, help="plot file name (default: fleet_caps_<trace>_<gpus>)")
     args = ap.parse_args()
     policies = args.policies or ["round_robin", "least_request", "telemetry_weights", *CAP_READING]
+    only: dict[str, set[str]] = {}
+    for item in args.some_modes:
+        name, _, modes = item.partition("=")
+        if name not in CAP_READING or not set(modes.split(",")) <= set(CAP_MODES):
+            ap.error(f"--some-modes {item!r}: need POLICY=MODE,MODE with a cap-reading policy and cap modes")
+        only[name] = set(modes.split(","))
 
     console = Console(width=260)
     config = load_config(args.config)
@@ -293,7 +306,7 @@ def main() -> None:
         for mode in args.cap_modes:
             ns = fit(mode)
             arrivals = caps(base, mode, args.seed)
-            for policy in [p for p in policies if p in CAP_READING]:
+            for policy in [p for p in policies if p in CAP_READING and mode in only.get(p, {mode})]:
                 t0 = time.perf_counter()
                 sc = _scenario(policy, ns, push_delay=push_delay, period=period, bias=bias)
                 r = simulate(gpus, make_engine, arrivals, sc, params)

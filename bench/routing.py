@@ -17,9 +17,14 @@ Not a test: it prints a table and writes PNG plots under ``bench/out/``. For eac
      :mod:`inferlb.policy.length_aware`): requests whose ``max_tokens`` exceeds ``--long-tokens`` (default:
      the config default, 384, chosen in the 1,000-GPU simulation) go to the GPUs of relative capacity >=
      ``--long-min-capacity`` (1.5: the H100s and A100s) through Envoy's subset load balancer; the others to
-     every GPU. The replay's ``max_tokens`` is the trace's completion length
+     every GPU. By default the replay's ``max_tokens`` is the trace's completion length
      (:func:`inferlb.ops.replay.plan`), so the gateway knows each output length exactly: the best case for
-     this policy, since real clients send an upper bound (often a default);
+     this policy, since real clients send an upper bound (often a default). ``--cap-mode`` sends the caps
+     of another client habit instead (:func:`inferlb.traces.client_caps`: ``fixed`` ``--fixed-cap``,
+     ``none``, ``rounded``, ``noise``, ``mix``), and every request carries gpusim's
+     ``x-gpusim-eos-after`` header with its true completion, so the simulated server still writes the
+     trace's length (as vLLM stops at the end of sequence); the ``length-tiered`` thresholds are then
+     fitted on the training window's caps of that habit;
    - ``length-tiered``: ``telemetry`` plus tiered placement (``cluster.length_aware.tiers``): the longest
      requests on the H100s only, the next on the H100s and A100s, the rest anywhere. The thresholds come
      from the rule :func:`inferlb.policy.length_aware.tier_thresholds` (fraction ``--tier-fraction``, default
@@ -80,7 +85,7 @@ import time
 import urllib.request
 from collections import defaultdict
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -106,9 +111,10 @@ from inferlb.policy.length_aware import (
     tier_capacity_shares,
     tier_thresholds,
 )
-from inferlb.traces import DEFAULT_TRACE, TraceRow, percentile, read_trace, window
+from inferlb.traces import CAP_MODES, DEFAULT_TRACE, TraceRow, client_caps, percentile, read_trace, window
 from simulation.fleetsim.workload import request_service_seconds
 from simulation.gpusim.engine import BATCH_SLOWDOWN_PER_SEQUENCE, TimingModel
+from simulation.gpusim.server import EOS_AFTER_HEADER
 
 MODEL = "bench-model"
 CLUSTER = f"{MODEL}--v1"
@@ -313,8 +319,8 @@ def _share_series(
 
 def rule_tiers(rows: Sequence[TraceRow], args: argparse.Namespace) -> LengthAwareRouting:
     """The ``length-tiered`` block: :func:`inferlb.policy.length_aware.tier_thresholds` (fraction
-    ``args.tier_fraction``) over ``rows`` (the training window) for the bench fleet, each request's work
-    priced by the bench's timing model."""
+    ``args.tier_fraction``) over ``rows`` (the training window, with its clients' caps) for the bench fleet,
+    each request's work priced by the bench's timing model from its true completion."""
     config = parse_config(
         config_doc(
             "length-tiered",
@@ -325,15 +331,15 @@ def rule_tiers(rows: Sequence[TraceRow], args: argparse.Namespace) -> LengthAwar
     )
     model = TimingModel.for_endpoint(config, config.endpoints[0])
     tiers = tier_capacity_shares([config.gpu_profiles[e.gpu].relative_capacity for e in config.endpoints])
-    samples = [
-        (r.output_tokens, request_service_seconds(model, r.prompt_tokens, r.output_tokens)) for r in rows
-    ]
+    samples = [(r.output_cap, request_service_seconds(model, r.prompt_tokens, r.output_tokens)) for r in rows]
     thresholds = tier_thresholds([share for _, share in tiers], samples, fraction=args.tier_fraction)
+    # A class whose threshold equals a longer class's holds no cap (one default cap gives (1024, 1024)):
+    # left out, as the config takes strictly falling thresholds.
+    kept = [
+        (t, c) for i, (t, (c, _)) in enumerate(zip(thresholds, tiers, strict=True)) if t not in thresholds[:i]
+    ]
     return LengthAwareRouting(
-        tiers=tuple(
-            LengthTier(above_output_tokens=t, min_relative_capacity=c)
-            for t, (c, _) in zip(thresholds, tiers, strict=True)
-        )
+        tiers=tuple(LengthTier(above_output_tokens=t, min_relative_capacity=c) for t, c in kept)
     )
 
 
@@ -365,8 +371,20 @@ def run_one(
     trace_rps = len(head) / 600
     speedup = load * capacity / trace_rps
     rows = window(rows_all, start_s=args.trace_start, duration_s=args.load_s * speedup, speedup=speedup)
-    rows = rows[: args.max_requests]
+    rows = client_caps(
+        rows[: args.max_requests],
+        args.cap_mode,
+        seed=1,
+        fixed_cap=args.fixed_cap,
+        default_cap=config.models[0].default_max_tokens,
+    )
     planned = plan(config, rows, model=MODEL)
+    if args.cap_mode != "exact":
+        # the simulated server writes the true completion whatever the cap (vLLM stops at end of sequence)
+        planned = [
+            replace(q, headers=((EOS_AFTER_HEADER, str(max(1, r.output_tokens))),))
+            for q, r in zip(planned, rows, strict=True)
+        ]
     with tempfile.TemporaryDirectory(prefix="inferlb-bench-") as work:
         path = Path(work) / "inferlb.yaml"
         path.write_text(yaml.safe_dump(doc, sort_keys=False), encoding="utf-8")
@@ -474,7 +492,8 @@ def run_one(
         serves = {e.display_name: allowed_classes(config, e.gpu, policy_block) for e in config.endpoints}
         by_class: defaultdict[str, list[bool]] = defaultdict(list)
         for o in ok:
-            cls = length_class(planned[o.index].max_tokens, policy_block)
+            cap = planned[o.index].max_tokens
+            cls = length_class(cap if cap is not None else config.models[0].default_max_tokens, policy_block)
             if cls != SHORT:
                 by_class[cls].append(o.endpoint is not None and cls in serves.get(o.endpoint, ()))
         placed = ", " + ", ".join(
@@ -643,12 +662,30 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=DEFAULT_TIER_WORK_FRACTION,
         help="length-tiered: the threshold rule's fraction (inferlb.policy.length_aware.tier_thresholds)",
     )
+    p.add_argument("--cap-mode", choices=CAP_MODES, default="exact", help="how clients set max_tokens")
+    p.add_argument("--fixed-cap", type=int, default=1024, help="tokens: the cap of --cap-mode fixed (mix)")
     p.add_argument("--out", default=str(Path(__file__).parent / "out"))
     args = p.parse_args(argv)
     out = Console(highlight=False, width=200)
     rows_all = read_trace(args.trace)
     half = rows_all[0].offset_s + (rows_all[-1].offset_s - rows_all[0].offset_s) / 2
-    tiered = rule_tiers([r for r in rows_all if r.offset_s < half], args)
+    train = client_caps(
+        [r for r in rows_all if r.offset_s < half],
+        args.cap_mode,
+        seed=1001,
+        fixed_cap=args.fixed_cap,
+        default_cap=parse_config(
+            config_doc(
+                "telemetry",
+                prefill_tps=args.prefill_tps,
+                decode_tps=args.decode_tps,
+                max_batch=args.max_batch,
+            )
+        )
+        .models[0]
+        .default_max_tokens,
+    )
+    tiered = rule_tiers(train, args)
     args.tiered = tiered.model_dump(exclude_unset=True)  # JSON-able, for routing.json
     if "length-tiered" in args.policies:
         assert tiered.tiers is not None

@@ -8,7 +8,9 @@ KVCache-centric Architecture for Serving LLM Chatbot", USENIX FAST 2025; kvcache
 ``FAST25-release/traces``): one JSON object per line, ``timestamp`` (ms), ``input_length``,
 ``output_length`` (tokens) and ``hash_ids``, the ids of the prompt's blocks of
 :data:`MOONCAKE_BLOCK_TOKENS` tokens, remapped so that equal ids are equal prefixes (reusable KV blocks).
-Pure: files in, values out; no network.
+The output cap a client sends (``max_tokens``) is an upper bound of its completion, often one default:
+:func:`client_caps` gives a trace's rows the caps of a client habit (:data:`CAP_MODES`), keeping their
+completions. Pure: files in, values out; no network.
 """
 
 from __future__ import annotations
@@ -16,10 +18,12 @@ from __future__ import annotations
 import csv
 import json
 import math
+import random
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from datetime import datetime
 from pathlib import Path
+from typing import Final, Literal, get_args
 
 from inferlb.errors import InferlbError
 
@@ -41,6 +45,18 @@ class TraceRow:
     prompt_tokens: int
     output_tokens: int
     block_hashes: tuple[int, ...] = ()
+    #: the output cap the client sends (``max_tokens``, tokens); None: the completion length itself (a
+    #: client whose cap is tight, :data:`CAP_MODES` ``exact``). Set by :func:`client_caps`.
+    max_tokens: int | None = None
+    #: False: the client sends no cap and ``max_tokens`` is the model's default, which applies instead.
+    cap_sent: bool = True
+    #: who sends it (:func:`client_caps`'s tenants; empty: one anonymous client).
+    tenant: str = ""
+
+    @property
+    def output_cap(self) -> int:
+        """The output cap the gateway sees (tokens): ``max_tokens``, else the completion length."""
+        return self.output_tokens if self.max_tokens is None else self.max_tokens
 
 
 #: Tokens per block of a Mooncake trace's ``hash_ids`` (its README: "block size 512 tokens").
@@ -162,3 +178,69 @@ def percentile(values: Sequence[float], q: float) -> float:
     s = sorted(values)
     k = max(0, min(len(s) - 1, math.ceil(q / 100 * len(s)) - 1))
     return s[k]
+
+
+CapMode = Literal["exact", "fixed", "none", "rounded", "noise", "mix"]
+#: How clients set ``max_tokens`` (:func:`client_caps`).
+CAP_MODES: Final[tuple[CapMode, ...]] = get_args(CapMode)
+#: The cap ladder of ``rounded`` (tokens): the completion rounded up to the first of these.
+ROUNDED_CAPS: Final = (256, 512, 1024, 2048, 4096)
+#: The tenants of ``mix`` and their shares: one sets a noisy cap per request, one a fixed default, one none.
+MIX_TENANTS: Final = (("noise", 0.4), ("fixed", 0.4), ("none", 0.2))
+
+
+def _rounded_cap(tokens: int) -> int:
+    return next((c for c in ROUNDED_CAPS if c >= tokens), -(-tokens // ROUNDED_CAPS[-1]) * ROUNDED_CAPS[-1])
+
+
+def client_caps(
+    rows: Sequence[TraceRow],
+    mode: CapMode,
+    *,
+    seed: int = 1,
+    fixed_cap: int = 1024,
+    default_cap: int = 256,
+    noise_sigma: float = 0.5,
+) -> list[TraceRow]:
+    """The rows with the output cap (``max_tokens``) that clients of habit ``mode`` send; each row's
+    completion (``output_tokens``: what the model server writes, stopping at its end of sequence) is kept,
+    only the cap the gateway sees changes.
+
+    Modes: ``exact``: the completion length (a tight cap; what the replay sent before); ``fixed``: every
+    request ``fixed_cap``; ``none``: no cap (``cap_sent`` False; ``max_tokens`` is ``default_cap``, the
+    model's ``default_max_tokens``, which applies instead); ``rounded``: the completion rounded up to the
+    first of :data:`ROUNDED_CAPS` (beyond the last: to a multiple of it); ``noise``: ``ceil(completion x
+    exp(N(0, noise_sigma)))`` but at least the completion (a cap is an upper bound: a real answer never
+    exceeds its cap, so a draw below the completion is raised to it; about half the caps are then exact);
+    ``mix``: each request from one of :data:`MIX_TENANTS` (drawn by their shares), which sends caps of its
+    habit (``noise``, ``fixed``, ``none``); ``tenant`` names it. Other modes set ``tenant`` to the mode.
+    Deterministic: ``random.Random(seed)`` draws the noise and the tenants, one row after another.
+
+    Raises:
+        ValueError: an unknown mode, ``fixed_cap`` or ``default_cap`` below 1, or a negative sigma.
+    """
+    if mode not in CAP_MODES:
+        raise ValueError(f"cap mode must be one of {CAP_MODES}, got {mode!r}")
+    if fixed_cap < 1 or default_cap < 1:
+        raise ValueError(f"fixed_cap and default_cap must be >= 1, got {fixed_cap}, {default_cap}")
+    if not noise_sigma >= 0:
+        raise ValueError(f"noise_sigma must be >= 0, got {noise_sigma}")
+    rng = random.Random(seed)
+    names = [name for name, _ in MIX_TENANTS]
+    shares = [share for _, share in MIX_TENANTS]
+    out: list[TraceRow] = []
+    for r in rows:
+        habit = rng.choices(names, shares)[0] if mode == "mix" else mode
+        true = max(1, r.output_tokens)
+        if habit == "exact":
+            out.append(replace(r, max_tokens=true, cap_sent=True, tenant=habit))
+        elif habit == "fixed":
+            out.append(replace(r, max_tokens=fixed_cap, cap_sent=True, tenant=habit))
+        elif habit == "none":
+            out.append(replace(r, max_tokens=default_cap, cap_sent=False, tenant=habit))
+        elif habit == "rounded":
+            out.append(replace(r, max_tokens=_rounded_cap(true), cap_sent=True, tenant=habit))
+        else:  # noise
+            cap = max(true, math.ceil(true * math.exp(rng.gauss(0.0, noise_sigma))))
+            out.append(replace(r, max_tokens=cap, cap_sent=True, tenant=habit))
+    return out

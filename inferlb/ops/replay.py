@@ -98,7 +98,8 @@ _WORDS = (
 
 @dataclass(frozen=True, kw_only=True)
 class PlannedRequest:
-    """One request to send: at ``at_s`` seconds after the replay starts."""
+    """One request to send: at ``at_s`` seconds after the replay starts, with ``max_tokens`` (None: the
+    body sets none, the model's default applies) and any ``headers`` besides the API key."""
 
     index: int
     at_s: float
@@ -106,7 +107,8 @@ class PlannedRequest:
     tenant: str
     model: str
     prompt_tokens: int
-    max_tokens: int
+    max_tokens: int | None
+    headers: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -134,6 +136,10 @@ def plan(
     min_max_tokens: int = 1,
 ) -> list[PlannedRequest]:
     """Assign tenants (round-robin over every tenant's first key) and models to trace rows.
+
+    Each request's ``max_tokens`` is its row's cap (:attr:`inferlb.traces.TraceRow.output_cap`: the
+    completion length unless :func:`inferlb.traces.client_caps` set another), none when the row's client
+    sends none (``cap_sent`` False).
 
     Without ``model``, each row's model is drawn (seeded) in proportion to the total relative capacity of
     the GPUs serving that model, so the replay loads the fleet evenly.
@@ -165,7 +171,7 @@ def plan(
                 tenant=t.name,
                 model=model or rng.choices(models, weights)[0],
                 prompt_tokens=r.prompt_tokens,
-                max_tokens=max(min_max_tokens, r.output_tokens),
+                max_tokens=max(min_max_tokens, r.output_cap) if r.cap_sent else None,
             )
         )
     return out
@@ -195,8 +201,9 @@ def chat_body(req: PlannedRequest, *, stream: bool) -> dict[str, Any]:
         "messages": [
             {"role": "user", "content": prompt_text(req.prompt_tokens - CHAT_OVERHEAD_TOKENS, salt=req.index)}
         ],
-        "max_tokens": req.max_tokens,
     }
+    if req.max_tokens is not None:
+        body["max_tokens"] = req.max_tokens
     if stream:
         body["stream"] = True
         body["stream_options"] = {"include_usage": True}
@@ -209,7 +216,7 @@ async def _one(
     t0 = time.perf_counter()
     ttft: float | None = None
     usage: dict[str, Any] = {}
-    headers = {"Authorization": f"Bearer {req.api_key}"}
+    headers = {**dict(req.headers), "Authorization": f"Bearer {req.api_key}"}
 
     def done(status: int, endpoint: str | None, error: str | None = None) -> Outcome:
         return Outcome(

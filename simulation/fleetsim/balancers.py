@@ -249,10 +249,14 @@ class TieredBalancer:
     request falls back to the next wider set, and so on to the whole fleet (Envoy has no such fallback:
     ``fallbacks`` counts how often the model departs from it); with ``spill=False`` it never does, as in
     Envoy, whose subset is fixed by the route's ``metadata_match``. ``class_picks[k]`` counts the requests of
-    class ``k`` (the last entry: the unconfined ones).
+    class ``k`` (the last entry: the unconfined ones). With no confined class (a fleet of one GPU class has
+    no faster tier to confine to) every request balances over all hosts: plain weighted least request.
+    The whole fleet's schedule draws from ``rng``, the class sets' from ``subset_rng`` (default: ``rng``):
+    with a separate one, a run in which no request is confined (every cap at or below the thresholds)
+    makes exactly the picks of plain weighted least request on ``rng``.
 
     Raises:
-        ValueError: ``n_hosts < 1``, no class, thresholds and sets of different lengths, an empty set,
+        ValueError: ``n_hosts < 1``, thresholds and sets of different lengths, an empty set,
             a host out of range, sets not nested, thresholds negative or increasing, or
             ``saturation_active`` not of length ``n_hosts``.
     """
@@ -268,11 +272,12 @@ class TieredBalancer:
         active_request_bias: float = 1.0,
         choice_count: int = 2,
         spill: bool = True,
+        subset_rng: random.Random | None = None,
     ) -> None:
         if n_hosts < 1:
             raise ValueError(f"n_hosts must be >= 1, got {n_hosts}")
-        if not class_hosts or len(class_hosts) != len(thresholds):
-            raise ValueError("need one threshold per confined class, and at least one class")
+        if len(class_hosts) != len(thresholds):
+            raise ValueError("need one threshold per confined class")
         if any(not hosts for hosts in class_hosts):
             raise ValueError("the fast set is empty: no GPU reaches the capacity asked for long requests")
         sets = [tuple(sorted(set(hosts))) for hosts in class_hosts]
@@ -287,7 +292,7 @@ class TieredBalancer:
         if len(saturation_active) != n_hosts:
             raise ValueError(f"expected {n_hosts} saturation bounds, got {len(saturation_active)}")
         self._n = n_hosts
-        self._rng = rng
+        self._rng = rng if subset_rng is None else subset_rng
         self._bias = active_request_bias
         self._choices = choice_count
         self._weights: tuple[int, ...] | None = None
@@ -299,7 +304,7 @@ class TieredBalancer:
         )
         self._sets = [
             LeastRequestBalancer(
-                len(s), rng=rng, active_request_bias=active_request_bias, choice_count=choice_count
+                len(s), rng=self._rng, active_request_bias=active_request_bias, choice_count=choice_count
             )
             for s in sets
         ]
@@ -339,6 +344,19 @@ class TieredBalancer:
                 if self._weights is not None:
                     self._sets[k].set_weights([self._weights[h] for h in hosts], _SubsetActive(hosts, active))
         self.class_hosts = tuple(sets)
+
+    def set_thresholds(self, thresholds: Sequence[int]) -> None:
+        """New class thresholds (one per class, non-increasing, >= 0), as the request path applies learnt
+        ones (:class:`inferlb.policy.threshold_learner.ThresholdLearner`); the host sets stay.
+
+        Raises:
+            ValueError: not one threshold per class, a negative one, or thresholds that increase.
+        """
+        if len(thresholds) != len(self.class_hosts):
+            raise ValueError("need one threshold per confined class")
+        if any(t < 0 for t in thresholds) or any(a < b for a, b in pairwise(thresholds)):
+            raise ValueError("thresholds must be >= 0 and must not increase (longest class first)")
+        self.thresholds = tuple(thresholds)
 
     def length_class(self, completion_tokens: int) -> int:
         """The class of a request with this completion cap: the first ``k`` with ``cap > thresholds[k]``,
@@ -454,7 +472,9 @@ def make_balancer(
 
     For ``tiered``: a :class:`TieredBalancer` whose class sets are the nested tier sets of
     :func:`inferlb.policy.length_aware.tier_capacity_shares` (the fastest tier, the two fastest, ...), with
-    ``tier_thresholds`` (one per set, longest first).
+    ``tier_thresholds`` (one per set, longest first). A fleet of one GPU class has no tier set, and a
+    ``length_aware`` fast set that no GPU reaches is no set: the balancer then confines nothing (plain
+    weighted least request with the telemetry weights), and ``tier_thresholds`` must be empty.
 
     For ``ring_hash``: a :class:`RingHashBalancer` over the GPUs' ``relative_capacity``, keyed on the first
     ``scenario.affinity_blocks`` block ids, bounded by ``scenario.hash_balance_factor``. For
@@ -465,8 +485,8 @@ def make_balancer(
     :class:`SpeculativeCacheIndex`).
 
     Raises:
-        ValueError: for ``length_aware``, no GPU in the fast set; for ``tiered``, not one threshold per
-            tier set; for ``precise``, not one cache per GPU.
+        ValueError: for ``tiered``, not one threshold per tier set; for ``precise``, not one cache per
+            GPU.
     """
     n = len(gpus)
     bounds = saturation_active if saturation_active is not None else [16] * n
@@ -501,10 +521,9 @@ def make_balancer(
             class_hosts = [[g.index for g in gpus if g.relative_capacity >= c] for c, _ in tiers]
             thresholds = tuple(tier_thresholds)
         else:  # two tiers: the fast set and the rest
-            class_hosts = [
-                [g.index for g in gpus if g.relative_capacity >= scenario.long_min_relative_capacity]
-            ]
-            thresholds = (long_output_threshold,)
+            fast = [g.index for g in gpus if g.relative_capacity >= scenario.long_min_relative_capacity]
+            class_hosts = [fast] if fast else []
+            thresholds = (long_output_threshold,) if fast else ()
         tb = TieredBalancer(
             n,
             class_hosts=class_hosts,
@@ -514,6 +533,8 @@ def make_balancer(
             active_request_bias=scenario.active_request_bias,
             choice_count=scenario.choice_count,
             spill=scenario.spill,
+            # the sets' own stream: with nothing confined, the picks are plain weighted least request's
+            subset_rng=random.Random(f"{scenario.seed}/class-sets"),
         )
         tb.set_weights([g.static_weight for g in gpus], [0] * n)
         return tb
@@ -832,9 +853,9 @@ class PickerBalancer:
                 self._index.add(request, chosen, keys)
         miss = float(max(row.prompt_tokens - bt * m, 0))
         self._pending_prefill[request] = miss
-        self._pending_decode[request] = float(row.output_tokens)
+        self._pending_decode[request] = float(row.output_cap)
         self._prefill[g] += miss
-        self._decode[g] += row.output_tokens
+        self._decode[g] += row.output_cap
         self._set(g)
         return g
 

@@ -26,10 +26,18 @@ from inferlb.policy.length_aware import (
     live_class_sets,
     tier_capacity_shares,
 )
+from inferlb.policy.output_predictor import LengthQuery, OutputPredictor
+from inferlb.policy.threshold_learner import ThresholdLearner, request_work
 from inferlb.policy.weights import WeightParams, WeightState, fleet_reference_rate, step, target_weight
 from inferlb.traces import TraceRow, percentile
 from simulation.fleetsim.balancers import PickerBalancer, RingHashBalancer, TieredBalancer, make_balancer
-from simulation.fleetsim.results import FleetRunResult, TrafficShift, traffic_shift
+from simulation.fleetsim.results import (
+    LONG_SHARE_PERCENTILE,
+    FleetRunResult,
+    LengthClassLatency,
+    TrafficShift,
+    traffic_shift,
+)
 from simulation.fleetsim.scenario import TELEMETRY_POLICIES, Scenario
 from simulation.fleetsim.seams import (
     EngineSnapshot,
@@ -39,7 +47,7 @@ from simulation.fleetsim.seams import (
     ServingEngine,
 )
 from simulation.fleetsim.signals import simulated_weight_inputs
-from simulation.fleetsim.workload import FleetGpu, long_output_threshold, tiered_thresholds
+from simulation.fleetsim.workload import FleetGpu, length_query, long_output_threshold, tiered_thresholds
 from simulation.kvcache import PromptBlocks
 
 _FIRST, _FINISHED, _SCHEDULED, _OTHER = 0, 1, 2, 3
@@ -62,6 +70,9 @@ def _kind(event: object) -> int:
         _KIND_OF_TYPE[t] = k
     return k
 
+
+#: A threshold no cap exceeds: the learnt-threshold run confines nothing before its first derivation.
+_NEVER_CONFINED = 2**62
 
 # heap entry kinds, in the order they run at equal times: completions free capacity before anything else
 _ENGINE, _FAULT, _MARK, _TELEMETRY, _APPLY = 0, 1, 2, 3, 4
@@ -143,14 +154,31 @@ class _FleetRun:
         # the balancer when it places by length (length_aware, tiered), else None
         self.by_length = self.balancer if isinstance(self.balancer, TieredBalancer) else None
         # live class sets: each confined class's minimum profile capacity (as make_balancer built its set)
+        # (none when the balancer confines nothing: a fleet of one GPU class)
         self.live = (
-            self.by_length is not None and scenario.live_classes and scenario.policy in TELEMETRY_POLICIES
+            self.by_length is not None
+            and bool(self.by_length.class_hosts)
+            and scenario.live_classes
+            and scenario.policy in TELEMETRY_POLICIES
         )
         self.class_min_caps = (
             [c for c, _ in tier_capacity_shares([g.relative_capacity for g in gpus])]
             if scenario.policy == "tiered"
             else [scenario.long_min_relative_capacity]
         )
+        # predicted lengths: the predictor, each request's query until it finishes, the predicted arrivals
+        self.predictor = (
+            OutputPredictor() if scenario.predict_lengths and self.by_length is not None else None
+        )
+        self.queries: dict[int, LengthQuery] = {}
+        self.predicted = 0
+        # learnt thresholds: the learner (None without a confined class), and the thresholds it set
+        self.learner: ThresholdLearner | None = None
+        self.threshold_changes = 0
+        if scenario.learn_thresholds and self.by_length is not None and self.by_length.class_hosts:
+            shares = [share for _, share in tier_capacity_shares([g.relative_capacity for g in gpus])]
+            self.learner = ThresholdLearner(shares)
+            self.by_length.set_thresholds([_NEVER_CONFINED] * len(shares))
         self.holds: list[PerformanceHold | None] = [None] * n
         self.pending_sets: dict[int, list[list[int]]] = {}
         self.class_set_changes = 0
@@ -282,6 +310,11 @@ class _FleetRun:
                 assert isinstance(ev, FinishedLike)
                 self.done_at[int(ev.request_id)] = ev.at
                 self.active[g] -= 1
+                if self.predictor is not None:
+                    rid = int(ev.request_id)
+                    q = self.queries.pop(rid, None)
+                    if q is not None:  # metering: the true completion of the answer
+                        self.predictor.observe(q, self.rows[rid].output_tokens)
                 if self.by_request is not None:
                     self.by_request.finished(g, int(ev.request_id))
             elif k == _FIRST:
@@ -312,8 +345,16 @@ class _FleetRun:
             g = self.by_request.pick_request(active, ai, r)
         elif by_length is None:
             g = self.balancer.pick(active)
+        elif self.predictor is None:
+            if self.learner is not None:
+                self._learn(r, t, by_length)
+            g = by_length.pick_for(active, r.output_cap)
         else:
-            g = by_length.pick_for(active, r.output_tokens)
+            q = length_query(r, self.scenario.default_max_tokens)
+            est = self.predictor.estimate(q)
+            self.queries[ai] = q
+            self.predicted += est.predicted
+            g = by_length.pick_for(active, est.output_tokens)
         rid = str(ai)
         self.arrival_gpu[ai] = g
         eng = self.engines[g]
@@ -332,10 +373,20 @@ class _FleetRun:
             active[g] += 1
         else:
             self.refused[ai] = True
+            self.queries.pop(ai, None)
             if self.by_request is not None:
                 self.by_request.finished(g, ai)
         self._handle(g, eng.advance(t))
         self._reschedule(g)
+
+    def _learn(self, r: TraceRow, t: float, by_length: TieredBalancer) -> None:
+        """The learner sees arrival ``r``'s cap; its thresholds, once it has any, replace the balancer's."""
+        assert self.learner is not None
+        self.learner.observe(r.output_cap, request_work(r.prompt_tokens, r.output_cap), t)
+        learnt = self.learner.thresholds(t)
+        if learnt is not None and learnt != by_length.thresholds:
+            by_length.set_thresholds(learnt)
+            self.threshold_changes += 1
 
     def _engine_transition(self, g: int, t: float) -> None:
         """GPU ``g``'s engine reached a transition queued for ``t`` (ignored when superseded since)."""
@@ -507,14 +558,49 @@ class _FleetRun:
             long_output_threshold=self.threshold,
             long_requests=0 if by_length is None else by_length.confined_picks,
             long_fallbacks=0 if by_length is None else by_length.fallbacks,
-            tier_thresholds=self.tiers if scenario.policy == "tiered" else None,
+            tier_thresholds=(
+                by_length.thresholds if by_length is not None and scenario.policy == "tiered" else None
+            ),
+            threshold_changes=self.threshold_changes,
             class_requests=() if by_length is None else tuple(by_length.class_picks),
             class_set_changes=self.class_set_changes,
             live_classes=self.live,
             prefix_cache_queries=sum(end_mark[g][3] - start_mark[g][3] for g in range(n)),
             prefix_cache_hits=sum(end_mark[g][4] - start_mark[g][4] for g in range(n)),
             preemptions=sum(e.stats().num_preemptions_total for e in self.engines),
+            by_length=self._by_length(),
+            predicted_requests=self.predicted,
         )
+
+    def _by_length(self) -> tuple[LengthClassLatency, ...]:
+        """The measured finished requests' latencies, split by true completion at
+        :data:`simulation.fleetsim.results.LONG_SHARE_PERCENTILE` of the measured completions."""
+        warmup, duration = self.scenario.warmup_s, self.scenario.duration_s
+        measured = [i for i, r in enumerate(self.rows) if warmup <= r.offset_s < duration]
+        if not measured:
+            return ()
+        split = int(percentile([float(self.rows[i].output_tokens) for i in measured], LONG_SHARE_PERCENTILE))
+        out = []
+        for name, is_long in (("short", False), ("long", True)):
+            done = [
+                i
+                for i in measured
+                if (self.rows[i].output_tokens > split) == is_long and not math.isnan(self.done_at[i])
+            ]
+            at = self.rows
+            e2e = [self.done_at[i] - at[i].offset_s for i in done]
+            ttft = [self.first_at[i] - at[i].offset_s for i in done if not math.isnan(self.first_at[i])]
+            out.append(
+                LengthClassLatency(
+                    name=name,
+                    split_tokens=split,
+                    requests=len(done),
+                    e2e_p50_s=percentile(e2e, 50),
+                    e2e_p99_s=percentile(e2e, 99),
+                    ttft_p50_s=percentile(ttft, 50),
+                )
+            )
+        return tuple(out)
 
     def _mean_in_flight(self) -> tuple[float, ...]:
         """Per GPU, its time-averaged active requests over the window (each request counts from its

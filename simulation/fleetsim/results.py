@@ -40,6 +40,32 @@ class TrafficShift:
 
 
 @dataclass(frozen=True, kw_only=True)
+class LengthClassLatency:
+    """The latency of one output-length class of the measured requests, classed by their *true*
+    completion (what the model server wrote, whatever cap the client sent): the cost of length-aware
+    placement to the requests it does not favour stays visible.
+
+    Attributes:
+        name: ``short`` (completion at most ``split_tokens``) or ``long`` (above it).
+        split_tokens: the split (tokens): :data:`LONG_SHARE_PERCENTILE` of the measured completions.
+        requests: measured requests of the class that finished.
+        e2e_p50_s / e2e_p99_s / ttft_p50_s: their latencies (s, nearest rank).
+    """
+
+    name: str
+    split_tokens: int
+    requests: int
+    e2e_p50_s: float
+    e2e_p99_s: float
+    ttft_p50_s: float
+
+
+#: The percentile of the measured requests' completions that splits ``short`` from ``long``
+#: (:class:`LengthClassLatency`): the longest 30% against the rest.
+LONG_SHARE_PERCENTILE = 70.0
+
+
+@dataclass(frozen=True, kw_only=True)
 class FleetRunResult:
     """The figures of one run (times in seconds, shares 0..1, utilization in percent).
 
@@ -88,6 +114,12 @@ class FleetRunResult:
         ttft_p90_s: time to first token, 90th percentile (s), as ``ttft_p99_s``.
         mean_in_flight: per GPU, its active requests averaged over the window (requests; a request counts
             from its arrival to its end).
+        by_length: the measured requests' latencies per true output-length class, ``short`` then
+            ``long`` (:class:`LengthClassLatency`; empty when none finished).
+        predicted_requests: for a run that classes by predicted lengths (``Scenario.predict_lengths``):
+            arrivals whose class was decided on a prediction, not on their cap.
+        threshold_changes: for a run with learnt thresholds (``Scenario.learn_thresholds``): how many times
+            the learner's thresholds replaced the balancer's (``tier_thresholds``: the last ones).
     """
 
     policy: Policy
@@ -128,6 +160,13 @@ class FleetRunResult:
     preemptions: int = 0
     ttft_p90_s: float = math.nan
     mean_in_flight: tuple[float, ...] = ()
+    by_length: tuple[LengthClassLatency, ...] = ()
+    predicted_requests: int = 0
+    threshold_changes: int = 0
+
+    def length_class(self, name: str) -> LengthClassLatency | None:
+        """The :attr:`by_length` entry named ``name`` (``short``, ``long``), None when absent."""
+        return next((c for c in self.by_length if c.name == name), None)
 
     @property
     def prefix_cache_hit_rate(self) -> float:

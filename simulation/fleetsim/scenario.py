@@ -71,10 +71,22 @@ class Scenario:
         hash_balance_factor: for ``ring_hash``: Envoy's bounded load (%; >= 100).
         picker_weights: for ``approximate`` and ``precise``: the endpoint picker's weights.
         block_tokens: for ``approximate`` and ``precise``: tokens per block id of the trace (Mooncake: 512).
+        predict_lengths: for ``length_aware`` and ``tiered``: a request whose cap is uninformative (none
+            sent, the model's default, or one default for every request of its tenant) is classed by the
+            length :class:`inferlb.policy.output_predictor.OutputPredictor` predicts for it, as the request
+            path does; the predictor learns each request's true completion when it finishes (the metered
+            ``completion_tokens``). Starts cold: until a tenant has answers, its requests class by cap.
+        default_max_tokens: the model's ``default_max_tokens`` (tokens), the cap of a request that sets
+            none (the predictor's uninformative-cap rule).
+        learn_thresholds: for ``tiered``: the thresholds are learnt online from the caps the gateway sees
+            (:class:`inferlb.policy.threshold_learner.ThresholdLearner` with its defaults, each arrival
+            observed with its cap and :func:`inferlb.policy.threshold_learner.request_work` of its prompt and
+            cap), not fixed: until the learner's first derivation no class is confined, then each
+            derivation it keeps replaces the balancer's thresholds at once (``tier_thresholds`` is unused).
 
     Raises:
-        ValueError: a non-positive duration, period or factor, a negative delay, a warm-up not before the
-            end, or a percentile outside [0, 100].
+        ValueError: a non-positive duration, period, factor or default cap, a negative delay, a warm-up not
+            before the end, or a percentile outside [0, 100].
     """
 
     policy: Policy
@@ -100,10 +112,15 @@ class Scenario:
     hash_balance_factor: int = 150
     picker_weights: PickerWeights = DEFAULT_WEIGHTS
     block_tokens: int = MOONCAKE_BLOCK_TOKENS
+    predict_lengths: bool = False
+    default_max_tokens: int = 256
+    learn_thresholds: bool = False
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES + PREFIX_POLICIES:
             raise ValueError(f"policy must be one of {POLICIES + PREFIX_POLICIES}, got {self.policy!r}")
+        if self.default_max_tokens < 1:
+            raise ValueError(f"default_max_tokens must be >= 1, got {self.default_max_tokens}")
         if self.affinity_blocks < 1 or self.hash_balance_factor < 100 or self.block_tokens < 1:
             raise ValueError("affinity_blocks and block_tokens must be >= 1, hash_balance_factor >= 100")
         if not (self.duration_s > 0 and self.telemetry_period_s > 0 and self.throttle_factor > 0):

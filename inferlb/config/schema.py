@@ -35,6 +35,7 @@ import itertools
 import os
 import re
 import ssl
+import stat
 from collections.abc import Mapping, Sequence
 from enum import StrEnum
 from pathlib import Path
@@ -223,13 +224,32 @@ class AccessLogConfig(_Frozen):
         return value
 
 
+#: Largest certificate, key or CA file read (bytes): a CA bundle of every public root is ~250 KB.
+MAX_PEM_FILE_BYTES = 4 * 1024 * 1024
+
+
 def _read_pem(field: str, path: str, what: str) -> bytes:
-    """The bytes of the PEM file ``path`` (``field`` names it in errors): it must be readable and hold at
-    least one ``-----BEGIN`` block."""
+    """The bytes of the PEM file ``path`` (``field`` names it in errors): it must be a readable regular
+    file of at most :data:`MAX_PEM_FILE_BYTES` and hold at least one ``-----BEGIN`` block. Opened without
+    blocking, so a named pipe or a device (``/dev/zero``) is refused at once, not read for ever."""
     try:
-        data = Path(path).read_bytes()
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError as e:
         raise ValueError(f"{field}: cannot read {path!r}: {e.strerror or type(e).__name__}") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise ValueError(f"{field}: {path!r} is not a regular file (expected {what} in a PEM file)")
+        if st.st_size > MAX_PEM_FILE_BYTES:
+            raise ValueError(f"{field}: {path!r} is larger than {MAX_PEM_FILE_BYTES} bytes (expected {what})")
+        with os.fdopen(os.dup(fd), "rb") as f:
+            data = f.read(MAX_PEM_FILE_BYTES + 1)
+    except OSError as e:
+        raise ValueError(f"{field}: cannot read {path!r}: {e.strerror or type(e).__name__}") from None
+    finally:
+        os.close(fd)
+    if len(data) > MAX_PEM_FILE_BYTES:
+        raise ValueError(f"{field}: {path!r} is larger than {MAX_PEM_FILE_BYTES} bytes (expected {what})")
     if b"-----BEGIN " not in data:
         raise ValueError(f"{field}: {path!r} holds no PEM block (expected {what})")
     return data
@@ -265,7 +285,8 @@ class TlsFiles(_Frozen):
     key_file: PemFile
 
     def _check_pair(self) -> None:
-        _read_pem("cert_file", self.cert_file, "a certificate")
+        # the chain alone first: a cert_file that holds no certificate is named, not its key_file
+        self._check_ca("cert_file", self.cert_file, "a certificate chain")
         _read_pem("key_file", self.key_file, "a private key")
         ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
         try:
@@ -277,14 +298,14 @@ class TlsFiles(_Frozen):
             ) from None
 
     @staticmethod
-    def _check_ca(field: str, path: str) -> None:
-        _read_pem(field, path, "CA certificates")
+    def _check_ca(field: str, path: str, what: str = "CA certificates") -> None:
+        _read_pem(field, path, what)
         ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
         try:
             ctx.load_verify_locations(cafile=path)
         except (OSError, ssl.SSLError) as e:
             raise ValueError(
-                f"{field}: {path!r} does not load as CA certificates ({getattr(e, 'reason', None) or e})"
+                f"{field}: {path!r} does not load as {what} ({getattr(e, 'reason', None) or e})"
             ) from None
 
 

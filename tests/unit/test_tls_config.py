@@ -8,6 +8,8 @@ bootstrap's ``UpstreamTlsContext`` and the SDS files those name
 from __future__ import annotations
 
 import copy
+import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +20,7 @@ from envoy.extensions.transport_sockets.tls.v3 import common_pb2, tls_pb2
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from inferlb.config.schema import Config, parse_config
+from inferlb.config.schema import MAX_PEM_FILE_BYTES, Config, parse_config
 from inferlb.errors import ConfigError
 from inferlb.ops import cli
 from tests.conftest import make_config_doc
@@ -356,3 +358,54 @@ def test_the_bootstrap_verb_writes_envoys_sds_files(
     # without --sds-dir nothing is written
     assert cli.main(["bootstrap", str(config)]) == 0
     assert sorted(p.name for p in out.iterdir()) == written
+
+
+@pytest.mark.parametrize("kind", ["fifo", "device"])
+def test_a_file_that_is_not_a_regular_file_is_refused_without_blocking(
+    pki: dict[str, str], tmp_path: Path, kind: str
+) -> None:
+    """A named pipe with no writer (its open and read block for ever) or a character device (``/dev/zero``
+    reads without end, filling the memory) as a certificate file is refused naming the field, at once; a
+    load, a reload above all, used to hang on it."""
+    if kind == "fifo":
+        path = tmp_path / "cert.pipe"
+        os.mkfifo(path)
+    else:
+        path = Path("/dev/zero")
+    doc = tls_doc(pki)
+    doc["gateway"]["tls"]["cert_file"] = str(path)
+    started = time.monotonic()
+    problems = _problems(doc)
+    assert time.monotonic() - started < 5
+    ((field, message),) = problems
+    assert field == "gateway.tls.cert_file"
+    assert "not a regular file" in message
+
+
+def test_a_file_over_the_size_limit_is_refused(pki: dict[str, str], tmp_path: Path) -> None:
+    big = tmp_path / "big.crt"
+    big.write_bytes(Path(pki["crt"]).read_bytes() * (MAX_PEM_FILE_BYTES // 500))
+    assert big.stat().st_size > MAX_PEM_FILE_BYTES
+    doc = tls_doc(pki)
+    doc["xds"]["tls"]["client_ca_file"] = str(big)
+    ((field, message),) = _problems(doc)
+    assert field == "xds.tls.client_ca_file"
+    assert "larger than" in message
+
+
+@pytest.mark.parametrize("content", ["garbled", "a key"])
+def test_a_cert_file_that_holds_no_certificate_is_refused_naming_cert_file(
+    pki: dict[str, str], tmp_path: Path, content: str
+) -> None:
+    """A ``cert_file`` whose PEM block is not a certificate (garbled base64, or the key file named twice)
+    is the certificate's fault, not the key's: the error names ``cert_file`` (it named ``key_file``)."""
+    bad = tmp_path / "bad.crt"
+    if content == "garbled":
+        bad.write_bytes(b"-----BEGIN CERTIFICATE-----\nnot base64!\n-----END CERTIFICATE-----\n")
+    else:
+        bad.write_bytes(Path(pki["key"]).read_bytes())
+    doc = tls_doc(pki)
+    doc["gateway"]["tls"]["cert_file"] = str(bad)
+    ((field, message),) = _problems(doc)
+    assert field == "gateway.tls.cert_file", (field, message)
+    assert "certificate" in message

@@ -23,6 +23,7 @@ from hypothesis import strategies as st
 from inferlb.config.schema import MAX_PEM_FILE_BYTES, Config, parse_config
 from inferlb.errors import ConfigError
 from inferlb.ops import cli
+from inferlb.ops.stack import Stack, StackError
 from tests.conftest import make_config_doc
 from tests.tls_certs import CertificateAuthority, replace_file
 from xds_server.bootstrap import XDS_CLUSTER, render_bootstrap, sds_files
@@ -409,3 +410,22 @@ def test_a_cert_file_that_holds_no_certificate_is_refused_naming_cert_file(
     ((field, message),) = _problems(doc)
     assert field == "gateway.tls.cert_file", (field, message)
     assert "certificate" in message
+
+
+def test_an_sds_dir_that_cannot_be_written_is_an_error_naming_it(
+    pki: dict[str, str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``inferlb bootstrap --sds-dir`` and ``inferlb up`` (``gateway.sds_dir``) into a directory that
+    cannot be made (under a regular file; root passes a mode check, so not a mode) report it naming the
+    directory and exit 1, or raise :class:`StackError`; both used to end in an OSError traceback (``up``
+    after every service had been started)."""
+    blocker = tmp_path / "a-file"
+    blocker.write_bytes(b"")
+    doc = tls_doc(pki, sds_dir=str(blocker / "sds"))
+    config = tmp_path / "inferlb.yaml"
+    config.write_text(yaml.safe_dump(doc), encoding="utf-8")
+    assert cli.main(["bootstrap", str(config), "--sds-dir", str(blocker / "sds")]) == 1
+    assert f"cannot write Envoy's SDS files into {blocker / 'sds'}" in capsys.readouterr().err
+    stack = Stack(config, workdir=tmp_path / "work", envoy_bin="envoy")
+    with pytest.raises(StackError, match=r"gateway\.sds_dir: cannot write Envoy's SDS files into"):
+        stack.bootstrap_path()

@@ -50,6 +50,7 @@ from pydantic import (
     Field,
     PrivateAttr,
     ValidationError,
+    ValidationInfo,
     field_validator,
     model_validator,
 )
@@ -270,6 +271,15 @@ AbsoluteDir = Annotated[str, Field(min_length=2, max_length=3900), AfterValidato
 PemFile = Annotated[str, Field(min_length=2, max_length=4096), AfterValidator(_check_absolute_file)]
 
 
+#: The validation context key (``parse_config(..., check_tls_files=False)``) saying the TLS files were
+#: already checked when this config was loaded, so re-validating it (a fleet change) does not read them.
+_TLS_FILES_CHECKED = "tls_files_checked"
+
+
+def _files_checked(info: ValidationInfo) -> bool:
+    return isinstance(info.context, dict) and bool(info.context.get(_TLS_FILES_CHECKED))
+
+
 class TlsFiles(_Frozen):
     """A certificate chain and its private key, and the CA that signs the peers' certificates, as PEM files.
 
@@ -320,7 +330,9 @@ class GatewayTls(TlsFiles):
     client_ca_file: PemFile | None = None
 
     @model_validator(mode="after")
-    def _check_files(self) -> Self:
+    def _check_files(self, info: ValidationInfo) -> Self:
+        if _files_checked(info):
+            return self
         self._check_pair()
         if self.client_ca_file is not None:
             self._check_ca("client_ca_file", self.client_ca_file)
@@ -342,7 +354,9 @@ class ServiceTls(TlsFiles):
     server_name: Annotated[str, Field(pattern=r"^[A-Za-z0-9]([A-Za-z0-9.-]{0,252})$")] | None = None
 
     @model_validator(mode="after")
-    def _check_files(self) -> Self:
+    def _check_files(self, info: ValidationInfo) -> Self:
+        if _files_checked(info):
+            return self
         self._check_pair()
         self._check_ca("client_ca_file", self.client_ca_file)
         return self
@@ -356,7 +370,9 @@ class UpstreamTls(TlsFiles):
     ca_file: PemFile
 
     @model_validator(mode="after")
-    def _check_files(self) -> Self:
+    def _check_files(self, info: ValidationInfo) -> Self:
+        if _files_checked(info):
+            return self
         self._check_pair()
         self._check_ca("ca_file", self.ca_file)
         return self
@@ -1799,8 +1815,13 @@ def _loc_to_field(loc: tuple[int | str, ...]) -> str:
     return out
 
 
-def parse_config(data: Any, source: str = "<string>") -> Config:
+def parse_config(data: Any, source: str = "<string>", *, check_tls_files: bool = True) -> Config:
     """Validate a parsed YAML/JSON document into a :class:`Config`.
+
+    Args:
+        check_tls_files: read and check the TLS sections' certificate, key and CA files (a config load);
+            False re-validates a config whose files were checked when it was loaded (a fleet change:
+            mid-rotation the files may not load as a pair for a moment, which is no fault of the change).
 
     Raises:
         ConfigError: with one ``(field, message)`` per problem, fields as dotted paths.
@@ -1808,7 +1829,8 @@ def parse_config(data: Any, source: str = "<string>") -> Config:
     if not isinstance(data, dict):
         raise ConfigError(source, [("", f"expected a mapping at the top level, got {type(data).__name__}")])
     try:
-        return Config.model_validate(data)
+        context = None if check_tls_files else {_TLS_FILES_CHECKED: True}
+        return Config.model_validate(data, context=context)
     except ValidationError as exc:
         problems: list[tuple[str, str]] = []
         for err in exc.errors(include_url=False):

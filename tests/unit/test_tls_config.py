@@ -20,13 +20,14 @@ from envoy.extensions.transport_sockets.tls.v3 import common_pb2, tls_pb2
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from inferlb.config.schema import MAX_PEM_FILE_BYTES, Config, parse_config
+from inferlb.config.schema import MAX_PEM_FILE_BYTES, Config, EndpointConfig, parse_config
 from inferlb.errors import ConfigError
 from inferlb.ops import cli
 from inferlb.ops.stack import Stack, StackError
 from tests.conftest import make_config_doc
 from tests.tls_certs import CertificateAuthority, replace_file
 from xds_server.bootstrap import XDS_CLUSTER, render_bootstrap, sds_files
+from xds_server.fleet_state import FleetState, effective_config
 from xds_server.resources import build_clusters, build_listener
 from xds_server.resources.common import EXT_AUTHZ_CLUSTER, EXT_PROC_CLUSTER, METER_CLUSTER
 from xds_server.resources.transport_sockets import (
@@ -429,3 +430,31 @@ def test_an_sds_dir_that_cannot_be_written_is_an_error_naming_it(
     stack = Stack(config, workdir=tmp_path / "work", envoy_bin="envoy")
     with pytest.raises(StackError, match=r"gateway\.sds_dir: cannot write Envoy's SDS files into"):
         stack.bootstrap_path()
+
+
+def test_a_fleet_change_does_not_read_the_certificate_files_again(
+    pki: dict[str, str], tmp_path: Path
+) -> None:
+    """A fleet change (an endpoint registered through the API, a Kubernetes discovery event, a drain's
+    end) re-validates the running config with the new endpoints, but not its certificate files: they were
+    checked when the config was loaded, and mid-rotation (a key renamed over before its certificate, as
+    the README describes) or with a file moved away they may not load for a moment. That used to refuse
+    the endpoint registration with an error about ``gateway.tls.key_file``."""
+    d = tmp_path / "tls"
+    d.mkdir()
+    ca = CertificateAuthority("fleet CA")
+    crt, key = ca.issue("gw.test").write(d, "gw")
+    doc = tls_doc(pki, services=False)
+    doc["gateway"]["tls"] = {"cert_file": str(crt), "key_file": str(key)}
+    config = parse_config(doc)
+    # mid-rotation: the new key is in place, its certificate not yet
+    replace_file(key, ca.issue("gw.test").key_pem)
+    endpoint = EndpointConfig.model_validate(
+        {**config.endpoints[0].model_dump(mode="json"), "address": "127.0.0.1:1", "name": "registered"}
+    )
+    effective = effective_config(config, FleetState().register(endpoint))
+    assert effective.endpoints[-1].display_name == "registered"
+    assert effective.gateway.tls == config.gateway.tls
+    # a config load still checks them
+    with pytest.raises(ConfigError, match="key_file"):
+        parse_config(doc)

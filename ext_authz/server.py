@@ -158,7 +158,8 @@ class CheckProtocol(asyncio.Protocol):
         self._count_header_bytes(len(url))
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        self._count_header_bytes(len(name) + len(value))
+        # as on the wire: "name: value\r\n" (the ": " and CRLF too, or empty headers carry 4x the bound)
+        self._count_header_bytes(len(name) + len(value) + 4)
         # the last of a repeated name wins, as ext_proc's header map (only single-valued headers are read)
         self._headers[name.decode("latin-1").lower()] = value.decode("utf-8", "replace")
 

@@ -11,10 +11,8 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
-import yaml
-
 from inferlb.config.changes import StableContent
-from inferlb.config.schema import Config, parse_config
+from inferlb.config.schema import Config, parse_config_yaml
 from inferlb.errors import ConfigError
 
 
@@ -83,8 +81,4 @@ class ConfigPoller:
         return self._parse(raw)
 
     def _parse(self, raw: bytes) -> Config:
-        try:
-            data = yaml.safe_load(raw)
-        except yaml.YAMLError as exc:
-            raise ConfigError(str(self.path), [("", f"not valid YAML: {exc}")]) from None
-        return parse_config(data, str(self.path))
+        return parse_config_yaml(raw, str(self.path))

@@ -171,7 +171,8 @@ def effective_endpoints(config: Config, state: FleetState) -> list[EndpointConfi
 
 
 def effective_config(config: Config, state: FleetState, source: str = "<fleet>") -> Config:
-    """``config`` with its endpoints replaced by :func:`effective_endpoints`, validated again.
+    """``config`` with its endpoints replaced by :func:`effective_endpoints`, validated again (its TLS files
+    not read again: checked when ``config`` was loaded).
 
     Registered endpoints go through the same checks as the file's (known model, version and GPU type,
     unique address).
@@ -184,7 +185,9 @@ def effective_config(config: Config, state: FleetState, source: str = "<fleet>")
         return config
     doc = config.model_dump(mode="json", exclude={"endpoints"})
     doc["endpoints"] = [e.model_dump(mode="json") for e in effective_endpoints(config, state)]
-    return parse_config(doc, source)
+    # the certificate files were checked when ``config`` was loaded; mid-rotation they may not load for a
+    # moment, which must not refuse an endpoint's registration
+    return parse_config(doc, source, check_tls_files=False)
 
 
 def known_keys(config: Config, state: FleetState) -> set[str]:

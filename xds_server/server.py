@@ -41,7 +41,6 @@ from pathlib import Path
 from typing import Any
 
 import grpc
-import yaml
 from aiohttp import web
 
 from inferlb.adapters.state_redis import RedisDocument, SharedStateUnavailableError
@@ -62,7 +61,7 @@ from inferlb.config.schema import (
     GrpcAddress,
     KubernetesDiscovery,
     ServiceTls,
-    parse_config,
+    parse_config_yaml,
 )
 from inferlb.errors import ConfigError
 from xds_server.ads import AggregatedDiscoveryServicer, add_ads_to_server
@@ -136,21 +135,14 @@ class ConfigLoaded:
 
 
 def parse_config_bytes(data: bytes, source: str) -> Config:
-    """Validate the bytes of a YAML config file (the same errors as
-    :func:`inferlb.config.schema.load_config`).
+    """Validate the bytes of a YAML config file (:func:`inferlb.config.schema.parse_config_yaml`: the same
+    errors as :func:`inferlb.config.schema.load_config` and ext_proc's reload).
 
     Raises:
-        ConfigError: not UTF-8, not YAML, or invalid (field named).
+        ConfigError: not UTF-8, not YAML (a repeated key, hostile aliases included), or invalid (field
+            named).
     """
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise ConfigError(source, [("", f"not UTF-8: {exc}")]) from None
-    try:
-        document = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        raise ConfigError(source, [("", f"not valid YAML: {exc}")]) from None
-    return parse_config(document, source)
+    return parse_config_yaml(data, source)
 
 
 class XdsServer:

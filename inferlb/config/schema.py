@@ -37,6 +37,7 @@ import itertools
 import os
 import re
 import ssl
+import stat
 from collections.abc import Mapping, Sequence
 from enum import StrEnum
 from pathlib import Path
@@ -51,6 +52,7 @@ from pydantic import (
     Field,
     PrivateAttr,
     ValidationError,
+    ValidationInfo,
     field_validator,
     model_validator,
 )
@@ -225,13 +227,32 @@ class AccessLogConfig(_Frozen):
         return value
 
 
+#: Largest certificate, key or CA file read (bytes): a CA bundle of every public root is ~250 KB.
+MAX_PEM_FILE_BYTES = 4 * 1024 * 1024
+
+
 def _read_pem(field: str, path: str, what: str) -> bytes:
-    """The bytes of the PEM file ``path`` (``field`` names it in errors): it must be readable and hold at
-    least one ``-----BEGIN`` block."""
+    """The bytes of the PEM file ``path`` (``field`` names it in errors): it must be a readable regular
+    file of at most :data:`MAX_PEM_FILE_BYTES` and hold at least one ``-----BEGIN`` block. Opened without
+    blocking, so a named pipe or a device (``/dev/zero``) is refused at once, not read for ever."""
     try:
-        data = Path(path).read_bytes()
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError as e:
         raise ValueError(f"{field}: cannot read {path!r}: {e.strerror or type(e).__name__}") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise ValueError(f"{field}: {path!r} is not a regular file (expected {what} in a PEM file)")
+        if st.st_size > MAX_PEM_FILE_BYTES:
+            raise ValueError(f"{field}: {path!r} is larger than {MAX_PEM_FILE_BYTES} bytes (expected {what})")
+        with os.fdopen(os.dup(fd), "rb") as f:
+            data = f.read(MAX_PEM_FILE_BYTES + 1)
+    except OSError as e:
+        raise ValueError(f"{field}: cannot read {path!r}: {e.strerror or type(e).__name__}") from None
+    finally:
+        os.close(fd)
+    if len(data) > MAX_PEM_FILE_BYTES:
+        raise ValueError(f"{field}: {path!r} is larger than {MAX_PEM_FILE_BYTES} bytes (expected {what})")
     if b"-----BEGIN " not in data:
         raise ValueError(f"{field}: {path!r} holds no PEM block (expected {what})")
     return data
@@ -252,6 +273,15 @@ AbsoluteDir = Annotated[str, Field(min_length=2, max_length=3900), AfterValidato
 PemFile = Annotated[str, Field(min_length=2, max_length=4096), AfterValidator(_check_absolute_file)]
 
 
+#: The validation context key (``parse_config(..., check_tls_files=False)``) saying the TLS files were
+#: already checked when this config was loaded, so re-validating it (a fleet change) does not read them.
+_TLS_FILES_CHECKED = "tls_files_checked"
+
+
+def _files_checked(info: ValidationInfo) -> bool:
+    return isinstance(info.context, dict) and bool(info.context.get(_TLS_FILES_CHECKED))
+
+
 class TlsFiles(_Frozen):
     """A certificate chain and its private key, and the CA that signs the peers' certificates, as PEM files.
 
@@ -267,7 +297,8 @@ class TlsFiles(_Frozen):
     key_file: PemFile
 
     def _check_pair(self) -> None:
-        _read_pem("cert_file", self.cert_file, "a certificate")
+        # the chain alone first: a cert_file that holds no certificate is named, not its key_file
+        self._check_ca("cert_file", self.cert_file, "a certificate chain")
         _read_pem("key_file", self.key_file, "a private key")
         ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
         try:
@@ -279,14 +310,14 @@ class TlsFiles(_Frozen):
             ) from None
 
     @staticmethod
-    def _check_ca(field: str, path: str) -> None:
-        _read_pem(field, path, "CA certificates")
+    def _check_ca(field: str, path: str, what: str = "CA certificates") -> None:
+        _read_pem(field, path, what)
         ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
         try:
             ctx.load_verify_locations(cafile=path)
         except (OSError, ssl.SSLError) as e:
             raise ValueError(
-                f"{field}: {path!r} does not load as CA certificates ({getattr(e, 'reason', None) or e})"
+                f"{field}: {path!r} does not load as {what} ({getattr(e, 'reason', None) or e})"
             ) from None
 
 
@@ -301,7 +332,9 @@ class GatewayTls(TlsFiles):
     client_ca_file: PemFile | None = None
 
     @model_validator(mode="after")
-    def _check_files(self) -> Self:
+    def _check_files(self, info: ValidationInfo) -> Self:
+        if _files_checked(info):
+            return self
         self._check_pair()
         if self.client_ca_file is not None:
             self._check_ca("client_ca_file", self.client_ca_file)
@@ -323,7 +356,9 @@ class ServiceTls(TlsFiles):
     server_name: Annotated[str, Field(pattern=r"^[A-Za-z0-9]([A-Za-z0-9.-]{0,252})$")] | None = None
 
     @model_validator(mode="after")
-    def _check_files(self) -> Self:
+    def _check_files(self, info: ValidationInfo) -> Self:
+        if _files_checked(info):
+            return self
         self._check_pair()
         self._check_ca("client_ca_file", self.client_ca_file)
         return self
@@ -337,7 +372,9 @@ class UpstreamTls(TlsFiles):
     ca_file: PemFile
 
     @model_validator(mode="after")
-    def _check_files(self) -> Self:
+    def _check_files(self, info: ValidationInfo) -> Self:
+        if _files_checked(info):
+            return self
         self._check_pair()
         self._check_ca("ca_file", self.ca_file)
         return self
@@ -1836,8 +1873,13 @@ def _loc_to_field(loc: tuple[int | str, ...]) -> str:
     return out
 
 
-def parse_config(data: Any, source: str = "<string>") -> Config:
+def parse_config(data: Any, source: str = "<string>", *, check_tls_files: bool = True) -> Config:
     """Validate a parsed YAML/JSON document into a :class:`Config`.
+
+    Args:
+        check_tls_files: read and check the TLS sections' certificate, key and CA files (a config load);
+            False re-validates a config whose files were checked when it was loaded (a fleet change:
+            mid-rotation the files may not load as a pair for a moment, which is no fault of the change).
 
     Raises:
         ConfigError: with one ``(field, message)`` per problem, fields as dotted paths.
@@ -1845,7 +1887,8 @@ def parse_config(data: Any, source: str = "<string>") -> Config:
     if not isinstance(data, dict):
         raise ConfigError(source, [("", f"expected a mapping at the top level, got {type(data).__name__}")])
     try:
-        return Config.model_validate(data)
+        context = None if check_tls_files else {_TLS_FILES_CHECKED: True}
+        return Config.model_validate(data, context=context)
     except ValidationError as exc:
         problems: list[tuple[str, str]] = []
         for err in exc.errors(include_url=False):
@@ -1870,21 +1913,49 @@ def load_config(path: str | Path) -> Config:
     """Read and validate a YAML config file.
 
     Raises:
-        ConfigError: the file cannot be read, is not YAML, or fails validation (field named).
+        ConfigError: the file cannot be read, is not UTF-8 YAML, or fails validation (field named).
     """
     p = Path(path)
     try:
-        text = p.read_text(encoding="utf-8")
+        raw = p.read_bytes()
     except OSError as exc:
         raise ConfigError(str(p), [("", f"cannot read: {exc.strerror or exc}")]) from None
+    return parse_config_yaml(raw, str(p))
+
+
+#: Most YAML nodes a config document may stand for with its aliases followed. A real config is thousands
+#: (ten thousand endpoints are ~100,000); a few lines of nested aliases ("billion laughs") stand for
+#: hundreds of millions, which would hold a reload for minutes and fill the memory.
+MAX_CONFIG_NODES = 1_000_000
+
+
+def parse_config_yaml(raw: bytes, source: str = "<string>") -> Config:
+    """Validate the bytes of a YAML config file: what every reader of a config file (start-up, the xDS
+    server's and ext_proc's reloads) calls, so each refuses the same files with the same errors.
+
+    Raises:
+        ConfigError: not UTF-8; not YAML; a key given twice in a mapping; an alias that refers to a node
+            containing it, or aliases standing for more than :data:`MAX_CONFIG_NODES` nodes; nesting past
+            the parser's recursion limit; or invalid (field named).
+    """
     try:
-        _refuse_duplicate_keys(yaml.compose(text, Loader=yaml.SafeLoader), "")
-        data = yaml.safe_load(text)
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(source, [("", f"not UTF-8: {exc}")]) from None
+    loader = yaml.SafeLoader(text)
+    try:
+        node = loader.get_single_node()
+        _check_yaml_shape(node)
+        data = None if node is None else loader.construct_document(node)
     except DuplicateKeyError as exc:
-        raise ConfigError(str(p), [(exc.field, str(exc))]) from None
+        raise ConfigError(source, [(exc.field, str(exc))]) from None
     except yaml.YAMLError as exc:
-        raise ConfigError(str(p), [("", f"not valid YAML: {exc}")]) from None
-    return parse_config(data, str(p))
+        raise ConfigError(source, [("", f"not valid YAML: {exc}")]) from None
+    except RecursionError:
+        raise ConfigError(source, [("", "not valid YAML: nested too deeply to read")]) from None
+    finally:
+        loader.dispose()
+    return parse_config(data, source)
 
 
 class DuplicateKeyError(yaml.YAMLError):
@@ -1900,20 +1971,48 @@ class DuplicateKeyError(yaml.YAMLError):
         super().__init__(f"duplicate key (again on line {line}); each key may appear once")
 
 
-def _refuse_duplicate_keys(node: yaml.Node | None, path: str) -> None:
-    """Walk a composed YAML node tree; raise :class:`DuplicateKeyError` at the first repeated key."""
-    if isinstance(node, yaml.MappingNode):
-        seen: set[str] = set()
-        for key_node, value_node in node.value:
-            key = str(key_node.value)
-            where = f"{path}.{key}" if path else key
-            if key in seen:
-                raise DuplicateKeyError(where, key_node.start_mark.line + 1)
-            seen.add(key)
-            _refuse_duplicate_keys(value_node, where)
-    elif isinstance(node, yaml.SequenceNode):
-        for i, item in enumerate(node.value):
-            _refuse_duplicate_keys(item, f"{path}[{i}]")
+def _check_yaml_shape(root: yaml.Node | None) -> None:
+    """Walk a composed YAML node graph (an alias is the same node object again), each node once: raise
+    :class:`DuplicateKeyError` at the first repeated key, and ``yaml.YAMLError`` for an alias that refers
+    to a node containing it or a document standing for more than :data:`MAX_CONFIG_NODES` nodes.
+
+    Raises:
+        RecursionError: nested past the interpreter's recursion limit."""
+    sizes: dict[int, int] = {}
+    walking: set[int] = set()
+
+    def size(node: yaml.Node, path: str) -> int:
+        key = id(node)
+        if key in sizes:
+            return sizes[key]
+        if key in walking:
+            raise yaml.YAMLError(
+                f"{path or '<document>'}: an alias refers to a node that contains it (a recursive document)"
+            )
+        walking.add(key)
+        total = 1
+        if isinstance(node, yaml.MappingNode):
+            seen: set[str] = set()
+            for key_node, value_node in node.value:
+                name = str(key_node.value)
+                where = f"{path}.{name}" if path else name
+                if name in seen:
+                    raise DuplicateKeyError(where, key_node.start_mark.line + 1)
+                seen.add(name)
+                total += size(key_node, where) + size(value_node, where)
+        elif isinstance(node, yaml.SequenceNode):
+            for i, item in enumerate(node.value):
+                total += size(item, f"{path}[{i}]")
+        if total > MAX_CONFIG_NODES:
+            raise yaml.YAMLError(
+                f"{path or '<document>'}: its aliases stand for more than {MAX_CONFIG_NODES:,} nodes"
+            )
+        walking.discard(key)
+        sizes[key] = total
+        return total
+
+    if root is not None:
+        size(root, "")
 
 
 def default_config_path() -> Path:

@@ -88,7 +88,16 @@ def cmd_bootstrap(args: argparse.Namespace, out: Console) -> int:
     if args.sds_dir is not None:  # an Envoy on another host: its SDS files, written where it reads them
         from inferlb.ops.stack import write_sds_files  # noqa: PLC0415 - CLI-only import
 
-        for path in write_sds_files(cfg, Path(args.sds_dir)):
+        try:
+            written = write_sds_files(cfg, Path(args.sds_dir))
+        except OSError as exc:
+            print(
+                "inferlb bootstrap: cannot write Envoy's SDS files into "
+                f"{args.sds_dir}: {exc.strerror or exc}",
+                file=sys.stderr,
+            )
+            return EXIT_FAIL
+        for path in written:
             print(f"wrote {path}", file=sys.stderr)
     sys.stdout.write(render_bootstrap_yaml(cfg, source=source, node_id=args.node_id, mode=args.ads_mode))
     return EXIT_OK

@@ -376,9 +376,18 @@ class Stack:
 
     def bootstrap_path(self) -> Path:
         """Write the Envoy bootstrap for this config into ``workdir`` (and its SDS files into
-        ``gateway.sds_dir``: :func:`write_sds_files`) and return its path."""
+        ``gateway.sds_dir``: :func:`write_sds_files`) and return its path.
+
+        Raises:
+            StackError: the SDS files cannot be written (``gateway.sds_dir`` named)."""
         path = self.workdir / "envoy-bootstrap.yaml"
-        write_sds_files(self.config)  # gateway.tls / upstream_tls: the files Envoy watches certificates by
+        try:  # gateway.tls / upstream_tls: the files Envoy watches certificates by
+            write_sds_files(self.config)
+        except OSError as exc:
+            raise StackError(
+                "gateway.sds_dir",
+                f"cannot write Envoy's SDS files into {self.config.gateway.sds_dir}: {exc.strerror or exc}",
+            ) from None
         path.write_text(yaml.safe_dump(render_bootstrap(self.config), sort_keys=False), encoding="utf-8")
         return path
 

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 from ext_authz.check import CheckRequest, CheckService, refused
-from ext_authz.server import CheckServer
+from ext_authz.server import MAX_HEADER_BYTES, CheckServer
 from ext_proc import handlers
 from ext_proc.state import ExtProcState
 from inferlb.adapters.unix_socket import UnixSocketError, unix_socket_open
@@ -220,3 +220,19 @@ async def test_keys_known_by_digest_or_file_are_checked_over_http(tmp_path: Path
         writer.close()
     finally:
         await srv.close()
+
+
+async def test_many_small_headers_count_their_wire_size(server: tuple[CheckServer, int]) -> None:
+    """The 64 KiB bound is on the request line and headers as sent: each header's ``: `` and CRLF count
+    too. Only names and values were counted, so ~16,500 one-letter headers (66 KB on the wire) passed as
+    16.5 KB, and empty ones could carry 4x the bound."""
+    _, port = server
+    count = MAX_HEADER_BYTES // 4 + 100
+    raw = b"POST /v1/chat/completions HTTP/1.1\r\n" + b"a:\r\n" * count + b"\r\n"
+    assert len(raw) > MAX_HEADER_BYTES
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(raw)
+    await writer.drain()
+    [(got, _, body)] = await read_answers(reader, 1)
+    assert got == 431, body
+    writer.close()

@@ -11,6 +11,7 @@ import yaml
 from hypothesis import given
 from hypothesis import strategies as st
 
+from ext_proc.poller import ConfigPoller
 from inferlb.config.schema import (
     Config,
     ConfigError,
@@ -21,6 +22,7 @@ from inferlb.config.schema import (
     parse_config,
 )
 from inferlb.policy.capacity import capacity_weight
+from xds_server.server import parse_config_bytes
 
 
 def default_doc() -> dict[str, Any]:
@@ -197,3 +199,42 @@ def test_an_int_fills_a_float_field() -> None:
     doc = default_doc()
     doc["gpu_profiles"]["H100"]["relative_capacity"] = 3
     assert parse_config(doc).gpu_profiles["H100"].relative_capacity == 3.0
+
+
+_LAUGHS = "".join(
+    f"{name}: &{name} [{', '.join([f'*{prev}'] * 9) if prev else ', '.join(['x'] * 9)}]\n"
+    for prev, name in zip(["", "a", "b", "c", "d", "e", "f", "g"], "abcdefgh", strict=True)
+)
+
+
+@pytest.mark.parametrize(
+    ("text", "words"),
+    [
+        pytest.param("a: &x [*x]\n", "recursive", id="recursive-alias"),
+        pytest.param("gateway: &g {x: *g}\n", "recursive", id="recursive-mapping"),
+        pytest.param(_LAUGHS, "aliases", id="alias-expansion"),
+        pytest.param("a: " + "[" * 5000 + "]" * 5000 + "\n", "nested too deeply", id="deep-nesting"),
+        pytest.param(b"gateway: \xff\xfe\n", "not UTF-8", id="not-utf8"),
+        pytest.param("gateway: {num_retries: 2, num_retries: 7}\n", "duplicate key", id="duplicate-key"),
+    ],
+)
+def test_a_hostile_yaml_file_is_a_config_error_in_every_reader(
+    tmp_path: Path, text: str | bytes, words: str
+) -> None:
+    """A recursive or exponentially aliased YAML document, one nested past the parser's recursion, bytes
+    that are not UTF-8 and a repeated key are each a :class:`ConfigError` (the last good config keeps
+    serving), quickly, from every reader of a config file: start-up (``load_config``), the xDS server's
+    reload (``parse_config_bytes``) and ext_proc's poller. They were a RecursionError, a hang of minutes,
+    a UnicodeDecodeError, and a repeated key silently taken on reload."""
+    raw = text if isinstance(text, bytes) else text.encode()
+    path = tmp_path / "hostile.yaml"
+    path.write_bytes(raw)
+    readers = {
+        "load_config": lambda: load_config(path),
+        "parse_config_bytes": lambda: parse_config_bytes(raw, str(path)),
+        "ConfigPoller.read": lambda: ConfigPoller(path).read(),
+    }
+    for name, read in readers.items():
+        with pytest.raises(ConfigError) as info:
+            read()
+        assert any(words in message for _, message in info.value.problems), (name, info.value.problems)

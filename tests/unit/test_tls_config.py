@@ -8,6 +8,8 @@ bootstrap's ``UpstreamTlsContext`` and the SDS files those name
 from __future__ import annotations
 
 import copy
+import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -18,12 +20,14 @@ from envoy.extensions.transport_sockets.tls.v3 import common_pb2, tls_pb2
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from inferlb.config.schema import Config, parse_config
+from inferlb.config.schema import MAX_PEM_FILE_BYTES, Config, EndpointConfig, parse_config
 from inferlb.errors import ConfigError
 from inferlb.ops import cli
+from inferlb.ops.stack import Stack, StackError
 from tests.conftest import make_config_doc
 from tests.tls_certs import CertificateAuthority, replace_file
 from xds_server.bootstrap import XDS_CLUSTER, render_bootstrap, sds_files
+from xds_server.fleet_state import FleetState, effective_config
 from xds_server.resources import build_clusters, build_listener
 from xds_server.resources.common import EXT_AUTHZ_CLUSTER, EXT_PROC_CLUSTER, METER_CLUSTER
 from xds_server.resources.transport_sockets import (
@@ -356,3 +360,101 @@ def test_the_bootstrap_verb_writes_envoys_sds_files(
     # without --sds-dir nothing is written
     assert cli.main(["bootstrap", str(config)]) == 0
     assert sorted(p.name for p in out.iterdir()) == written
+
+
+@pytest.mark.parametrize("kind", ["fifo", "device"])
+def test_a_file_that_is_not_a_regular_file_is_refused_without_blocking(
+    pki: dict[str, str], tmp_path: Path, kind: str
+) -> None:
+    """A named pipe with no writer (its open and read block for ever) or a character device (``/dev/zero``
+    reads without end, filling the memory) as a certificate file is refused naming the field, at once; a
+    load, a reload above all, used to hang on it."""
+    if kind == "fifo":
+        path = tmp_path / "cert.pipe"
+        os.mkfifo(path)
+    else:
+        path = Path("/dev/zero")
+    doc = tls_doc(pki)
+    doc["gateway"]["tls"]["cert_file"] = str(path)
+    started = time.monotonic()
+    problems = _problems(doc)
+    assert time.monotonic() - started < 5
+    ((field, message),) = problems
+    assert field == "gateway.tls.cert_file"
+    assert "not a regular file" in message
+
+
+def test_a_file_over_the_size_limit_is_refused(pki: dict[str, str], tmp_path: Path) -> None:
+    big = tmp_path / "big.crt"
+    big.write_bytes(Path(pki["crt"]).read_bytes() * (MAX_PEM_FILE_BYTES // 500))
+    assert big.stat().st_size > MAX_PEM_FILE_BYTES
+    doc = tls_doc(pki)
+    doc["xds"]["tls"]["client_ca_file"] = str(big)
+    ((field, message),) = _problems(doc)
+    assert field == "xds.tls.client_ca_file"
+    assert "larger than" in message
+
+
+@pytest.mark.parametrize("content", ["garbled", "a key"])
+def test_a_cert_file_that_holds_no_certificate_is_refused_naming_cert_file(
+    pki: dict[str, str], tmp_path: Path, content: str
+) -> None:
+    """A ``cert_file`` whose PEM block is not a certificate (garbled base64, or the key file named twice)
+    is the certificate's fault, not the key's: the error names ``cert_file`` (it named ``key_file``)."""
+    bad = tmp_path / "bad.crt"
+    if content == "garbled":
+        bad.write_bytes(b"-----BEGIN CERTIFICATE-----\nnot base64!\n-----END CERTIFICATE-----\n")
+    else:
+        bad.write_bytes(Path(pki["key"]).read_bytes())
+    doc = tls_doc(pki)
+    doc["gateway"]["tls"]["cert_file"] = str(bad)
+    ((field, message),) = _problems(doc)
+    assert field == "gateway.tls.cert_file", (field, message)
+    assert "certificate" in message
+
+
+def test_an_sds_dir_that_cannot_be_written_is_an_error_naming_it(
+    pki: dict[str, str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``inferlb bootstrap --sds-dir`` and ``inferlb up`` (``gateway.sds_dir``) into a directory that
+    cannot be made (under a regular file; root passes a mode check, so not a mode) report it naming the
+    directory and exit 1, or raise :class:`StackError`; both used to end in an OSError traceback (``up``
+    after every service had been started)."""
+    blocker = tmp_path / "a-file"
+    blocker.write_bytes(b"")
+    doc = tls_doc(pki, sds_dir=str(blocker / "sds"))
+    config = tmp_path / "inferlb.yaml"
+    config.write_text(yaml.safe_dump(doc), encoding="utf-8")
+    assert cli.main(["bootstrap", str(config), "--sds-dir", str(blocker / "sds")]) == 1
+    assert f"cannot write Envoy's SDS files into {blocker / 'sds'}" in capsys.readouterr().err
+    stack = Stack(config, workdir=tmp_path / "work", envoy_bin="envoy")
+    with pytest.raises(StackError, match=r"gateway\.sds_dir: cannot write Envoy's SDS files into"):
+        stack.bootstrap_path()
+
+
+def test_a_fleet_change_does_not_read_the_certificate_files_again(
+    pki: dict[str, str], tmp_path: Path
+) -> None:
+    """A fleet change (an endpoint registered through the API, a Kubernetes discovery event, a drain's
+    end) re-validates the running config with the new endpoints, but not its certificate files: they were
+    checked when the config was loaded, and mid-rotation (a key renamed over before its certificate, as
+    the README describes) or with a file moved away they may not load for a moment. That used to refuse
+    the endpoint registration with an error about ``gateway.tls.key_file``."""
+    d = tmp_path / "tls"
+    d.mkdir()
+    ca = CertificateAuthority("fleet CA")
+    crt, key = ca.issue("gw.test").write(d, "gw")
+    doc = tls_doc(pki, services=False)
+    doc["gateway"]["tls"] = {"cert_file": str(crt), "key_file": str(key)}
+    config = parse_config(doc)
+    # mid-rotation: the new key is in place, its certificate not yet
+    replace_file(key, ca.issue("gw.test").key_pem)
+    endpoint = EndpointConfig.model_validate(
+        {**config.endpoints[0].model_dump(mode="json"), "address": "127.0.0.1:1", "name": "registered"}
+    )
+    effective = effective_config(config, FleetState().register(endpoint))
+    assert effective.endpoints[-1].display_name == "registered"
+    assert effective.gateway.tls == config.gateway.tls
+    # a config load still checks them
+    with pytest.raises(ConfigError, match="key_file"):
+        parse_config(doc)

@@ -641,14 +641,28 @@ class Stack:
             yield c.name, c.log_path
 
 
+def gateway_url(config: Config) -> str:
+    """The gateway's base URL: ``https://`` when its listener serves TLS (``gateway.tls``), else ``http://``."""
+    scheme = "https" if config.gateway.tls is not None else "http"
+    return f"{scheme}://{config.gateway.listen}"
+
+
 def sample_curl(config: Config, api_key: str | None = None) -> str:
-    """A ready-to-paste curl for one chat completion through the gateway."""
+    """A ready-to-paste curl for one chat completion through the gateway (with TLS: trusting the gateway's
+    certificate as ``--cacert``, which a self-signed one is, and with placeholders for a client certificate
+    when the listener asks for one)."""
     keys = config.tenants[0].plaintext_keys() if config.tenants else ()
     key = api_key or (keys[0] if keys else "sk-...")
     model = config.models[0].name
     body = json.dumps({"model": model, "messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 16})
+    tls = config.gateway.tls
+    trust = ""
+    if tls is not None:
+        trust = f"--cacert {tls.cert_file} "
+        if tls.client_ca_file is not None:
+            trust += "--cert CLIENT.crt --key CLIENT.key "
     return (
-        f"curl -sS http://{config.gateway.listen}/v1/chat/completions \\\n"
+        f"curl -sS {trust}{gateway_url(config)}/v1/chat/completions \\\n"
         f"  -H 'Authorization: Bearer {key}' -H 'Content-Type: application/json' \\\n"
         f"  -d '{body}'"
     )
@@ -658,7 +672,7 @@ def describe(config: Config) -> Sequence[str]:
     """Lines printed by ``inferlb up`` once the stack is ready."""
     ext_proc_addresses = (config.ext_proc.grpc_address(), *config.ext_proc.extra_listen)
     return (
-        f"gateway  http://{config.gateway.listen}  (OpenAI-compatible: /v1/chat/completions, /v1/completions,"
+        f"gateway  {gateway_url(config)}  (OpenAI-compatible: /v1/chat/completions, /v1/completions,"
         " /v1/embeddings, /v1/responses, /v1/models)",
         f"admin    http://{config.gateway.admin}  (Envoy admin; `inferlb status` reads it)",
         f"xds      {config.xds.grpc_address()}  {config.ext_proc.protocol} "

@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 from inferlb.config.schema import MAX_PEM_FILE_BYTES, Config, EndpointConfig, parse_config
 from inferlb.errors import ConfigError
 from inferlb.ops import cli
-from inferlb.ops.stack import Stack, StackError
+from inferlb.ops.stack import Stack, StackError, describe, sample_curl
 from tests.conftest import make_config_doc
 from tests.tls_certs import CertificateAuthority, replace_file
 from xds_server.bootstrap import XDS_CLUSTER, render_bootstrap, sds_files
@@ -458,3 +458,18 @@ def test_a_fleet_change_does_not_read_the_certificate_files_again(
     # a config load still checks them
     with pytest.raises(ConfigError, match="key_file"):
         parse_config(doc)
+
+
+@pytest.mark.parametrize("client_ca", [False, True], ids=["server-only", "client-certificates"])
+def test_the_ready_banner_and_sample_curl_speak_https_when_the_gateway_serves_tls(
+    pki: dict[str, str], client_ca: bool
+) -> None:
+    plain = parse_config(make_config_doc())
+    assert describe(plain)[0].startswith(f"gateway  http://{plain.gateway.listen} ")
+    assert f" http://{plain.gateway.listen}/v1/chat/completions" in sample_curl(plain)
+    cfg = parse_config(tls_doc(pki, client_ca=client_ca, services=False))
+    assert describe(cfg)[0].startswith(f"gateway  https://{cfg.gateway.listen} ")
+    curl = sample_curl(cfg)
+    assert f"--cacert {pki['crt']} " in curl
+    assert f" https://{cfg.gateway.listen}/v1/chat/completions" in curl
+    assert ("--cert CLIENT.crt --key CLIENT.key" in curl) == client_ca

@@ -7,6 +7,8 @@ The bottom of the package: it imports no other module of :mod:`xds_server.resour
 
 from __future__ import annotations
 
+import functools
+import ipaddress
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -121,6 +123,17 @@ def pack(msg: Message) -> any_pb2.Any:
     a = any_pb2.Any()
     a.Pack(msg)
     return a
+
+
+@functools.lru_cache(maxsize=65_536)
+def is_ip(host: str) -> bool:
+    """Whether ``host`` is an IPv4 or IPv6 address (else a name). Cached: ``ipaddress`` parsing costs
+    ~7 us and a 10,000-endpoint fleet asks for each host on every publish."""
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
 
 
 def socket_address(hp: HostPort) -> address_pb2.Address:

@@ -24,7 +24,6 @@ Pure: a config goes in, protos and file contents come out.
 from __future__ import annotations
 
 import hashlib
-import ipaddress
 import os.path
 from collections.abc import Sequence
 from typing import Any, Final
@@ -36,7 +35,7 @@ from envoy.type.matcher.v3 import string_pb2
 from google.protobuf import json_format, wrappers_pb2
 
 from inferlb.config.schema import Config, GrpcAddress, HostPort, ServiceTls
-from xds_server.resources.common import pack
+from xds_server.resources.common import is_ip, pack
 
 #: The transport socket extension Envoy's TLS lives in.
 TLS_TRANSPORT_SOCKET: Final = "envoy.transport_sockets.tls"
@@ -154,14 +153,6 @@ def downstream_tls_context(config: Config) -> tls_pb2.DownstreamTlsContext | Non
     )
 
 
-def _is_ip(host: str) -> bool:
-    try:
-        ipaddress.ip_address(host)
-    except ValueError:
-        return False
-    return True
-
-
 def service_names(tls: ServiceTls, dialled: Sequence[GrpcAddress]) -> tuple[str, ...]:
     """The names Envoy accepts in a service's certificate: ``tls.server_name``, else every distinct host it
     dials (``dialled``'s TCP addresses, in order).
@@ -192,7 +183,7 @@ def upstream_tls_context(
     names = service_names(tls, dialled)
     matchers = [
         common_pb2.SubjectAltNameMatcher(
-            san_type=_SAN.IP_ADDRESS if _is_ip(n) else _SAN.DNS,
+            san_type=_SAN.IP_ADDRESS if is_ip(n) else _SAN.DNS,
             matcher=string_pb2.StringMatcher(exact=n),
         )
         for n in names
@@ -207,7 +198,7 @@ def upstream_tls_context(
         ),
         alpn_protocols=list(alpn),
     )
-    sni = names[0] if names and not _is_ip(names[0]) else ""
+    sni = names[0] if names and not is_ip(names[0]) else ""
     return tls_pb2.UpstreamTlsContext(common_tls_context=common, sni=sni)
 
 
